@@ -1,0 +1,59 @@
+# minivllm: the two commands are `make book` and `make test`. Everything else is a convenience.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+BOOK_STAMP := $(VENV)/.installed-book
+DEV_STAMP := $(VENV)/.installed-dev
+DEST ?= student
+# Chapters and tests are CPU programs: keep torch's threads predictable.
+export OMP_NUM_THREADS ?= 2
+export PYTHONHASHSEED := 0
+
+.PHONY: book test lab notebooks student bench check-notebooks clean help
+
+help:
+	@echo "make book       install, execute every chapter, build the HTML book (book/_build/html)"
+	@echo "make test       install, run unit + property tests, strict nbval, the student-mode check"
+	@echo "make lab        JupyterLab on chapters/"
+	@echo "make notebooks  sync chapters/*.py -> .ipynb and execute in place"
+	@echo "make student DEST=dir   write a student copy with exercises stubbed out"
+	@echo "make bench      run the benchmarks (tables + JSON in benchmarks/results/)"
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(BOOK_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e ".[book]"
+	touch $@
+
+$(DEV_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@ $(BOOK_STAMP)
+
+book: $(BOOK_STAMP)
+	$(PY) tools/notebooks.py execute
+	$(PY) tools/build_book.py
+
+test: $(DEV_STAMP)
+	$(PY) -m pytest -p no:randomly tests chapters --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg --durations=10
+
+lab: $(BOOK_STAMP)
+	$(VENV)/bin/jupyter lab chapters
+
+notebooks: $(BOOK_STAMP)
+	$(PY) tools/notebooks.py execute $(CHAPTERS)
+
+check-notebooks: $(BOOK_STAMP)
+	$(PY) tools/notebooks.py check
+
+student: $(BOOK_STAMP)
+	$(PY) tools/student.py $(DEST)
+
+bench: $(BOOK_STAMP)
+	@for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+clean:
+	rm -rf book/_build book/chapters
