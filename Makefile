@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 BOOK_STAMP := $(VENV)/.installed-book
 DEV_STAMP := $(VENV)/.installed-dev
 DEST ?= student
+STUDENT_FLAGS ?=
 # Chapters and tests are CPU programs: keep torch's threads predictable.
 export OMP_NUM_THREADS ?= 2
 export PYTHONHASHSEED := 0
@@ -17,7 +18,7 @@ help:
 	@echo "make test       install, run unit + property tests, strict nbval, the student-mode check"
 	@echo "make lab        JupyterLab on chapters/"
 	@echo "make notebooks  sync chapters/*.py -> .ipynb and execute in place"
-	@echo "make student DEST=dir   write a student copy with exercises stubbed out"
+	@echo "make student DEST=dir [STUDENT_FLAGS=--force]   a student copy with the exercises stubbed out"
 	@echo "make bench      run the benchmarks (tables + JSON in benchmarks/results/)"
 
 $(VENV)/bin/python:
@@ -50,7 +51,7 @@ check-notebooks: $(BOOK_STAMP)
 	$(PY) tools/notebooks.py check
 
 student: $(BOOK_STAMP)
-	$(PY) tools/student.py $(DEST)
+	$(PY) tools/student.py $(DEST) $(STUDENT_FLAGS)
 
 bench: $(BOOK_STAMP)
 	@for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

@@ -9,6 +9,7 @@ so running it twice on the same machine gives the same outputs.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -30,8 +31,17 @@ def cell_sources(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
     return [(cell.cell_type, cell.source.strip()) for cell in nb.cells]
 
 
+def stable_cell_ids(nb: nbformat.NotebookNode) -> None:
+    """nbformat gives new cells random ids; derive them from position and source so a re-run of an
+    unchanged chapter leaves its .ipynb unchanged."""
+    for index, cell in enumerate(nb.cells):
+        digest = hashlib.sha1(f"{index}:{cell.source}".encode()).hexdigest()[:8]
+        cell["id"] = f"c{index:03d}-{digest}"
+
+
 def execute(py_path: Path) -> None:
     nb = jupytext.read(py_path)
+    stable_cell_ids(nb)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     started = time.perf_counter()
     client = NotebookClient(
@@ -68,9 +78,10 @@ def main(argv: list[str]) -> int:
             execute(path.with_suffix(".py"))
         return 0
     if command == "check":
-        for problem in problems():
+        found = problems()
+        for problem in found:
             print(problem)
-        return 1 if problems() else 0
+        return 1 if found else 0
     print(__doc__)
     return 2
 

@@ -11,6 +11,7 @@ never receives half an emoji.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 BOS_ID = 256
@@ -18,6 +19,7 @@ EOS_ID = 257
 PAD_ID = 258
 SPECIAL_TOKENS = {"<bos>": BOS_ID, "<eos>": EOS_ID, "<pad>": PAD_ID}
 VOCAB_SIZE = 259
+REPLACEMENT_CHARACTER = "\ufffd"
 
 
 class ByteTokenizer:
@@ -27,12 +29,20 @@ class ByteTokenizer:
     vocab_size = VOCAB_SIZE
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        """The UTF-8 bytes of `text` as token ids 0-255, after `<bos>` if `add_bos`."""
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (U+D800-U+DFFF) is not a character at all
+            data = "".join(REPLACEMENT_CHARACTER if 0xD800 <= ord(c) <= 0xDFFF else c for c in text).encode("utf-8")
+        ids = list(data)
         return [BOS_ID, *ids] if add_bos else ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         """Text of the byte tokens in `ids`; special tokens are skipped, invalid bytes become U+FFFD."""
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        # EXERCISE ch01.2: turn token ids back into text -- keep only the byte ids 0-255, replace invalid UTF-8
+        ### BEGIN SOLUTION
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        ### END SOLUTION
 
     def token_repr(self, token_id: int) -> str:
         """A printable name for one token, for tables and figures."""
@@ -45,6 +55,24 @@ class ByteTokenizer:
         return char if char.isprintable() and token_id < 128 else f"<0x{token_id:02X}>"
 
 
+# After these four lead bytes the second byte has a narrower range than 80-BF: E0 and F0 would
+# otherwise allow overlong encodings, ED the surrogates U+D800-U+DFFF, F4 code points past U+10FFFF.
+SECOND_BYTE_RANGE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def utf8_length(lead: int) -> int:
+    """How many bytes the character that starts with byte `lead` has; 0 if no character starts so."""
+    if lead < 0x80:
+        return 1  # ASCII
+    if 0xC2 <= lead <= 0xDF:
+        return 2
+    if 0xE0 <= lead <= 0xEF:
+        return 3
+    if 0xF0 <= lead <= 0xF4:
+        return 4
+    return 0  # a continuation byte 80-BF, or C0, C1, F5-FF, which valid UTF-8 never contains
+
+
 def incomplete_utf8_tail(data: bytes) -> int:
     """How many bytes at the end of `data` begin a UTF-8 character that could still be completed (0-3).
 
@@ -53,20 +81,16 @@ def incomplete_utf8_tail(data: bytes) -> int:
     """
     # EXERCISE ch01.1: count the trailing bytes of an unfinished (but still valid) UTF-8 character
     ### BEGIN SOLUTION
-    for length in range(1, min(3, len(data)) + 1):
-        byte = data[-length]
-        if byte < 0x80:  # ASCII: nothing is pending
-            return 0
-        if byte >= 0xC0:  # the lead byte of the last character
-            expected = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
-            if length >= expected:
-                return 0
-            try:
-                data[-length:].decode("utf-8")
-            except UnicodeDecodeError as error:
-                # A valid start that merely ran out of bytes; anything else is garbage already.
-                return length if error.reason == "unexpected end of data" else 0
-            return 0
+    for back in range(1, min(3, len(data)) + 1):
+        lead = data[-back]
+        if 0x80 <= lead <= 0xBF:
+            continue  # a continuation byte: the character's lead byte is further back
+        if utf8_length(lead) <= back:
+            return 0  # ASCII, a byte that starts no character, or a character that is complete
+        low, high = SECOND_BYTE_RANGE.get(lead, (0x80, 0xBF))
+        if back >= 2 and not low <= data[-back + 1] <= high:
+            return 0  # already invalid (overlong, surrogate, too large): waiting cannot fix it
+        return back
     return 0
     ### END SOLUTION
 
@@ -76,13 +100,13 @@ class StreamingDecoder:
     """Feed token ids one at a time; get back only whole characters.
 
     The text `push` returns over a whole stream, plus `flush()`, equals `ByteTokenizer().decode` of
-    all the ids at once.
+    all the ids at once -- and no text it has returned is ever taken back.
     """
 
     pending: bytes = field(default=b"")
 
     def push(self, token_id: int) -> str:
-        if token_id >= 256:  # special tokens carry no text
+        if not 0 <= token_id < 256:  # special tokens carry no text
             return ""
         data = self.pending + bytes([token_id])
         hold = incomplete_utf8_tail(data)

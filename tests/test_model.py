@@ -1,0 +1,155 @@
+"""The model: shapes, the attention seam, RMSNorm and RoPE (exercises ch00.1, ch00.2), causality."""
+
+import math
+
+import pytest
+import torch
+
+from minivllm.model import (
+    CausalAttention,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+    attention_reference,
+    expand_kv_heads,
+    init_weights,
+    rope_cos_sin,
+)
+
+SMALL = ModelConfig(d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=96, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    m = Transformer(SMALL)
+    init_weights(m, seed=0)
+    return m.eval()
+
+
+class RecordingAttention:
+    """An attention object that records every call crossing the seam, then does causal attention."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, tuple, tuple, tuple]] = []
+
+    def __call__(self, layer, q, k, v):
+        self.calls.append((layer, tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return CausalAttention()(layer, q, k, v)
+
+
+def test_config_rejects_inconsistent_heads():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelConfig(d_model=64, n_heads=8, n_kv_heads=3)
+    with pytest.raises(ValueError, match="n_heads"):
+        ModelConfig(d_model=60, n_heads=8, n_kv_heads=2)
+
+
+def test_logits_shape_for_one_sequence_and_a_batch(model):
+    ids = torch.randint(0, SMALL.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    assert model(ids).shape == (2, 5, SMALL.vocab_size)
+    assert model(ids[0]).shape == (5, SMALL.vocab_size)
+    torch.testing.assert_close(model(ids)[1], model(ids[1]), atol=1e-5, rtol=1e-5)
+
+
+def test_seam_receives_rotated_qkv_for_every_layer_in_order(model):
+    seam = RecordingAttention()
+    model(torch.arange(7), attention=seam)
+    hd = SMALL.head_dim
+    assert seam.calls == [(layer, (7, 8, hd), (7, 2, hd), (7, 2, hd)) for layer in range(SMALL.n_layers)]
+
+
+def test_default_attention_equals_the_written_out_reference(model):
+    """CausalAttention (fused SDPA with GQA) against plain softmax attention with a causal mask."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(6, 8, 16, generator=g), torch.randn(6, 2, 16, generator=g), torch.randn(6, 2, 16, generator=g)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    torch.testing.assert_close(CausalAttention()(0, q, k, v), attention_reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_query_heads_share_kv_heads_in_blocks():
+    kv = torch.arange(2 * 3).reshape(1, 2, 3).float()  # one position, 2 kv heads
+    expanded = expand_kv_heads(kv, group_size=4)
+    assert [int(expanded[0, h, 0]) for h in range(8)] == [0, 0, 0, 0, 3, 3, 3, 3]
+
+
+def test_future_tokens_do_not_change_past_logits(model):
+    ids = torch.tensor([256, 72, 101, 108, 108, 111])
+    torch.testing.assert_close(model(ids[:4]), model(ids)[:4], atol=1e-5, rtol=1e-5)
+
+
+def test_positions_argument_matches_the_default(model):
+    ids = torch.tensor([256, 65, 66, 67])
+    torch.testing.assert_close(model(ids, positions=torch.arange(4)), model(ids))
+
+
+@pytest.mark.exercise("ch00.1")
+def test_rmsnorm_matches_its_definition():
+    norm = RMSNorm(8, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 8))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(3)) * 5
+    expected = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(norm(x), expected)
+
+
+@pytest.mark.exercise("ch00.1")
+def test_rmsnorm_output_has_unit_rms_and_ignores_scale():
+    norm = RMSNorm(16, eps=1e-6)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
+    out = norm(x)
+    torch.testing.assert_close(out.pow(2).mean(-1), torch.ones(4), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(norm(1000 * x), out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.exercise("ch00.2")
+def test_rope_at_position_zero_is_the_identity():
+    x = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(5))
+    cos, sin = rope_cos_sin(torch.zeros(1, dtype=torch.long), 16, 10000.0)
+    torch.testing.assert_close(apply_rope(x, cos, sin), x)
+
+
+@pytest.mark.exercise("ch00.2")
+def test_rope_rotates_pairs_i_and_i_plus_half():
+    """Position 1, head_dim 4: pair (0, 2) turns by 1 radian, pair (1, 3) by 1/100 radian."""
+    x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
+    cos, sin = rope_cos_sin(torch.tensor([1]), 4, 10000.0)
+    out = apply_rope(x, cos, sin)[0, 0]
+    a, b = 1.0, 0.01
+    expected = torch.tensor([
+        1 * math.cos(a) - 3 * math.sin(a), 2 * math.cos(b) - 4 * math.sin(b),
+        3 * math.cos(a) + 1 * math.sin(a), 4 * math.cos(b) + 2 * math.sin(b),
+    ])
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.exercise("ch00.2")
+def test_rope_scores_depend_only_on_relative_position():
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(1, 1, 32, generator=g), torch.randn(1, 1, 32, generator=g)
+
+    def score(pos_q: int, pos_k: int) -> torch.Tensor:
+        cq, sq = rope_cos_sin(torch.tensor([pos_q]), 32, 10000.0)
+        ck, sk = rope_cos_sin(torch.tensor([pos_k]), 32, 10000.0)
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum()
+
+    torch.testing.assert_close(score(7, 3), score(104, 100), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(score(7, 3), score(7, 5), atol=1e-3)
+    # a rotation keeps the length of every vector
+    cos, sin = rope_cos_sin(torch.tensor([37]), 32, 10000.0)
+    torch.testing.assert_close(apply_rope(q, cos, sin).norm(), q.norm())
+
+
+def test_parameter_count_matches_the_formula():
+    c = SMALL
+    attention = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    per_layer = attention + 3 * c.d_model * c.d_ff + 2 * c.d_model
+    expected = 2 * c.vocab_size * c.d_model + c.n_layers * per_layer + c.d_model
+    assert Transformer(c).num_parameters() == expected
+
+
+def test_init_is_a_function_of_the_seed():
+    a, b, c = Transformer(SMALL), Transformer(SMALL), Transformer(SMALL)
+    init_weights(a, 7), init_weights(b, 7), init_weights(c, 8)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
