@@ -170,6 +170,8 @@ def write_model_card(folder: Path, preset: str, cfg: TrainConfig, model: Transfo
         f"- **Validation bits per byte: {report['validation_bits_per_byte']:.3f}** (all held-out text, windows of {cfg.seq_len}).",
         "",
     ]
+    if report.get("notes"):
+        lines += [f"Note: {report['notes']}", ""]
     (folder / "MODEL_CARD.md").write_text("\n".join(lines))
 
 
