@@ -247,8 +247,9 @@ with tempfile.TemporaryDirectory() as tmp:
 # %% [markdown]
 # ## How it was trained
 #
-# `python -m minivllm.train --preset target` trains this model from a fixed seed on 36 of the 38 plays
-# and scores it on two plays it never saw. The folder's model card records the result.
+# `python -m minivllm.train --preset target` trains this model from a fixed seed on the plays in the
+# corpus except *Macbeth* and *Twelfth Night*, and scores it on those two, which it never saw. The
+# folder's model card records the result.
 
 # %%
 card = json.loads((WEIGHTS_DIR / "target" / "training.json").read_text())
