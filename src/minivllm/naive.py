@@ -28,11 +28,8 @@ def pick_token(logits: torch.Tensor, temperature: float, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def stream_naive(
-    model: Transformer, prompt_ids: list[int], max_new_tokens: int,
-    temperature: float = 0.0, seed: int = 0, eos_id: int | None = None,
-) -> Iterator[int]:
-    """Yield new token ids one at a time, recomputing the full prefix for each."""
+def check_request(model: Transformer, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """Reject a request that can never run, saying what to change: every generator calls this first."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: start the prompt with at least one token (e.g. BOS)")
     limit = model.config.max_seq_len
@@ -41,6 +38,14 @@ def stream_naive(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context of {limit} tokens: shorten the prompt or ask for fewer tokens"
         )
+
+
+def stream_naive(
+    model: Transformer, prompt_ids: list[int], max_new_tokens: int,
+    temperature: float = 0.0, seed: int = 0, eos_id: int | None = None,
+) -> Iterator[int]:
+    """Yield new token ids one at a time, recomputing the full prefix for each."""
+    check_request(model, prompt_ids, max_new_tokens)
     generator = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):

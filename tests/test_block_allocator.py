@@ -1,0 +1,336 @@
+"""Chapter 03: the paged KV cache's policy half -- allocator, block tables, copy-on-write, prefix cache."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from minivllm.block_allocator import BlockAllocator, BlockManager, OutOfBlocks, SequenceTooLong, block_hash
+
+
+def snapshot(m: BlockManager) -> tuple:
+    a = m.allocator
+    return (list(a.free_list), list(a.refcounts), copy.deepcopy(m.tables), list(a.hashes), dict(a.cached))
+
+
+# -- BlockAllocator ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, field", [((0, 4), "num_blocks"), ((8, 0), "block_size"), ((-1, 4), "num_blocks")])
+def test_allocator_validates_its_sizes(args: tuple, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        BlockAllocator(*args)
+
+
+def test_allocator_counts_and_refcounts() -> None:
+    a = BlockAllocator(4, 2)
+    assert [a.allocate() for _ in range(3)] == [0, 1, 2]
+    assert (a.num_free, a.num_used, a.refcount(1), a.refcount(3)) == (1, 3, 1, 0)
+    a.incref(1)
+    a.decref(1)
+    assert a.refcount(1) == 1 and a.num_free == 1
+    a.decref(1)
+    assert a.refcount(1) == 0 and a.num_free == 2
+
+
+def test_lifo_reuse() -> None:
+    a = BlockAllocator(4, 2)
+    blk_a, blk_b = a.allocate(), a.allocate()
+    a.decref(blk_a)
+    a.decref(blk_b)
+    assert [a.allocate(), a.allocate()] == [blk_b, blk_a]
+
+
+def test_allocator_errors_are_loud() -> None:
+    a = BlockAllocator(2, 2)
+    b = a.allocate()
+    a.decref(b)
+    with pytest.raises(ValueError, match="double free"):
+        a.decref(b)
+    with pytest.raises(ValueError, match="free"):
+        a.incref(b)
+    with pytest.raises(IndexError, match="outside the pool"):
+        a.refcount(2)
+    a.allocate(), a.allocate()
+    with pytest.raises(OutOfBlocks, match="needed 1, only 0 free") as err:
+        a.allocate()
+    assert (err.value.needed, err.value.free) == (1, 0)
+
+
+# -- blocks_needed (exercise ch03.1) -------------------------------------------------------------------
+
+@pytest.mark.exercise("ch03.1")
+@pytest.mark.parametrize("now, extra, want", [
+    (5, 3, 0), (5, 4, 1), (0, 0, 0), (0, 1, 1), (0, 4, 1), (0, 5, 2), (4, 1, 1), (4, 0, 0), (3, 9, 2), (3, 10, 3), (8, 8, 2)])
+def test_blocks_needed_is_lazy(now: int, extra: int, want: int) -> None:
+    assert BlockManager(16, 4).blocks_needed(now, extra) == want
+
+
+@pytest.mark.exercise("ch03.1")
+def test_append_grows_only_when_the_slack_runs_out() -> None:
+    m = BlockManager(8, 4)
+    m.allocate(0, 5)
+    assert len(m.tables[0].blocks) == 2
+    m.append(0, 3)
+    assert len(m.tables[0].blocks) == 2 and m.num_free == 6
+    m.append(0, 1)
+    assert m.tables[0].blocks == [0, 1, 2] and m.tables[0].num_tokens == 9
+
+
+# -- block tables --------------------------------------------------------------------------------------
+
+def test_allocate_append_free_and_slot_mapping() -> None:
+    m = BlockManager(8, 4)
+    m.allocate(7, 6)
+    assert m.tables[7].blocks == [0, 1]
+    assert m.slot_mapping(7, range(6)) == [0, 1, 2, 3, 4, 5]
+    m.allocate(8, 1)
+    m.append(7, 3)  # 9 tokens: a third block, after sequence 8's
+    assert m.tables[7].blocks == [0, 1, 3]
+    assert m.slot_mapping(7, [3, 4, 8]) == [3, 4, 12]
+    m.free(7)
+    assert m.num_free == 7 and 7 not in m.tables
+    with pytest.raises(KeyError, match="no block table"):
+        m.free(7)
+    with pytest.raises(ValueError, match="already has"):
+        m.allocate(8, 1)
+    with pytest.raises(IndexError, match="position 1 is outside"):
+        m.slot_mapping(8, [1])
+
+
+def test_out_of_blocks_is_transactional() -> None:
+    m = BlockManager(4, 2)
+    m.allocate(0, 3)
+    m.allocate(1, 2)
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocks, match="needed 2, only 1 free") as err:
+        m.append(0, 4)  # 3 -> 7 tokens: 2 blocks held, 4 needed
+    assert (err.value.needed, err.value.free) == (2, 1)
+    assert snapshot(m) == before
+    with pytest.raises(OutOfBlocks) as err:
+        m.allocate(2, 3)
+    assert (err.value.needed, err.value.free) == (2, 1) and 2 not in m.tables
+    assert snapshot(m) == before
+
+
+def test_a_sequence_bigger_than_the_pool_can_never_fit() -> None:
+    m = BlockManager(4, 2)
+    with pytest.raises(SequenceTooLong, match="needs 5 blocks but the pool only has 4: it can never fit"):
+        m.allocate(0, 9)
+    m.allocate(0, 8)
+    before = snapshot(m)
+    with pytest.raises(SequenceTooLong):
+        m.append(0, 1)
+    assert snapshot(m) == before
+    assert not issubclass(SequenceTooLong, OutOfBlocks)  # not retryable
+
+
+def test_fork_shares_every_block() -> None:
+    m = BlockManager(8, 2)
+    m.allocate(0, 3)
+    m.fork(0, 1)
+    assert m.tables[1].blocks == m.tables[0].blocks == [0, 1] and m.tables[1].num_tokens == 3
+    assert [m.allocator.refcount(b) for b in (0, 1)] == [2, 2]
+    m.free(0)
+    assert [m.allocator.refcount(b) for b in (0, 1)] == [1, 1] and m.num_free == 6
+    with pytest.raises(ValueError, match="already has"):
+        m.fork(1, 1)
+
+
+# -- copy-on-write (exercise ch03.2) -------------------------------------------------------------------
+
+@pytest.mark.exercise("ch03.2")
+def test_write_to_an_unshared_block_is_in_place() -> None:
+    m = BlockManager(8, 2)
+    m.allocate(0, 3)
+    assert m.write(0, 2) == (1, None)
+    assert m.num_free == 6
+
+
+@pytest.mark.exercise("ch03.2")
+def test_write_to_a_shared_block_copies_it_first() -> None:
+    m = BlockManager(8, 2)
+    m.allocate(0, 3)  # blocks [0, 1]
+    m.fork(0, 1)
+    assert m.write(1, 2) == (2, 1)  # child gets block 2, a copy of block 1
+    assert m.tables[1].blocks == [0, 2] and m.tables[0].blocks == [0, 1]
+    assert [m.allocator.refcount(b) for b in (0, 1, 2)] == [2, 1, 1]
+    assert m.write(0, 2) == (1, None)  # the parent holds block 1 alone now
+    assert m.slot_mapping(1, [2]) == [4] and m.slot_mapping(0, [2]) == [2]
+
+
+@pytest.mark.exercise("ch03.2")
+def test_copy_on_write_out_of_blocks_is_transactional() -> None:
+    m = BlockManager(2, 2)
+    m.allocate(0, 4)
+    m.fork(0, 1)
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocks, match="needed 1, only 0 free") as err:
+        m.write(1, 0)
+    assert (err.value.needed, err.value.free) == (1, 0)
+    assert snapshot(m) == before
+    m.free(0)
+    assert m.write(1, 0) == (0, None)
+
+
+def test_write_checks_the_position() -> None:
+    m = BlockManager(4, 2)
+    m.allocate(0, 3)
+    with pytest.raises(IndexError, match="position 3 is outside sequence 0"):
+        m.write(0, 3)
+
+
+# -- prefix caching ------------------------------------------------------------------------------------
+
+def test_block_hash_is_deterministic_and_chained() -> None:
+    assert block_hash(None, [1, 2]) == block_hash(None, [1, 2]) and len(block_hash(None, [1, 2])) == 32
+    assert block_hash(None, [1, 2]) != block_hash(None, [2, 1])
+    assert block_hash(block_hash(None, [1, 2]), [3, 4]) != block_hash(block_hash(None, [9, 9]), [3, 4])
+
+
+def test_prefix_cache_hits_shared_full_blocks() -> None:
+    m = BlockManager(8, 2)
+    assert m.allocate_cached(0, [1, 2, 3, 4, 5]) == 0  # blocks [0, 1, 2]; the first two are named
+    assert m.allocate_cached(1, [1, 2, 3, 4, 9, 9]) == 4
+    assert m.tables[1].blocks == [0, 1, 3]
+    assert [m.allocator.refcount(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert m.allocate_cached(2, [1, 2, 7, 7]) == 2  # a different second block: only the first hits
+    assert m.allocate_cached(3, [7, 7]) == 0  # same tokens, different prefix: no hit
+
+
+def test_freed_blocks_stay_hittable_until_reallocated() -> None:
+    m = BlockManager(4, 2)
+    m.allocate_cached(0, [1, 2, 3, 4])  # blocks [0, 1]
+    m.free(0)
+    assert m.num_free == 4
+    assert m.allocate_cached(1, [1, 2, 3, 4, 5]) == 4  # both taken back off the free list
+    assert m.tables[1].blocks == [0, 1, 2] and m.num_free == 1
+    assert sorted(m.allocator.free_list) == [3]
+    m.free(1)
+    m.allocate(2, 8)  # reallocates every block: every stale name is cleared
+    assert m.allocator.cached == {} and set(m.allocator.hashes) == {None}
+    m.free(2)
+    assert m.allocate_cached(3, [1, 2, 3, 4]) == 0
+
+
+def test_a_hash_hit_is_verified_against_the_tokens() -> None:
+    m = BlockManager(4, 2)
+    m.allocate_cached(0, [1, 2])
+    m.allocator.tokens[0] = (6, 6)  # pretend a collision: same name, other tokens
+    assert m.allocate_cached(1, [1, 2]) == 0 and m.tables[1].blocks == [1]
+
+
+def test_prefix_cache_out_of_blocks_is_transactional() -> None:
+    m = BlockManager(3, 2)
+    m.allocate_cached(0, [1, 2, 3, 4])
+    m.free(0)  # blocks 0, 1 free but named
+    m.allocate(1, 1)  # takes block 1 (LIFO top), clearing its name
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocks) as err:  # hits block 0, then needs 2 new blocks; 1 would be left
+        m.allocate_cached(2, [1, 2, 5, 6, 7])
+    assert (err.value.needed, err.value.free) == (2, 1)
+    assert snapshot(m) == before
+    with pytest.raises(SequenceTooLong):
+        m.allocate_cached(2, list(range(7)))
+
+
+# -- property test: long random sequences of operations on a tiny pool ---------------------------------
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / write / free / prefix hits on 8 blocks, against a toy storage.
+
+    The storage holds a value per physical slot and performs the copies that `write` asks for; the
+    model remembers what each sequence wrote, so copy-on-write mistakes show up as wrong values.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = BlockManager(8, 3)
+        self.storage: dict[int, list] = {b: [None] * 3 for b in range(8)}
+        self.written: dict[int, dict[int, int]] = {}  # seq -> position -> value
+        self.next_id = 0
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def _guarded(self, action) -> bool:
+        before = snapshot(self.m)
+        try:
+            action()
+            return True
+        except (OutOfBlocks, SequenceTooLong):
+            assert snapshot(self.m) == before
+            return False
+
+    @rule(n=st.integers(0, 30))
+    def allocate(self, n: int) -> None:
+        seq = self._new_id()
+        if self._guarded(lambda: self.m.allocate(seq, n)):
+            self.written[seq] = {}
+
+    @rule(tokens=st.lists(st.integers(0, 2), max_size=12))
+    def allocate_cached(self, tokens: list) -> None:
+        seq = self._new_id()
+        if self._guarded(lambda: self.m.allocate_cached(seq, tokens)):
+            self.written[seq] = {}  # the toy storage does not model cached contents
+
+    @precondition(lambda self: self.written)
+    @rule(data=st.data(), extra=st.integers(0, 7))
+    def append(self, data, extra: int) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.written)))
+        self._guarded(lambda: self.m.append(seq, extra))
+
+    @precondition(lambda self: self.written)
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        parent, child = data.draw(st.sampled_from(sorted(self.written))), self._new_id()
+        self.m.fork(parent, child)
+        self.written[child] = dict(self.written[parent])
+
+    @precondition(lambda self: any(self.m.tables[s].num_tokens for s in self.written))
+    @rule(data=st.data(), value=st.integers())
+    def write(self, data, value: int) -> None:
+        seq = data.draw(st.sampled_from([s for s in sorted(self.written) if self.m.tables[s].num_tokens]))
+        pos = data.draw(st.integers(0, self.m.tables[seq].num_tokens - 1))
+        result: list = []
+        if self._guarded(lambda: result.append(self.m.write(seq, pos))):
+            block, src = result[0]
+            if src is not None:
+                self.storage[block] = list(self.storage[src])
+            self.storage[block][pos % 3] = value
+            self.written[seq][pos] = value
+
+    @precondition(lambda self: self.written)
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.written)))
+        self.m.free(seq)
+        del self.written[seq]
+
+    @invariant()
+    def refcounts_match_the_tables(self) -> None:
+        a, holders = self.m.allocator, [0] * 8
+        for table in self.m.tables.values():
+            assert len(table.blocks) == -(-table.num_tokens // 3)
+            for b in table.blocks:
+                holders[b] += 1
+        assert a.refcounts == holders
+        assert len(set(a.free_list)) == len(a.free_list)  # no double free
+        assert set(a.free_list) == {b for b in range(8) if holders[b] == 0}  # no leak
+        assert a.num_free + a.num_used == 8
+        assert all(a.hashes[b] == h for h, b in a.cached.items())
+
+    @invariant()
+    def every_sequence_reads_what_it_wrote(self) -> None:
+        for seq, values in self.written.items():
+            for pos, value in values.items():
+                (slot,) = self.m.slot_mapping(seq, [pos])
+                assert self.storage[slot // 3][slot % 3] == value
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
