@@ -1,0 +1,364 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 03 — Pages for keys and values: the paged KV cache
+#
+# Chapter 02's arena was mostly empty and still turned requests away: every sequence reserved its
+# maximum length up front (internal waste), and the holes finished sequences left behind were too
+# small for the next one (external fragmentation). Operating systems met the same problem with
+# process memory and answered it with *paging*. vLLM's PagedAttention gives the KV cache the same
+# answer: cut the memory into small fixed-size **blocks**, give each sequence blocks one at a time as
+# it grows, and keep a **block table** that maps the sequence's logical blocks to physical ones,
+# wherever they are.
+
+# %%
+import io
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import torch
+
+from minivllm.arena import make_workload, simulate_contiguous, simulate_paged
+from minivllm.block_allocator import BlockManager, OutOfBlocks, block_hash
+from minivllm.book import sequence_color, show, use_book_style
+from minivllm.checkpoint import load_model
+from minivllm.kv_cache import ContiguousKVCache, generate_cached
+from minivllm.paged_cache import PagedAttention, PagedKVStorage, generate_paged, paged_attention_reference
+from minivllm.plots import draw_block_pool, draw_block_tables
+from minivllm.tokenizer import ByteTokenizer
+
+torch.manual_seed(0)
+torch.set_num_threads(2)
+use_book_style()
+model, tokenizer = load_model("target"), ByteTokenizer()
+config = model.config
+
+# %% [markdown]
+# ## Why: the arena of chapter 02
+#
+# The same seeded workload as chapter 02, in the same memory:
+
+# %%
+workload = make_workload(num_requests=200, seed=0)
+ARENA_SLOTS, BLOCK_SIZE = 8192, 16
+contiguous = simulate_contiguous(workload, arena_slots=ARENA_SLOTS)
+print(f"contiguous: KV utilisation {contiguous.kv_utilisation:.1%}, "
+      f"{contiguous.fragmentation_refusals} steps refused with enough memory free, "
+      f"{contiguous.mean_running_saturated:.1f} sequences running on average while requests queued")
+
+# %% [markdown]
+# ## Build: the policy — blocks, block tables, reference counts
+#
+# The paged cache is two modules with one boundary between them. `block_allocator` is the *policy*:
+# plain Python, no torch, testable without a model. It hands out block ids from a free list, counts
+# who holds each block, and keeps a block table per sequence. `paged_cache` is the *storage*: one
+# tensor, written and read only through what the policy decides.
+#
+# A sequence takes a new block only when the last one is full — *lazy growth*. How many new blocks
+# does a sequence need to hold `extra_tokens` more? That is exercise ch03.1:
+
+# %%
+show(BlockManager.blocks_needed)
+
+# %%
+manager = BlockManager(num_blocks=12, block_size=4)
+for held, extra in [(0, 1), (0, 4), (0, 5), (5, 3), (5, 4), (8, 1)]:
+    print(f"holding {held} tokens, {extra} more -> {manager.blocks_needed(held, extra)} new block(s)")
+
+# %% [markdown]
+# Growing is **transactional**: `append` checks that every block it needs is free *before* it takes
+# any. Either the sequence grows, or `OutOfBlocks` says how many blocks were needed and how many were
+# free — and nothing changed, so the caller (the scheduler of chapter 04) can wait, or preempt
+# someone (chapter 05), and simply retry.
+
+# %%
+show(BlockManager._grow)
+
+# %%
+manager = BlockManager(num_blocks=12, block_size=4)
+manager.allocate(0, 14)  # 4 blocks
+manager.allocate(1, 21)  # 6 blocks
+before = ({s: list(t.blocks) for s, t in manager.tables.items()}, manager.num_free)
+try:
+    manager.append(1, 12)  # needs 3 more, only 2 free
+except OutOfBlocks as error:
+    print("OutOfBlocks:", error, f"(needed={error.needed}, free={error.free})")
+after = ({s: list(t.blocks) for s, t in manager.tables.items()}, manager.num_free)
+assert before == after
+print("state unchanged:", before == after)
+
+# %% [markdown]
+# ## See: block tables and the pool
+#
+# Three sequences of different lengths in a pool of 16 blocks of 4 slots. Each sequence's block table
+# (left) points into the pool (right); the blocks of one sequence need not be next to each other,
+# which is exactly why there is no external fragmentation: any free block will do.
+
+# %%
+def show_state(manager: BlockManager, title: str) -> None:
+    fig, (tables_ax, pool_ax) = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [1, 1.2]})
+    centres = draw_block_pool(pool_ax, manager, columns=8)
+    draw_block_tables(tables_ax, manager, pool_ax, centres)
+    fig.suptitle(title, fontsize=10)
+    plt.show()
+
+
+manager = BlockManager(num_blocks=16, block_size=4)
+manager.allocate(0, 10)
+manager.allocate(1, 5)
+manager.allocate(2, 13)
+manager.free(1)  # sequence 1 finishes: its 2 blocks go back on top of the free list
+manager.allocate(3, 7)  # ...and are the first to be reused (LIFO)
+manager.append(0, 3)
+show_state(manager, "sequence 1 finished; sequence 3 reuses its blocks first (LIFO free list)")
+
+# %% [markdown]
+# ## Build: the storage, and attention through the block table
+#
+# All layers' keys and values live in **one** tensor, `[num_layers, 2, num_blocks, block_size,
+# n_kv_heads, head_dim]` — the layout vLLM's and nano-vllm's paths use. A token's place in it is its
+# **slot**: `block * block_size + offset`. The model writes the new tokens' k and v through the slot
+# mapping the policy computed; attention reads a sequence's history back by *gathering* its blocks in
+# table order (exercise ch03.3).
+
+# %%
+show(PagedKVStorage.gather)
+
+# %%
+show(paged_attention_reference)
+
+# %% [markdown]
+# `PagedAttention` is the attention object that ties them together at the model's seam: before each
+# pass it grows the block table and maps the new tokens to slots; in each layer it writes k and v
+# there and attends through the block table.
+
+# %%
+show(PagedAttention.prepare)
+
+# %% [markdown]
+# ## Check: the same tokens as chapter 02
+#
+# Greedy generation through the paged cache must equal the contiguous cache's, whatever the block
+# size — including block size 1, where every token has its own block.
+
+# %%
+prompts = ["ROMEO:\n", "KING HENRY V:\nOnce more unto the breach", "First Witch:\n"]
+for prompt in prompts:
+    prompt_ids = tokenizer.encode(prompt, add_bos=True)
+    contiguous_tokens = generate_cached(model, prompt_ids, 60, ContiguousKVCache(config, "concat"))
+    for block_size in (1, 4, 16):
+        manager = BlockManager(num_blocks=512 // block_size + 8, block_size=block_size)
+        storage = PagedKVStorage(config, manager.allocator.num_blocks, block_size)
+        assert generate_paged(model, prompt_ids, 60, manager, storage, seq_id=0) == contiguous_tokens
+        assert manager.num_free == manager.allocator.num_blocks  # every block returned
+    print(f"{prompt!r:45} identical at block sizes 1, 4 and 16")
+print(tokenizer.decode(contiguous_tokens))
+
+# %% [markdown]
+# ## Prefix caching: compute a shared prompt once
+#
+# Many requests start the same way — a system prompt, a few-shot preamble, the same play's opening.
+# A full block's keys and values depend only on its tokens and every token before it, so a block can
+# be *named* by a chained hash: the hash of the previous block's name and this block's token ids. A
+# new prompt walks its full blocks, and every name already in the pool is a hit: reuse the block,
+# skip the compute. A hit is verified against the stored token ids, never trusted on the hash alone.
+
+# %%
+show(block_hash)
+
+# %%
+system = "SYSTEM:\nYou are a player in a company of actors. Answer in verse.\n\n"
+questions = ["ROMEO:\nWhat light is this?\n\nJULIET:\n", "KING LEAR:\nWho is it that can tell me who I am?\n\nFOOL:\n"]
+manager = BlockManager(num_blocks=32, block_size=16)
+storage = PagedKVStorage(config, 32, 16)
+prompt_a, prompt_b = (tokenizer.encode(system + q, add_bos=True) for q in questions)
+
+# Sequence A computes everything and keeps its blocks, named, in the pool.
+attention_a = PagedAttention(manager, storage, seq_id=0)
+print("A: cached prefix tokens:", manager.allocate_cached(0, prompt_a), "of", len(prompt_a))
+with torch.no_grad():
+    attention_a.forward(model, prompt_a, 0)
+
+# Sequence B shares the system prompt: its full blocks hit, only the rest is computed.
+attention_b = PagedAttention(manager, storage, seq_id=1)
+hit = manager.allocate_cached(1, prompt_b)
+print("B: cached prefix tokens:", hit, "of", len(prompt_b))
+with torch.no_grad():
+    logits_hit = attention_b.forward(model, prompt_b[hit:], hit)[-1]
+    logits_scratch = model(torch.tensor(prompt_b))[-1]
+print(f"max |logits with the prefix hit - logits from scratch| = {(logits_hit - logits_scratch).abs().max():.1e}")
+assert torch.allclose(logits_hit, logits_scratch, atol=1e-4)
+show_state(manager, "the system prompt's blocks are shared (hatched, ×2); each sequence owns its tail")
+
+# %% [markdown]
+# Shared blocks are reference-counted. A freed block keeps its name and contents until it is handed
+# out again, so a later request can still hit it; when it *is* reallocated, its old name is forgotten
+# so a stale hash can never match new contents.
+#
+# ### Copy-on-write
+#
+# What if a sequence must write into a block it shares? It first takes a fresh block, records that the
+# old block's contents must be copied there, lets go of the old block, and only then swaps the new
+# block into its table (exercise ch03.2). The order is the safety argument: the new block is taken
+# while we still hold the old one, so the free list can never hand the old block back to us as the
+# "fresh" one before its tokens are copied — with a LIFO list it would be the very next block out;
+# and the table is switched last, so it never points at a block we hold no reference to.
+
+# %%
+show(BlockManager.write)
+
+# %%
+manager.fork(1, 2)  # sequence 2 shares every block of sequence 1 (e.g. a second sample of the same prompt)
+last = manager.tables[2].num_tokens - 1
+block, copied_from = manager.write(2, last)
+print(f"sequence 2 writes position {last}: block {copied_from} is shared, so it is copied to block {block} first")
+show_state(manager, "after fork and one copy-on-write: sequence 2's tail block is its own")
+
+# %% [markdown]
+# ## Step through the workload
+#
+# Back to the server. Run chapter 02's workload through a paged pool of the same size and step through
+# it: the slider picks a decode step and shows which sequence holds each block.
+
+# %%
+paged = simulate_paged(workload, num_blocks=ARENA_SLOTS // BLOCK_SIZE, block_size=BLOCK_SIZE)
+
+
+def pool_grid(record, columns: int = 32):
+    """A (rows, columns) array of sequence ids per block, -1 for a free block."""
+    owner = [-1] * (ARENA_SLOTS // BLOCK_SIZE)
+    for extent in record.memory_map:
+        owner[extent.start // BLOCK_SIZE] = extent.seq_id
+    return [owner[r * columns:(r + 1) * columns] for r in range(len(owner) // columns)]
+
+
+def draw_pool_step(ax, record) -> None:
+    from matplotlib.colors import ListedColormap, to_rgb
+
+    grid = pool_grid(record)
+    colors = ListedColormap([to_rgb("#f0f0f0")] + [to_rgb(sequence_color(i)) for i in range(20)])
+    ax.imshow([[0 if s < 0 else 1 + s % 20 for s in row] for row in grid], cmap=colors, vmin=0, vmax=20,
+              interpolation="nearest")
+    ax.set_title(f"step {record.step}: {len(record.running)} running, {record.waiting} waiting\n"
+                 f"{record.used / max(record.reserved, 1):.0%} of held slots used", fontsize=8)
+    ax.axis("off")
+
+
+def pool_png(step: int) -> bytes:
+    """The pool at `step`, rendered to PNG bytes for an Image widget (redrawn when the slider moves)."""
+    fig, ax = plt.subplots(figsize=(7, 3))
+    draw_pool_step(ax, paged.steps[step])
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+slider = widgets.IntSlider(min=0, max=paged.num_steps - 1, step=10, value=300, description="step")
+image = widgets.Image(value=pool_png(slider.value), format="png")
+slider.observe(lambda change: setattr(image, "value", pool_png(change["new"])), names="value")
+widgets.VBox([slider, image])
+
+# %% [markdown]
+# The slider needs a live kernel. For a reader without one, the same pool at six moments:
+
+# %%
+fig, axes = plt.subplots(2, 3, figsize=(10, 4))
+for ax, step in zip(axes.flat, [20, 100, 200, 400, 700, 1000]):
+    draw_pool_step(ax, paged.steps[step])
+fig.suptitle("The paged pool over time: one colour per sequence, grey = free", fontsize=10)
+plt.show()
+
+# %% [markdown]
+# ## Measure: the same memory, the same workload
+#
+# Contiguous first-fit (chapter 02) against paging with blocks of 16 slots, on the identical seeded
+# workload and arena size:
+
+# %%
+rows = [
+    ("KV utilisation (used / held, mean over steps)", f"{contiguous.kv_utilisation:.1%}", f"{paged.kv_utilisation:.1%}"),
+    ("internal waste", f"{contiguous.internal_waste:.1%}", f"{paged.internal_waste:.1%}"),
+    ("steps refused with enough memory free", contiguous.fragmentation_refusals, paged.fragmentation_refusals),
+    ("mean running sequences while requests queue", f"{contiguous.mean_running_saturated:.1f}", f"{paged.mean_running_saturated:.1f}"),
+    ("mean running sequences, whole run", f"{contiguous.mean_running:.1f}", f"{paged.mean_running:.1f}"),
+    ("peak running sequences", contiguous.peak_running, paged.peak_running),
+    ("steps to serve all requests", contiguous.num_steps, paged.num_steps),
+    ("preemptions (all running sequences stalled)", contiguous.preemptions, paged.preemptions),
+]
+print(f"{'':48} {'contiguous':>11} {'paged':>8}")
+for name, a, b in rows:
+    print(f"{name:48} {a!s:>11} {b!s:>8}")
+print(f"\nconcurrency while requests queue: {paged.mean_running_saturated / contiguous.mean_running_saturated:.2f}x; "
+      f"peak: {paged.peak_running / contiguous.peak_running:.2f}x")
+
+# %% [markdown]
+# Paging holds almost only tokens: the waste left is the unused tail of each sequence's last block.
+# In the same memory it runs several times as many sequences at once while requests are queueing;
+# averaged over the whole run the ratio is smaller, because the last steps — an empty queue and a
+# few long stragglers — look alike for both. When every running sequence needs a block and none is
+# free, the simulation preempts the youngest (counted above); chapter 05 makes that a real policy.
+
+# %%
+fig, ax = plt.subplots()
+for result, color in [(contiguous, sequence_color(1)), (paged, sequence_color(0))]:
+    ax.plot([r.step for r in result.steps], [r.used / max(r.reserved, 1) for r in result.steps],
+            color=color, lw=1, label=f"{result.kind}: tokens / slots held")
+ax.set_xlabel("decode step")
+ax.set_ylabel("KV utilisation")
+ax.set_ylim(0, 1.02)
+ax.set_title("Utilisation over time, same workload, same memory")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# And the prefix cache on a workload with a shared system prompt: 32 requests, each the system prompt
+# above plus its own question, admitted one after another.
+
+# %%
+import random
+
+rng = random.Random(0)
+words = ["Speak", "What", "thou", "love", "night", "lord", "blood", "crown", "sweet", "death", "fair", "king"]
+manager = BlockManager(num_blocks=512, block_size=16)
+cached = total = 0
+for seq_id in range(32):
+    question = " ".join(rng.choice(words) for _ in range(rng.randrange(4, 12)))
+    ids = tokenizer.encode(system + f"HAMLET:\n{question}?\n\nHORATIO:\n", add_bos=True)
+    cached += manager.allocate_cached(seq_id, ids)
+    total += len(ids)
+print(f"prefix-cache hit rate: {cached / total:.1%} of prompt tokens "
+      f"({cached:,} of {total:,}); blocks in use: {manager.allocator.num_used} instead of "
+      f"{sum(len(t.blocks) for t in manager.tables.values())} without sharing")
+
+# %% [markdown]
+# Every request after the first finds the system prompt's full blocks in the pool and computes only
+# its own question. The full benchmark (`benchmarks/kv_memory.py`) repeats these measurements over
+# seeds and block sizes and writes JSON.
+#
+# ## Exercises
+#
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/block_allocator.py`
+# and `src/minivllm/paged_cache.py`; run one exercise's tests with
+# `pytest tests/test_block_allocator.py --exercise ch03.1`.
+#
+# 1. **ch03.1 — `blocks_needed`.** How many new blocks does a sequence holding `num_tokens_now` tokens
+#    need for `extra_tokens` more? None while its last block has room. The tests check the boundary
+#    cases (exactly full, one over, zero extra) and block size 1.
+# 2. **ch03.2 — copy-on-write.** In `BlockManager.write`, when the block to be written is shared
+#    (reference count above 1), take a fresh block, let go of the old one, swap the new one into the
+#    table, and return `(new, old)` so the storage copies the contents. Keep the order of the text
+#    above; the property test runs thousands of random fork/write/free sequences against it.
+# 3. **ch03.3 — gather.** Implement `PagedKVStorage.gather`: read the first `length` K and V rows of
+#    a sequence through its block table. The tests fill the storage slot by slot, with the blocks out
+#    of order and contexts that end mid-block.
+# 4. *(Explore, no test.)* Rerun the measurement with `BLOCK_SIZE` 4 and 64. Which way does the
+#    utilisation move, and what would a GPU kernel that reads the blocks prefer?
