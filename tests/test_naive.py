@@ -48,3 +48,26 @@ def test_too_long_and_empty_requests_fail_clearly(model):
         generate_naive(model, [1] * 30, max_new_tokens=11)
     with pytest.raises(ValueError, match="prompt_ids is empty"):
         generate_naive(model, [], max_new_tokens=1)
+
+
+def _all_generators(model):
+    from minivllm.block_allocator import BlockManager
+    from minivllm.kv_cache import ContiguousKVCache, generate_cached
+    from minivllm.paged_cache import PagedKVStorage, generate_paged
+
+    yield "naive", lambda ids, n: generate_naive(model, ids, n)
+    yield "contiguous", lambda ids, n: generate_cached(model, ids, n, ContiguousKVCache(model.config, "concat"))
+    manager = BlockManager(num_blocks=16, block_size=4)
+    storage = PagedKVStorage(model.config, 16, 4)
+    yield "paged", lambda ids, n: generate_paged(model, ids, n, manager, storage, seq_id=0)
+
+
+def test_every_generator_rejects_token_ids_outside_the_vocabulary(model):
+    for name, generate in _all_generators(model):
+        with pytest.raises(ValueError, match=r"token id 259 is outside the vocabulary 0\.\.258"):
+            generate([256, 259], 3)
+        with pytest.raises(ValueError, match=r"token id -1 is outside"):
+            generate([-1], 3)
+        with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+            generate([256], -1)
+        assert len(generate([256, 65], 3)) == 3, name  # and a good request still runs afterwards

@@ -32,6 +32,13 @@ def check_request(model: Transformer, prompt_ids: list[int], max_new_tokens: int
     """Reject a request that can never run, saying what to change: every generator calls this first."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: start the prompt with at least one token (e.g. BOS)")
+    vocab = model.config.vocab_size
+    outside = [t for t in prompt_ids if not 0 <= t < vocab]
+    if outside:
+        raise ValueError(f"prompt token id {outside[0]} is outside the vocabulary 0..{vocab - 1}: "
+                         f"encode text with ByteTokenizer rather than building ids by hand")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     limit = model.config.max_seq_len
     if len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(
