@@ -80,9 +80,10 @@ show(RMSNorm.forward)
 # ### Attention, and the seam
 #
 # Attention projects each token's vector into a *query*, a *key* and a *value*. The model here uses
-# **grouped-query attention**: 8 query heads, but only 2 key/value heads, each shared by a group of 4
-# query heads. That shrinks the keys and values — the very tensors an engine must keep in memory —
-# by 4x.
+# **grouped-query attention**: it has fewer key/value heads than query heads (`n_kv_heads` and
+# `n_heads` in the config above), and each key/value head is shared by a group of query heads. That
+# shrinks the keys and values — the very tensors an engine must keep in memory — by the group size;
+# the parameter count below measures it.
 #
 # Read the last lines of `SelfAttention.forward` closely. After rotating q and k by their positions,
 # the layer does **not** compute attention itself. It hands `(layer, q, k, v)` to an `attention`

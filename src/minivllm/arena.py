@@ -127,8 +127,7 @@ class SimResult:
 
     @property
     def internal_waste(self) -> float:
-        ratios = [(s.reserved - s.used) / s.reserved for s in self.steps if s.reserved]
-        return sum(ratios) / len(ratios) if ratios else 0.0
+        return 1.0 - self.kv_utilisation if any(s.reserved for s in self.steps) else 0.0
 
     @property
     def mean_running(self) -> float:
