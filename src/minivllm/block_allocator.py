@@ -147,6 +147,7 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of its leading computed blocks
 
 
 class BlockManager:
@@ -172,13 +173,26 @@ class BlockManager:
         return -(-(num_tokens_now + extra_tokens) // bs) - held
         ### END SOLUTION
 
-    def allocate(self, seq_id: int, num_tokens: int) -> None:
-        """A block table for a new sequence of `num_tokens` tokens (all or nothing)."""
+    def allocate(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> None:
+        """A block table for a new sequence of `num_tokens` tokens (all or nothing). `prefix_blocks` are
+        prefix-cache hits (from `cached_prefix`) that become its first blocks, shared, not copied."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
-        table = BlockTable()
-        self._grow(table, num_tokens)  # raises before anything changed, so the table is only added on success
-        self.tables[seq_id] = table
+        alloc, hits = self.allocator, list(prefix_blocks)
+        total = -(-num_tokens // self.block_size)
+        if total > alloc.num_blocks:
+            raise SequenceTooLong(total, alloc.num_blocks)
+        if len(hits) > total:
+            raise ValueError(f"{len(hits)} prefix blocks for a sequence of {num_tokens} tokens ({total} blocks)")
+        # A hit that sits free (refcount 0) leaves the free list when taken: count it before deciding.
+        free_after_hits = alloc.num_free - sum(alloc.refcount(b) == 0 for b in hits)
+        if total - len(hits) > free_after_hits:  # check first: never allocate some and then roll back
+            raise OutOfBlocks(total - len(hits), free_after_hits)
+        for block in hits:
+            alloc.take(block)
+        blocks = hits + [alloc.allocate() for _ in range(total - len(hits))]
+        names = [alloc.hashes[b] for b in hits]
+        self.tables[seq_id] = BlockTable(blocks, num_tokens, names)
 
     def append(self, seq_id: int, extra_tokens: int) -> None:
         """Grow a sequence by `extra_tokens`; raises OutOfBlocks with nothing changed if they do not fit."""
@@ -200,7 +214,7 @@ class BlockManager:
             raise ValueError(f"sequence {child_id} already has a block table")
         for block in parent.blocks:
             self.allocator.incref(block)
-        self.tables[child_id] = BlockTable(list(parent.blocks), parent.num_tokens)
+        self.tables[child_id] = BlockTable(list(parent.blocks), parent.num_tokens, list(parent.block_hashes))
 
     def write(self, seq_id: int, position: int) -> tuple[int, int | None]:
         """Prepare to write token `position`: (block to write into, block to copy it from first, or None).
@@ -248,32 +262,58 @@ class BlockManager:
             slots.append(table.blocks[p // self.block_size] * self.block_size + p % self.block_size)
         return slots
 
-    def allocate_cached(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Like `allocate`, reusing prefix-cache hits; returns how many leading tokens were cached."""
-        if seq_id in self.tables:
-            raise ValueError(f"sequence {seq_id} already has a block table")
-        bs, alloc = self.block_size, self.allocator
-        total = -(-len(token_ids) // bs)
-        if total > alloc.num_blocks:
-            raise SequenceTooLong(total, alloc.num_blocks)
-        hits, names, parent = [], [], None
+    # -- prefix cache --------------------------------------------------------------------------------
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The blocks already holding the longest cached run of full blocks that starts `token_ids`."""
+        hits, parent, bs = [], None, self.block_size
         for start in range(0, len(token_ids) - bs + 1, bs):  # full blocks only
             chunk = token_ids[start:start + bs]
             parent = block_hash(parent, chunk)
-            names.append(parent)
-            block = alloc.lookup(parent, chunk) if len(hits) == len(names) - 1 else None
-            if block is not None:
-                hits.append(block)
-        free_after_hits = alloc.num_free - sum(alloc.refcount(b) == 0 for b in hits)
-        if total - len(hits) > free_after_hits:
-            raise OutOfBlocks(total - len(hits), free_after_hits)
-        for block in hits:
-            alloc.take(block)
-        blocks = hits + [alloc.allocate() for _ in range(total - len(hits))]
-        for i in range(len(hits), len(names)):  # name the new full blocks so later prompts can hit them
-            alloc.register(blocks[i], names[i], token_ids[i * bs:(i + 1) * bs])
-        self.tables[seq_id] = BlockTable(blocks, len(token_ids))
-        return len(hits) * bs
+            block = self.allocator.lookup(parent, chunk)
+            if block is None:
+                break  # a chain: once one block misses, no later block can be the same prefix
+            hits.append(block)
+        return hits
+
+    def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """Name the sequence's full blocks whose K/V are now written (the first `num_computed` tokens of
+        `token_ids`), so later prompts can hit them. Call it only *after* the forward pass wrote them:
+        a name on a block whose K/V are not there yet would hand garbage to the next hit."""
+        table, bs = self._table(seq_id), self.block_size
+        if not 0 <= num_computed <= min(len(token_ids), table.num_tokens):
+            raise ValueError(f"num_computed={num_computed} is outside sequence {seq_id} "
+                             f"({table.num_tokens} tokens held, {len(token_ids)} given)")
+        for index in range(len(table.block_hashes), num_computed // bs):
+            parent = table.block_hashes[-1] if table.block_hashes else None
+            chunk = token_ids[index * bs:(index + 1) * bs]
+            name = block_hash(parent, chunk)
+            self.allocator.register(table.blocks[index], name, chunk)
+            table.block_hashes.append(name)
+
+    def allocate_cached(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """`allocate` for a whole prompt, reusing prefix-cache hits and naming its full blocks at once;
+        returns how many leading tokens were cached.
+
+        Naming before the K/V exist is only safe for a caller that computes the prompt before anyone
+        else can look (chapter 03's `stream_paged`). The engine instead names blocks after each forward
+        pass with `register_computed`.
+        """
+        hits = self.cached_prefix(token_ids)
+        self.allocate(seq_id, len(token_ids), prefix_blocks=hits)
+        self.register_computed(seq_id, token_ids, len(token_ids))
+        return len(hits) * self.block_size
+
+    # -- read access ----------------------------------------------------------------------------------
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.tables
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's physical blocks in logical order (a copy: edit through the manager)."""
+        return list(self._table(seq_id).blocks)
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Token slots the sequence holds (computed plus reserved for this step)."""
+        return self._table(seq_id).num_tokens
 
     def _table(self, seq_id: int) -> BlockTable:
         if seq_id not in self.tables:

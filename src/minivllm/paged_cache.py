@@ -70,6 +70,14 @@ class PagedKVStorage:
         flat[0, slots] = k.to(self.dtype)
         flat[1, slots] = v.to(self.dtype)
 
+    def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at the given slots (any shape of long indices), `[*slots.shape, n_kv_heads, head_dim]`:
+        the gather a batched attention needs, with block tables already turned into slots."""
+        flat = self._slots_view(layer)
+        picked = flat.index_select(1, slots.reshape(-1))
+        shape = (*slots.shape, self.config.n_kv_heads, self.config.head_dim)
+        return picked[0].view(shape), picked[1].view(shape)
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: block `src` into block `dst`, K and V of every layer."""
         for block in (src, dst):
@@ -124,9 +132,9 @@ class PagedAttention:
         """Before a forward pass over `num_new` tokens at positions `start..`: grow the block table (all
         or nothing; `OutOfBlocks` propagates), copy shared blocks we are about to write, map the slots."""
         end = start + num_new
-        if self.seq_id not in self.manager.tables:
+        if self.seq_id not in self.manager:
             self.manager.allocate(self.seq_id, end)
-        elif (held := self.manager.tables[self.seq_id].num_tokens) < end:
+        elif (held := self.manager.num_tokens(self.seq_id)) < end:
             self.manager.append(self.seq_id, end - held)
         positions = range(start, end)
         for p in positions:
@@ -141,7 +149,7 @@ class PagedAttention:
             raise ValueError(f"layer {layer} got {k.shape[0]} new tokens but prepare() mapped {len(self.slots)}: "
                              f"call prepare(start, num_new) before every forward pass")
         self.storage.write(layer, self.slots, k, v)
-        return paged_attention_reference(q, self.storage, layer, self.manager.tables[self.seq_id].blocks, self.start)
+        return paged_attention_reference(q, self.storage, layer, self.manager.block_table(self.seq_id), self.start)
 
     def forward(self, model: Transformer, token_ids: list[int], start: int) -> torch.Tensor:
         """Logits `[T, vocab]` for `token_ids` at positions `start..`, through the paged cache."""
@@ -157,7 +165,7 @@ def stream_paged(
 ) -> Iterator[int]:
     """`stream_cached` over the paged cache; the sequence's blocks are freed when it ends, however it ends."""
     check_request(model, prompt_ids, max_new_tokens)
-    if seq_id in manager.tables:
+    if seq_id in manager:
         raise ValueError(f"sequence {seq_id} already has a block table: use a fresh seq_id")
     if max_new_tokens <= 0:
         return
@@ -175,7 +183,7 @@ def stream_paged(
                 return
             logits = attention.forward(model, [token], attention.length)[-1]
     finally:
-        if seq_id in manager.tables:
+        if seq_id in manager:
             manager.free(seq_id)
 
 

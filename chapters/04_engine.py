@@ -1,0 +1,395 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 04 — The engine: continuous batching
+#
+# Chapter 03 gave every sequence its own pages in one shared pool, but still ran them one at a time.
+# A decode step of one sequence reads every weight of the model to produce one token. Run many
+# sequences in the same forward pass and those weights are read once for all of them. That is
+# **batching**, and this chapter builds the part of an inference engine that decides *who* runs in
+# each pass: the **scheduler**. After it, minivllm is an engine: requests come in at any time, join
+# the running batch at the next step, and leave the moment they are done.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minivllm.book import sequence_color, show, use_book_style
+from minivllm.checkpoint import load_model
+from minivllm.corpus import shipped_validation_text
+from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.kv_cache import ContiguousKVCache, generate_cached
+from minivllm.model_runner import build_batch
+from minivllm.plots import draw_batch_places, draw_flat_batch, draw_gantt
+from minivllm.sampler import position_uniforms, sample_from_probs, token_probs
+from minivllm.scheduler import Scheduler, SchedulerConfig
+from minivllm.sequence import SamplingParams, Sequence
+from minivllm.tokenizer import ByteTokenizer
+from minivllm.trace import read_jsonl, write_jsonl
+from minivllm.varlen_attention import TorchPagedAttention
+
+torch.manual_seed(0)
+torch.set_num_threads(2)
+use_book_style()
+model, tokenizer = load_model("target"), ByteTokenizer()
+EOS = model.config.eos_token_id
+
+# %% [markdown]
+# ## Why: a static batch waits for its longest member
+#
+# The simplest way to batch is **static batching**: take the next four requests, run them together
+# until *all four* are done, then take the next four. Requests want different numbers of tokens, so
+# a batch that started full empties out one request at a time, and its freed places stay idle until
+# the last, longest member finishes.
+#
+# Here are 16 requests: a few lines of the held-out plays as the prompt, and between 8 and 120 new
+# tokens each (`ignore_eos`, so every request produces exactly what it asked for).
+
+# %%
+rng = np.random.default_rng(0)
+text = shipped_validation_text()
+starts = rng.integers(0, len(text) - 200, size=16)
+prompts = [text[s:s + int(n)] for s, n in zip(starts, rng.integers(16, 80, size=16))]
+lengths = [int(n) for n in rng.integers(8, 121, size=16)]
+params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+print("tokens wanted per request:", lengths)
+
+
+def run(prompts, params, **scheduler):
+    engine = LLMEngine(model, EngineConfig(num_blocks=512, scheduler=SchedulerConfig(**scheduler)))
+    return engine, engine.generate(prompts, params)
+
+
+def slot_use(trace, slots):
+    """Share of batch places (slots x steps) that did work: a sequence prefilling or decoding."""
+    busy = sum(len(r.decoded) + len(r.prefilled) for r in trace)
+    return busy / (slots * len(trace))
+
+
+static, static_out = run(prompts, params, max_num_seqs=4, batching="static")
+print(f"static batching: {len(static.trace)} steps, {slot_use(static.trace, 4):.0%} of the 4 batch places busy")
+
+# %% [markdown]
+# The rest of the batch did nothing. Each row below is one batch place; each colour a request.
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 2.2))
+draw_batch_places(ax, static.trace, 4, "static batching: grey = an idle batch place")
+plt.show()
+
+# %% [markdown]
+# The grey is throughput thrown away: the hardware ran a smaller batch than it could, while requests
+# sat in the queue. The fix is to decide who runs **at every step** instead of once per batch: when a
+# request finishes, the next one takes its place in the very next step. That is **continuous
+# batching** (Orca, 2022; vLLM's default). It needs three things this chapter builds: a scheduler that
+# replans every step, a model runner that can run *different* sequences at *different* stages in one
+# forward pass, and sampling that does not care who else is in the batch.
+#
+# ## Build: the request
+#
+# A request brings a prompt and a `SamplingParams`; the engine keeps a `Sequence` for it. Everything
+# a caller can get wrong is checked when the request arrives, naming the field:
+
+# %%
+for bad in [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=1.5), dict(top_k=-3)]:
+    try:
+        SamplingParams(**bad)
+    except ValueError as error:
+        print(error)
+
+# %% [markdown]
+# The one number the scheduler looks at is `num_uncomputed_tokens`: how many of the sequence's tokens
+# have no K/V in the cache yet. For a fresh prompt that is the whole prompt; after that it is exactly
+# one each step, the token sampled last step.
+
+# %%
+show(Sequence.num_uncomputed_tokens.fget)
+
+# %% [markdown]
+# ## Build: the scheduler and its StepPlan
+#
+# `Scheduler.schedule()` runs once per step. It does not touch a tensor: it returns a plain value, the
+# `StepPlan`, and changes only its queues and the block tables. The phases, in order: decodes first
+# (each reserves the slot for its next token *before* the forward pass), then prompts still being
+# prefilled, then admissions from the waiting queue, first come first served, while three limits
+# hold: `max_num_seqs`, the per-step token budget `max_num_batched_tokens`, and free blocks.
+
+# %%
+show(Scheduler.schedule)
+
+# %% [markdown]
+# Admission is where the limits bite. A prompt longer than what is left of the token budget is not
+# turned away: it is admitted with a first **chunk**, and continues next step (**chunked prefill**).
+# That keeps every step's size bounded, so one long prompt cannot freeze everyone else's decoding.
+
+# %%
+show(Scheduler._admit)
+
+# %% [markdown]
+# Let us run the scheduler with no model at all: three requests, a budget of 8 tokens per step, and a
+# fake token source that always answers `ord("a")`. Request 0 has a 12-token prompt, so it needs two
+# steps of prefill; watch request 1 and 2 get the budget it leaves.
+
+# %%
+from minivllm.block_allocator import BlockManager
+
+manager = BlockManager(num_blocks=16, block_size=4)
+toy = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), manager)
+for seq_id, (prompt_len, max_tokens) in enumerate([(12, 3), (3, 2), (5, 2)]):
+    toy.add(Sequence(seq_id, list(range(65, 65 + prompt_len)), SamplingParams(max_tokens=max_tokens), 0, EOS))
+while toy.has_unfinished():
+    plan = toy.schedule()
+    chunks = ", ".join(f"{'P' if c.is_prefill else 'D'}{c.seq_id}[{c.start}:{c.start + c.num_tokens}]"
+                       + ("*" if c.samples else "") for c in plan.chunks)
+    finished = toy.update(plan, {s: ord("a") for s in plan.sampling_seq_ids})
+    print(f"step {plan.step}: {plan.num_batched_tokens} tokens  {chunks:44s} admitted {list(plan.admitted)}"
+          f"  finished {[s.seq_id for s in finished]}  free blocks {manager.num_free}")
+
+# %% [markdown]
+# `P0[0:8]` is a prefill chunk of sequence 0 covering positions 0–7; `D1[3:4]` a decode; a `*` marks a
+# chunk whose last row picks a token. In step 1 request 0 takes the whole budget; in step 2 its last
+# four prompt tokens leave room for request 1 (all 3 tokens) and one token of request 2. From step 3
+# the decodes come first. Finished sequences give their blocks back in the same step, so the pool is
+# full again at the end.
+#
+# ## Build: one forward pass for the whole step
+#
+# The `StepPlan` is a list of chunks of different sequences, at different positions, of different
+# lengths. The model runner lays their tokens **end to end** — no padding in the matmuls — and keeps
+# the metadata that says which token belongs to whom: the varlen layout of FlashAttention and vLLM.
+
+# %%
+show(build_batch)
+
+# %% [markdown]
+# Here is a real step from the middle of a run: three sequences decoding and one new prompt being
+# prefilled, all in one batch of tokens. Above each token, its position in its own sequence; below,
+# the cache slot its K/V is written to.
+
+# %%
+engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4))
+for prompt in ["ROMEO:\n", "JULIET:\n", "HAMLET:\nTo be"]:
+    engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0))
+for _ in range(3):
+    engine.step()
+engine.add_request("MACBETH:\n", SamplingParams(max_tokens=20, temperature=0))
+plan = engine.scheduler.schedule()
+batch = build_batch(plan, engine.scheduler.sequences, engine.manager)
+token_text = [tokenizer.token_repr(int(t)).replace("<0x0A>", "↵").replace(" ", "␣") for t in batch.input_ids]
+fig, ax = plt.subplots(figsize=(8, 1.6))
+draw_flat_batch(ax, batch, token_text, [c.seq_id for c in plan.chunks])
+plt.show()
+print("query_start ", batch.query_start.tolist(), "  context_lens", batch.context_lens.tolist())
+print("block_tables", batch.block_tables.tolist())
+print("num_decodes ", batch.num_decodes, "          logits_indices", batch.logits_indices.tolist())
+
+# %% [markdown]
+# Inside the model nothing changes: embeddings, projections and the MLP see `N` rows and do not care
+# whose they are. Only attention must keep sequences apart. `TorchPagedAttention` is the attention
+# seam for the step: every layer first writes the new K/V of all sequences through the slot mapping,
+# then attends, in two groups — the decodes as one `[decodes, heads, 1, context]` call, the prefill
+# chunks padded to the longest chunk — so a long prompt never pads every decode to its length.
+
+# %%
+show(TorchPagedAttention.__call__)
+
+# %% [markdown]
+# ## Build: sampling that belongs to the request
+#
+# The runner samples all rows in one call. Each row has its own temperature, top-k and top-p;
+# `token_probs` turns the logits into the distribution the request asked for, `sample_from_probs`
+# draws from it by inverse CDF with one uniform number per row.
+
+# %%
+show(token_probs)
+
+# %% [markdown]
+# Where does the uniform number come from? If it came from one random generator that every draw
+# advances, a request's tokens would depend on how many other requests drew before it: on the batch,
+# on chunking, on arrival order. So the number is *computed* from the request's seed and the
+# position of the token being drawn, by a counter-based hash. Token 17 of the request with seed 5
+# sees the same number in any batch, in any run:
+
+# %%
+print(position_uniforms(seeds=[5, 5, 6], positions=[17, 18, 17]))
+print(position_uniforms(seeds=[6, 5], positions=[17, 17]), "<- same (seed, position), same number")
+
+# %%
+logits = model(torch.tensor(tokenizer.encode("ROMEO:\nI", add_bos=True)))[-1:].detach()
+fig, ax = plt.subplots(figsize=(7.5, 2.6))
+for (t, k, p), color in zip([(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 0, 0.8), (1.0, 5, 1.0)], range(4)):
+    probs = token_probs(logits, torch.tensor([t]), torch.tensor([k]), torch.tensor([p]))[0]
+    top = probs.argsort(descending=True)[:12]
+    ax.plot(range(12), probs[top].numpy(), "o-", color=sequence_color(color), label=f"T={t}, top_k={k}, top_p={p}")
+ax.set_xticks(range(12), [tokenizer.token_repr(int(i)) for i in top])
+ax.set_ylabel("probability")
+ax.set_title("the next token after 'ROMEO:\\nI', by sampling parameters")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# ## The engine
+#
+# `LLMEngine` connects the pieces and adds no policy of its own: schedule, build the batch, one
+# forward pass, sample, update, and one trace record.
+
+# %%
+show(LLMEngine.step)
+
+# %% [markdown]
+# ## Check: the same tokens as chapter 02, alone or in a crowd
+#
+# Greedy decoding in the engine must give exactly the tokens of chapter 02's contiguous cache, and a
+# request's tokens must not depend on what else is in the batch — greedy or sampled.
+
+# %%
+engine = LLMEngine(model)
+greedy = SamplingParams(max_tokens=40, temperature=0)
+for prompt, out in zip(prompts[:4], engine.generate(prompts[:4], greedy)):
+    ids = tokenizer.encode(prompt, add_bos=True)
+    expected = generate_cached(model, ids, 40, ContiguousKVCache(model.config, "preallocate", 512), eos_id=EOS)
+    assert out.token_ids == expected
+print("engine == chapter 02's cache, token for token")
+
+sampled = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=i) for i in range(16)]
+together = LLMEngine(model, EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=64))).generate(prompts, sampled)
+for i in [0, 7, 15]:
+    alone = LLMEngine(model).generate([prompts[i]], sampled[i])[0]
+    assert alone.token_ids == together[i].token_ids
+print("seeded sampling: the same tokens alone and in a chunked batch of 16")
+print(repr(together[0].text))
+
+# %% [markdown]
+# Text can also stream out as it is made. `stream` yields each request's new text every step,
+# whole UTF-8 characters only (chapter 01's streaming decoder), and never a piece of a stop string
+# that might still have to be cut:
+
+# %%
+engine = LLMEngine(model)
+pieces = {}
+for delta in engine.stream(["ROMEO:\n", "JULIET:\n"], SamplingParams(max_tokens=60, temperature=0.8, seed=1, stop="\n\n")):
+    pieces.setdefault(delta.request_id, []).append(delta.text)
+    if delta.finish_reason:
+        print(f"request {delta.request_id}: {len(pieces[delta.request_id])} deltas, finish_reason "
+              f"{delta.finish_reason!r}, text {''.join(pieces[delta.request_id])!r}")
+
+# %% [markdown]
+# ## See: continuous against static
+#
+# The same 16 requests, the same four places, now with continuous batching. Each row is a request:
+# grey while it waits, hatched while its prompt is prefilled, solid while it decodes.
+
+# %%
+continuous, continuous_out = run(prompts, params, max_num_seqs=4)
+assert [o.token_ids for o in continuous_out] == [o.token_ids for o in static_out]
+fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+draw_gantt(axes[0], static.trace, f"static batching: {len(static.trace)} steps")
+draw_gantt(axes[1], continuous.trace, f"continuous batching: {len(continuous.trace)} steps")
+plt.tight_layout()
+plt.show()
+print(f"same tokens; static {len(static.trace)} steps, continuous {len(continuous.trace)} steps "
+      f"({len(static.trace) / len(continuous.trace):.2f}x fewer)")
+
+# %% [markdown]
+# Under static batching a request waits until a whole batch has drained; under continuous batching
+# it takes the first free place. Batch occupancy tells the same story per step:
+
+# %%
+fig, ax = plt.subplots(figsize=(7.5, 2.8))
+for engine_run, name, color in [(static, "static", 1), (continuous, "continuous", 0)]:
+    busy = [len(r.decoded) + len(r.prefilled) for r in engine_run.trace]
+    ax.step(range(1, len(busy) + 1), busy, where="mid", color=sequence_color(color),
+            label=f"{name}: {slot_use(engine_run.trace, 4):.0%} of places busy")
+ax.set_xlabel("engine step")
+ax.set_ylabel("sequences in the step")
+ax.set_ylim(0, 4.5)
+ax.legend()
+ax.set_title("batch occupancy")
+plt.show()
+
+# %% [markdown]
+# ## Traces
+#
+# Every step left a `StepRecord`: who was admitted, who decoded, who prefilled how many tokens, who
+# finished and why, who is running and waiting, how many blocks are used. The figures above were
+# drawn from nothing else. Records export as JSON lines (chapters 05 and 08 read them back):
+
+# %%
+import tempfile
+from pathlib import Path
+
+record = continuous.trace[20]
+print(record.to_dict(timings=False))
+with tempfile.TemporaryDirectory() as folder:
+    path = Path(folder) / "trace.jsonl"
+    write_jsonl(continuous.trace, path)
+    assert [r.to_dict(False) for r in read_jsonl(path)] == [r.to_dict(False) for r in continuous.trace]
+print(f"{len(continuous.trace)} records written and read back")
+
+# %% [markdown]
+# ## Measure: throughput against concurrency
+#
+# 16 requests of 32 new tokens each, with at most 1, 2, 4, 8 or 16 of them running at once. The number
+# of steps halves with each doubling; the time per step barely moves, because a decode step is
+# dominated by reading the weights, not by the number of rows.
+
+# %%
+bench_prompts = [text[s:s + 48] for s in rng.integers(0, len(text) - 48, size=16)]
+bench_params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+results = {}
+for concurrency in [1, 2, 4, 8, 16]:
+    engine = LLMEngine(model, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=concurrency)))
+    started = time.perf_counter()
+    outs = engine.generate(bench_prompts, bench_params)
+    seconds = time.perf_counter() - started
+    results[concurrency] = (len(engine.trace), sum(len(o.token_ids) for o in outs), seconds)
+print("concurrency  steps  tokens/step")
+for concurrency, (steps, tokens, _) in results.items():
+    print(f"{concurrency:11d}  {steps:5d}  {tokens / steps:11.1f}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for concurrency, (steps, tokens, seconds) in results.items():
+    print(f"concurrency {concurrency:2d}: {tokens / seconds:7.0f} tokens/s, {1000 * seconds / steps:5.1f} ms per step")
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(list(results), [t / s for _, t, s in results.values()], "o-", color=sequence_color(0))
+ax.set_xscale("log", base=2)
+ax.set_xlabel("max_num_seqs (requests running at once)")
+ax.set_ylabel("tokens / s")
+ax.set_title("throughput against concurrency (this machine)")
+plt.show()
+
+# %% [markdown]
+# The full benchmark, `benchmarks/throughput.py`, runs 64 requests with prompts of 16–200 bytes and
+# 32–256 new tokens through continuous batching, static batching, naive sequential generation and
+# Hugging Face `transformers` (batched with padding, and one by one), and measures how much of each
+# step is engine overhead rather than model.
+#
+# ## Exercises
+#
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/sampler.py` and
+# `src/minivllm/model_runner.py`; run one exercise's tests with `pytest tests --exercise ch04.1`.
+#
+# 1. **ch04.1 — top-k and top-p.** In `token_probs`, keep each row's `top_k` most likely tokens
+#    (0 = all), then the smallest head of the sorted distribution whose mass reaches `top_p`, and
+#    renormalise. Rows have different settings: do it for the whole batch at once (sort, mask, scatter
+#    back), no loop over rows.
+# 2. **ch04.2 — inverse CDF.** In `sample_from_probs`, pick for each row the first token whose running
+#    total of probability exceeds `u` (scaled by the row's total). The tests check boundaries and that a
+#    zero-probability token is never picked.
+# 3. **ch04.3 — flatten a chunk.** In `build_batch`, append one chunk's token ids, positions and slots
+#    to the flat batch, its end to `query_start`, and its context length. The tests compare a
+#    hand-worked step token by token.
+# 4. *(Explore, no test.)* Rerun the static/continuous comparison with `max_num_batched_tokens=16`.
+#    Which requests' time to first token grows, and why do decodes not slow down?

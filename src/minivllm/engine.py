@@ -1,0 +1,221 @@
+"""LLMEngine: the scheduler, the paged cache and the model runner, connected (chapter 04).
+
+The engine owns no policy of its own. A step is
+
+    plan = scheduler.schedule()                   # who runs, how many tokens (pure Python)
+    logits = runner.forward(build_batch(plan))    # ONE forward pass over all of them
+    tokens = runner.sample(plan, logits)          # one batched sampling call
+    finished = scheduler.update(plan, tokens)     # append, stop checks, free blocks
+
+plus a `StepRecord` for the trace. Requests come in with `add_request` (checked there, so a bad one
+never reaches the scheduler) and leave as `RequestOutput`s. `generate` runs a list of prompts to the
+end; `stream` yields text deltas as they are produced; `LLM` is the two-line front door.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_allocator import BlockManager
+from .checkpoint import load_model
+from .model import Transformer
+from .model_runner import ModelRunner, build_batch
+from .paged_cache import PagedKVStorage
+from .sampler import derive_seed
+from .scheduler import Scheduler, SchedulerConfig, StepPlan
+from .sequence import SamplingParams, Sequence, Status
+from .tokenizer import ByteTokenizer
+from .trace import StepRecord
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int = 2048  # 2048 blocks x 16 tokens: 32k tokens, ~100 MB of K/V for the target model
+    block_size: int = 16
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0  # requests without a seed get one derived from this and their id
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens
+    text: str  # generated text (a stop string is cut off)
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """One piece of a streamed response: the new text of one request since its last delta."""
+
+    request_id: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, config: EngineConfig | None = None,
+                 tokenizer: ByteTokenizer | None = None) -> None:
+        self.model, self.config = model.eval(), config or EngineConfig()
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.manager = BlockManager(self.config.num_blocks, self.config.block_size)
+        self.storage = PagedKVStorage(model.config, self.config.num_blocks, self.config.block_size, self.config.dtype)
+        self.scheduler = Scheduler(self.config.scheduler, self.manager)
+        self.runner = ModelRunner(model, self.storage, self.manager)
+        self.trace: list[StepRecord] = []
+        self._next_id = 0
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | SequenceOf[int], params: SamplingParams | None = None,
+                    request_id: int | None = None) -> int:
+        """Queue a request and return its id. Everything is checked first; a bad request raises
+        ValueError saying what to change, and the engine is left exactly as it was."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_ids(prompt)
+        self._check_fits(prompt_ids, params)
+        request_id = self._next_id if request_id is None else request_id
+        if request_id in self.scheduler.sequences:
+            raise ValueError(f"request id {request_id} is already in use by an unfinished request")
+        seed = params.seed if params.seed is not None else derive_seed(self.config.seed, request_id)
+        self.scheduler.add(Sequence(request_id, prompt_ids, params, seed, self.model.config.eos_token_id))
+        self._next_id = max(self._next_id, request_id + 1)
+        return request_id
+
+    def _prompt_ids(self, prompt: str | SequenceOf[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_bos=True)
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError("prompt must be a string or a list of token ids (ints)")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token (a string prompt gets BOS first)")
+        vocab = self.model.config.vocab_size
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        return ids
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        total = len(prompt_ids) + params.max_tokens
+        context = self.model.config.max_seq_len
+        if total > context:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the model's context of {context} tokens: shorten the prompt or lower max_tokens")
+        blocks = self.manager.blocks_needed(0, total)
+        if blocks > self.config.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {blocks} KV-cache blocks but the whole cache has "
+                             f"{self.config.num_blocks}: it could never finish; build a bigger cache or ask for less")
+
+    def abort(self, request_id: int) -> RequestOutput:
+        """Stop a request now; its blocks go back to the pool at once."""
+        return self._output(self.scheduler.abort(request_id))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return an output for every request that got a token or finished."""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        sequences = self.scheduler.sequences
+        batch = build_batch(plan, sequences, self.manager)
+        forward_started = time.perf_counter()
+        logits = self.runner.forward(batch)
+        forward_s = time.perf_counter() - forward_started
+        tokens = self.runner.sample(plan, sequences, logits)
+        blocks_used = self.manager.allocator.num_used  # before finished sequences let go
+        stepped = [sequences[i] for i in plan.sampling_seq_ids]
+        finished = self.scheduler.update(plan, tokens)
+        self.trace.append(self._record(plan, finished, blocks_used, forward_s, time.perf_counter() - started))
+        return [self._output(seq) for seq in stepped]
+
+    def _record(self, plan: StepPlan, finished: list[Sequence], blocks_used: int,
+                forward_s: float, step_s: float) -> StepRecord:
+        scheduler = self.scheduler
+        return StepRecord(
+            step=plan.step, admitted=plan.admitted,
+            decoded=tuple(c.seq_id for c in plan.decodes),
+            prefilled=tuple((c.seq_id, c.num_tokens) for c in plan.prefills),
+            finished=tuple((s.seq_id, s.finish_reason) for s in finished),
+            stalled=plan.stalled, preempted=plan.preempted,
+            running=tuple(s.seq_id for s in scheduler.running), waiting=tuple(s.seq_id for s in scheduler.waiting),
+            num_batched_tokens=plan.num_batched_tokens, prefix_hit_tokens=plan.prefix_hit_tokens,
+            blocks_used=blocks_used, blocks_free=self.config.num_blocks - blocks_used,
+            forward_s=forward_s, step_s=step_s,
+        )
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.seq_id, prompt_token_ids=list(seq.prompt_token_ids), token_ids=seq.output_token_ids,
+            text=seq.output_text, finished=seq.is_finished, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # -- whole workloads -----------------------------------------------------------------------------
+    def generate(self, prompts: SequenceOf[str | SequenceOf[int]],
+                 params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to the end; outputs in the order of the prompts."""
+        ids = self._add_all(prompts, params)
+        done: dict[int, RequestOutput] = {}
+        while any(i not in done for i in ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stream(self, prompts: SequenceOf[str | SequenceOf[int]],
+               params: SamplingParams | SequenceOf[SamplingParams] | None = None) -> Iterator[TextDelta]:
+        """Yield each request's new text as the steps produce it (whole characters only, and never a
+        piece of a stop string); the last delta of a request carries its finish reason."""
+        ids = set(self._add_all(prompts, params))
+        sequences = dict(self.scheduler.sequences)
+        try:
+            while any(not sequences[i].is_finished for i in ids):
+                for out in self.step():
+                    if out.request_id in ids:
+                        seq = sequences[out.request_id]
+                        yield TextDelta(seq.seq_id, seq.take_text_delta(), seq.take_new_token_ids(), seq.finish_reason)
+        finally:  # a consumer that stops early must not leave its requests holding blocks
+            for i in ids:
+                if not sequences[i].is_finished:
+                    self.abort(i)
+
+    def _add_all(self, prompts, params) -> list[int]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        param_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(param_list)} SamplingParams: give one, or one each")
+        for prompt, p in zip(prompts, param_list):  # check them all before queueing any
+            self._check_fits(self._prompt_ids(prompt), SamplingParams() if p is None else p)
+        return [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
+
+
+class LLM:
+    """The front door: `LLM("target").generate(["ROMEO:"], SamplingParams(max_tokens=50))`."""
+
+    def __init__(self, model: str | Transformer = "target", **config) -> None:
+        if isinstance(model, str):
+            model = load_model(model)
+        scheduler_keys = {"max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "batching",
+                          "enable_prefix_caching"}
+        scheduler = SchedulerConfig(**{k: config.pop(k) for k in list(config) if k in scheduler_keys})
+        self.engine = LLMEngine(model, EngineConfig(scheduler=scheduler, **config))
+
+    def generate(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        return self.engine.generate(prompts, sampling_params)

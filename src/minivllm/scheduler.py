@@ -1,0 +1,237 @@
+"""The continuous-batching scheduler: who runs this step, and how many of their tokens (chapter 04).
+
+Each engine step is `schedule()` -> one forward pass -> `update()`. `schedule()` decides and returns a
+plain value, the `StepPlan`; it changes only the queues and the block tables, never a tensor. So the
+whole policy runs, and is tested, with no model at all.
+
+`schedule()` works in phases, in the order vLLM's scheduler uses:
+
+1. **Decodes.** Every running sequence that has a sampled-but-uncomputed token gets one slot reserved
+   for it *before* the forward pass (its K/V is written during the pass). They go first: a token for a
+   user who is already waiting is worth more than starting someone new.
+2. **Unfinished prefills.** A running sequence whose prompt did not fit in one step's token budget
+   continues with its next chunk (**chunked prefill**).
+3. **Admissions.** Waiting sequences join, first come first served, while the limits hold:
+   `max_num_seqs` running, `max_num_batched_tokens` per step, and free blocks for what they compute
+   this step. A prompt larger than what is left of the budget is admitted with a first chunk.
+
+`update()` then records each sampled token and **retires** finished sequences on the spot, so their
+blocks are free for the very next `schedule()`.
+
+When the blocks run out, a running sequence is *stalled* (skipped this step) and new admissions wait.
+Chapter 05 replaces stalling with preemption; `_reserve` is the one place it plugs in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .block_allocator import BlockManager, OutOfBlocks
+from .sequence import ABORT, Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences running at once (the batch size of a decode step)
+    max_num_batched_tokens: int = 512  # tokens in one forward pass, decodes and prefill chunks together
+    chunked_prefill: bool = True  # may a prompt be split over several steps?
+    batching: str = "continuous"  # or "static": admit a new batch only once the whole last one is done
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                             f">= max_num_seqs ({self.max_num_seqs}), or a full batch could not all decode")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"SchedulerConfig.batching must be 'continuous' or 'static', got {self.batching!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Run `num_tokens` tokens of sequence `seq_id`, at positions `start, start+1, ...`."""
+
+    seq_id: int
+    start: int
+    num_tokens: int
+    is_prefill: bool  # prompt (or recomputed) tokens, rather than the one token sampled last step
+    samples: bool  # this chunk reaches the sequence's last token: its logits pick the next token
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step computes. `chunks` is also the order of the flattened batch: decodes, then prefills."""
+
+    step: int
+    chunks: tuple[ScheduledChunk, ...]
+    admitted: tuple[int, ...] = ()  # waiting -> running this step
+    stalled: tuple[int, ...] = ()  # running, but skipped: no free block for their next token
+    preempted: tuple[int, ...] = ()  # running -> waiting, blocks freed (chapter 05)
+    prefix_hit_tokens: int = 0  # prompt tokens the admitted sequences found in the prefix cache
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def decodes(self) -> tuple[ScheduledChunk, ...]:
+        return tuple(c for c in self.chunks if not c.is_prefill)
+
+    @property
+    def prefills(self) -> tuple[ScheduledChunk, ...]:
+        return tuple(c for c in self.chunks if c.is_prefill)
+
+    @property
+    def sampling_seq_ids(self) -> tuple[int, ...]:
+        return tuple(c.seq_id for c in self.chunks if c.samples)
+
+
+class SchedulerStalled(RuntimeError):
+    """Nothing can run: every running sequence waits for a block that nobody will free."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, manager: BlockManager) -> None:
+        self.config, self.manager = config, manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.sequences: dict[int, Sequence] = {}  # every unfinished sequence, by id
+        self.step = 0
+
+    # -- requests in and out -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.sequences:
+            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
+        seq.status, seq.arrival_step = Status.WAITING, self.step
+        self.waiting.append(seq)
+        self.sequences[seq.seq_id] = seq
+
+    def abort(self, seq_id: int) -> Sequence:
+        """Stop a request now, wherever it is, and give its blocks back."""
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id} is not running or waiting (never added, or already finished)")
+        seq.finish(ABORT)
+        self._retire(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    # -- the step ------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        self.step += 1
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        stalled: list[int] = []
+        # Phase 1 and 2: the running batch, decodes first, then prompts still being prefilled.
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decoding + prefilling:
+            wanted = min(seq.num_uncomputed_tokens, budget)
+            if wanted == 0:
+                break  # budget spent: the rest of the prefills wait for the next step
+            granted = self._reserve(seq, wanted)
+            if granted == 0:
+                stalled.append(seq.seq_id)
+                continue
+            chunks.append(self._chunk(seq, granted))
+            budget -= granted
+        # Phase 3: admissions, first come first served.
+        admitted, hit_tokens, budget = self._admit(chunks, budget)
+        if not chunks and self.sequences:
+            raise SchedulerStalled(self._stall_message())
+        return StepPlan(self.step, tuple(chunks), tuple(admitted), tuple(stalled), (), hit_tokens)
+
+    def _reserve(self, seq: Sequence, wanted: int) -> int:
+        """Grow a running sequence's blocks for up to `wanted` more tokens; returns how many fit.
+
+        A decode needs its one slot or nothing; a prefill chunk may shrink to what the free blocks hold.
+        """
+        manager, bs = self.manager, self.manager.block_size
+        held = manager.num_tokens(seq.seq_id) - seq.num_computed_tokens  # slots reserved but not written
+        slack = -manager.num_tokens(seq.seq_id) % bs  # unused slots in the last block
+        fits = held + slack + manager.num_free * bs
+        granted = min(wanted, fits) if self.config.chunked_prefill or wanted == 1 else wanted
+        if granted > fits:
+            return 0
+        extra = seq.num_computed_tokens + granted - manager.num_tokens(seq.seq_id)
+        try:
+            if extra > 0:
+                manager.append(seq.seq_id, extra)
+        except OutOfBlocks:
+            return 0
+        return granted
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> tuple[list[int], int, int]:
+        config, manager = self.config, self.manager
+        if config.batching == "static" and self.running:
+            return [], 0, budget  # static batching: the next batch starts when the whole last one is done
+        admitted, hit_tokens = [], 0
+        while self.waiting and len(self.running) < config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            # Never take the last prompt token from the cache: its logits are what picks the next token.
+            hits = manager.cached_prefix(seq.token_ids[:-1]) if config.enable_prefix_caching else []
+            cached = len(hits) * manager.block_size
+            num_new = min(seq.num_tokens - cached, budget)
+            if num_new < seq.num_tokens - cached and not config.chunked_prefill:
+                break  # without chunking the whole prompt must fit in what is left of the budget
+            try:
+                manager.allocate(seq.seq_id, cached + num_new, prefix_blocks=hits)
+            except OutOfBlocks:
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status, seq.num_computed_tokens, seq.num_cached_tokens = Status.RUNNING, cached, cached
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, num_new))
+            admitted.append(seq.seq_id)
+            hit_tokens += cached
+            budget -= num_new
+        return admitted, hit_tokens, budget
+
+    @staticmethod
+    def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        reaches_end = start + num_tokens == seq.num_tokens
+        is_prefill = not (num_tokens == 1 and start >= seq.num_prompt_tokens)
+        return ScheduledChunk(seq.seq_id, start, num_tokens, is_prefill, reaches_end)
+
+    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
+        """After the forward pass: advance what was computed, append sampled tokens, retire finished
+        sequences (freeing their blocks now). Returns the sequences that finished this step."""
+        finished = []
+        for chunk in plan.chunks:
+            seq = self.sequences.get(chunk.seq_id)
+            if seq is None:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            if self.config.enable_prefix_caching:  # name full blocks only now that their K/V exist
+                self.manager.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if chunk.samples:
+                seq.append_token(sampled[seq.seq_id])
+                if seq.is_finished:
+                    self._retire(seq)
+                    finished.append(seq)
+        return finished
+
+    def _retire(self, seq: Sequence) -> None:
+        if seq.status is not Status.FINISHED:
+            raise AssertionError(f"retiring sequence {seq.seq_id}, which is {seq.status.value}")
+        if seq.seq_id in self.manager:
+            self.manager.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        del self.sequences[seq.seq_id]
+
+    def _stall_message(self) -> str:
+        return (f"no sequence can make progress: {len(self.running)} running sequence(s) need a new block, "
+                f"{len(self.waiting)} wait to be admitted, and only {self.manager.num_free} of "
+                f"{self.manager.allocator.num_blocks} blocks are free. Without preemption (chapter 05) "
+                f"the cache is too small for this workload: give it more blocks or admit fewer sequences")

@@ -1,0 +1,83 @@
+"""Step traces: one plain record per engine step, what the chapters plot (chapters 04, 05, 08).
+
+A `StepRecord` says what a step did (who was admitted, who decoded, who prefilled how many tokens,
+who finished and why, who was stalled or preempted) and how the engine stood afterwards (who is running
+and waiting, blocks used and free). Records are plain data: they export to JSON lines and back, so a
+trace can be saved from a server and plotted in a notebook. The two timings are the only fields that
+vary from run to run; `to_dict(timings=False)` leaves them out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    admitted: tuple[int, ...]
+    decoded: tuple[int, ...]  # sequences that computed the token they sampled last step
+    prefilled: tuple[tuple[int, int], ...]  # (sequence, prompt tokens computed this step)
+    finished: tuple[tuple[int, str], ...]  # (sequence, finish reason)
+    stalled: tuple[int, ...]
+    preempted: tuple[int, ...]
+    running: tuple[int, ...]  # after the step
+    waiting: tuple[int, ...]  # after the step, in queue order
+    num_batched_tokens: int
+    prefix_hit_tokens: int
+    blocks_used: int  # during the forward pass (before finished sequences let go)
+    blocks_free: int
+    forward_s: float = 0.0  # time in the model forward pass
+    step_s: float = 0.0  # time of the whole step: schedule, build the batch, forward, sample, update
+
+    def to_dict(self, timings: bool = True) -> dict:
+        record = asdict(self)
+        if not timings:
+            del record["forward_s"], record["step_s"]
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict) -> StepRecord:
+        tuples = {"prefilled", "finished"}  # JSON turns tuples of pairs into lists of lists
+        values = {}
+        for f in fields(cls):
+            if f.name not in record:
+                continue
+            value = record[f.name]
+            if isinstance(value, list):
+                value = tuple(tuple(v) for v in value) if f.name in tuples else tuple(value)
+            values[f.name] = value
+        return cls(**values)
+
+
+def write_jsonl(records: Iterable[StepRecord], path: str | Path, timings: bool = True) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record.to_dict(timings)) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[StepRecord]:
+    with open(path, encoding="utf-8") as source:
+        return [StepRecord.from_dict(json.loads(line)) for line in source if line.strip()]
+
+
+# What a request was doing in a step, for timelines. Chapter 05 adds "preempted".
+STATES = ("waiting", "prefill", "decode", "stalled", "preempted", "unscheduled")
+
+
+def request_timeline(records: Iterable[StepRecord]) -> dict[int, dict[int, str]]:
+    """Request -> {step: state} for every step it was in the engine, from arrival to finish."""
+    timeline: dict[int, dict[int, str]] = {}
+    for r in records:
+        states = {s: "waiting" for s in r.waiting}
+        states.update({s: "unscheduled" for s in r.running})  # running, but no budget left for it this step
+        states.update({s: "prefill" for s, _ in r.prefilled})
+        states.update({s: "decode" for s in r.decoded})
+        states.update({s: "stalled" for s in r.stalled})
+        states.update({s: "preempted" for s in r.preempted})
+        for seq_id, state in states.items():
+            timeline.setdefault(seq_id, {})[r.step] = state
+    return timeline
