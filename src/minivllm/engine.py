@@ -51,6 +51,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+    finish_message: str | None = None  # why the engine ended it, for finish_reason "cache_full"
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,7 @@ class LLMEngine:
                     request_id: int | None = None) -> int:
         """Queue a request and return its id. Everything is checked first; a bad request raises
         ValueError saying what to change, and the engine is left exactly as it was."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = self._params(params)
         prompt_ids = self._prompt_ids(prompt)
         self._check_fits(prompt_ids, params)
         request_id = self._next_id if request_id is None else request_id
@@ -92,6 +92,14 @@ class LLMEngine:
         self.scheduler.add(Sequence(request_id, prompt_ids, params, seed, self.model.config.eos_token_id))
         self._next_id = max(self._next_id, request_id + 1)
         return request_id
+
+    @staticmethod
+    def _params(params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        return params
 
     def _prompt_ids(self, prompt: str | SequenceOf[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -113,10 +121,18 @@ class LLMEngine:
         if total > context:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the model's context of {context} tokens: shorten the prompt or lower max_tokens")
-        blocks = self.manager.blocks_needed(0, total)
+        scheduler = self.config.scheduler
+        if not scheduler.chunked_prefill and len(prompt_ids) > scheduler.max_num_batched_tokens:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) is longer than max_num_batched_tokens "
+                             f"({scheduler.max_num_batched_tokens}) and chunked prefill is off, so it could never "
+                             f"be scheduled: raise the budget or turn chunked_prefill on")
+        # The prompt must fit the whole cache with room for one new token. Beyond that max_tokens is an
+        # upper bound (EOS may come first); a sequence that outgrows the cache alone ends "cache_full".
+        blocks = self.manager.blocks_needed(0, len(prompt_ids) + 1)
         if blocks > self.config.num_blocks:
-            raise ValueError(f"prompt + max_tokens needs {blocks} KV-cache blocks but the whole cache has "
-                             f"{self.config.num_blocks}: it could never finish; build a bigger cache or ask for less")
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) needs {blocks} KV-cache blocks with its first "
+                             f"new token, but the whole cache has {self.config.num_blocks}: it could never run; "
+                             f"build a bigger cache or shorten the prompt")
 
     def abort(self, request_id: int) -> RequestOutput:
         """Stop a request now; its blocks go back to the pool at once."""
@@ -128,6 +144,8 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that got a token or finished."""
+        if not self.has_unfinished():
+            return []  # nothing queued: no plan, no forward pass, no trace record
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         sequences = self.scheduler.sequences
@@ -138,6 +156,7 @@ class LLMEngine:
         tokens = self.runner.sample(plan, sequences, logits)
         blocks_used = self.manager.allocator.num_used  # before finished sequences let go
         stepped = [sequences[i] for i in plan.sampling_seq_ids]
+        stepped += [sequences[i] for i in plan.finished]  # ended by the scheduler without a new token
         finished = self.scheduler.update(plan, tokens)
         self.trace.append(self._record(plan, finished, blocks_used, forward_s, time.perf_counter() - started))
         return [self._output(seq) for seq in stepped]
@@ -150,9 +169,10 @@ class LLMEngine:
             decoded=tuple(c.seq_id for c in plan.decodes),
             prefilled=tuple((c.seq_id, c.num_tokens) for c in plan.prefills),
             finished=tuple((s.seq_id, s.finish_reason) for s in finished),
-            stalled=plan.stalled, preempted=plan.preempted,
+            stalled=plan.stalled, preempted=plan.preempted, resumed=plan.resumed,
             running=tuple(s.seq_id for s in scheduler.running), waiting=tuple(s.seq_id for s in scheduler.waiting),
             num_batched_tokens=plan.num_batched_tokens, prefix_hit_tokens=plan.prefix_hit_tokens,
+            recomputed_tokens=plan.recomputed_tokens,
             blocks_used=blocks_used, blocks_free=self.config.num_blocks - blocks_used,
             forward_s=forward_s, step_s=step_s,
         )
@@ -163,6 +183,7 @@ class LLMEngine:
             request_id=seq.seq_id, prompt_token_ids=list(seq.prompt_token_ids), token_ids=seq.output_token_ids,
             text=seq.output_text, finished=seq.is_finished, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions, finish_message=seq.finish_message,
         )
 
     # -- whole workloads -----------------------------------------------------------------------------
@@ -201,7 +222,7 @@ class LLMEngine:
         if len(param_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(param_list)} SamplingParams: give one, or one each")
         for prompt, p in zip(prompts, param_list):  # check them all before queueing any
-            self._check_fits(self._prompt_ids(prompt), SamplingParams() if p is None else p)
+            self._check_fits(self._prompt_ids(prompt), self._params(p))
         return [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
 
 

@@ -24,6 +24,8 @@ from .varlen_attention import TorchPagedAttention, VarlenBatch
 
 def build_batch(plan: StepPlan, sequences: Mapping[int, Sequence], manager: BlockManager) -> VarlenBatch:
     """Lay the plan's chunks end to end: decodes first (the plan's order), then prefill chunks."""
+    if not plan.chunks:
+        raise ValueError(f"step {plan.step} schedules nothing: there is no batch to build")
     input_ids, positions, slots, query_start, context_lens, tables, logits_indices = [], [], [], [0], [], [], []
     for chunk in plan.chunks:
         seq = sequences[chunk.seq_id]

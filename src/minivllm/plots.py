@@ -73,13 +73,14 @@ def draw_block_tables(ax: Axes, manager: BlockManager, pool_ax: Axes | None = No
 # How each request state is drawn in a timeline: (alpha of the sequence's colour, hatch); None = grey.
 _STATE_STYLE = {
     "decode": (1.0, None), "prefill": (1.0, "////"), "unscheduled": (0.35, None),
-    "stalled": (0.35, "xx"), "preempted": (None, "xx"), "waiting": (None, None),
+    "stalled": (0.35, "xx"), "preempted": (None, "xx"), "waiting": (None, None), "recompute": (0.6, "\\\\"),
 }
 
 
 def draw_gantt(ax: Axes, records, title: str = "requests over steps", label_every: int = 1) -> None:
     """One row per request, one cell per step: grey while waiting, hatched while its prompt is
-    prefilled, solid while it decodes, pale while running but not scheduled (stalled: crossed)."""
+    prefilled, solid while it decodes, pale while running but not scheduled (stalled: crossed);
+    grey and crossed once preempted, pale and back-hatched while it recomputes."""
     from .trace import request_timeline
 
     timeline = request_timeline(records)

@@ -55,7 +55,10 @@ def token_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.
     """
     logits = logits.to(torch.float64)
     greedy = temperatures == 0
-    scaled = logits / torch.where(greedy, 1.0, temperatures.to(torch.float64))[:, None]
+    # Shift so the largest logit is 0 before dividing: a tiny temperature then sends the others to -inf
+    # instead of overflowing everything to +inf (NaN probabilities).
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    scaled = shifted / torch.where(greedy, 1.0, temperatures.to(torch.float64))[:, None]
     # EXERCISE ch04.1: top-k / top-p -- keep each row's k most likely tokens, then the smallest head with mass >= p
     ### BEGIN SOLUTION
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)

@@ -18,18 +18,21 @@ whole policy runs, and is tested, with no model at all.
 `update()` then records each sampled token and **retires** finished sequences on the spot, so their
 blocks are free for the very next `schedule()`.
 
-When the blocks run out, a running sequence is *stalled* (skipped this step) and new admissions wait.
-Chapter 05 replaces stalling with preemption; `_reserve` is the one place it plugs in.
+When the blocks run out, new admissions wait. A running sequence that cannot get its next block is
+either *stalled* (skipped this step; `preemption=None`, chapter 04's engine) or makes room by
+**preempting** a victim chosen by a policy from `preemption.py` (chapter 05, the default). A sequence
+that cannot fit even alone in the whole cache is ended with finish reason "cache_full".
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .block_allocator import BlockManager, OutOfBlocks
-from .sequence import ABORT, Sequence, Status
+from .preemption import VICTIM_POLICIES
+from .sequence import ABORT, CACHE_FULL, Sequence, Status
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class SchedulerConfig:
     chunked_prefill: bool = True  # may a prompt be split over several steps?
     batching: str = "continuous"  # or "static": admit a new batch only once the whole last one is done
     enable_prefix_caching: bool = False
+    # Out of blocks while the batch runs: None stalls the sequence (chapter 04); a victim policy's name
+    # ("newest", "least_progressed", see preemption.py) or a function preempts by recompute (chapter 05).
+    preemption: str | Callable | None = "newest"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -48,6 +54,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
                              f">= max_num_seqs ({self.max_num_seqs}), or a full batch could not all decode")
+        if isinstance(self.preemption, str) and self.preemption not in VICTIM_POLICIES:
+            raise ValueError(f"SchedulerConfig.preemption must be None, a function or one of "
+                             f"{sorted(VICTIM_POLICIES)}, got {self.preemption!r}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"SchedulerConfig.batching must be 'continuous' or 'static', got {self.batching!r}")
 
@@ -59,7 +68,7 @@ class ScheduledChunk:
     seq_id: int
     start: int
     num_tokens: int
-    is_prefill: bool  # prompt (or recomputed) tokens, rather than the one token sampled last step
+    is_prefill: bool  # prompt (or recomputed) tokens; False for a decode: the one token sampled last step
     samples: bool  # this chunk reaches the sequence's last token: its logits pick the next token
 
 
@@ -71,8 +80,11 @@ class StepPlan:
     chunks: tuple[ScheduledChunk, ...]
     admitted: tuple[int, ...] = ()  # waiting -> running this step
     stalled: tuple[int, ...] = ()  # running, but skipped: no free block for their next token
-    preempted: tuple[int, ...] = ()  # running -> waiting, blocks freed (chapter 05)
+    preempted: tuple[int, ...] = ()  # running -> front of the waiting queue, blocks freed (chapter 05)
+    resumed: tuple[int, ...] = ()  # admitted again after a preemption (a subset of `admitted`)
+    finished: tuple[int, ...] = ()  # ended by the scheduler itself: too big for the whole cache, alone
     prefix_hit_tokens: int = 0  # prompt tokens the admitted sequences found in the prefix cache
+    recomputed_tokens: int = 0  # tokens computed again because a preemption threw their K/V away
 
     @property
     def num_batched_tokens(self) -> int:
@@ -102,6 +114,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.sequences: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self.step = 0
+        policy = config.preemption
+        self.victim_policy: Callable[[list[Sequence]], Sequence] | None = (
+            VICTIM_POLICIES[policy] if isinstance(policy, str) else policy)
 
     # -- requests in and out -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -128,25 +143,46 @@ class Scheduler:
         self.step += 1
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        stalled: list[int] = []
+        stalled, preempted, finished = [], [], []
         # Phase 1 and 2: the running batch, decodes first, then prompts still being prefilled.
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1 and s.num_computed_tokens >= s.num_prompt_tokens]
+        prefilling = [s for s in self.running if s not in decoding]
+        served: list[Sequence] = []  # scheduled this step: never preempted by a later one
+        decoding_ids = {s.seq_id for s in decoding}
         for seq in decoding + prefilling:
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this step
             wanted = min(seq.num_uncomputed_tokens, budget)
             if wanted == 0:
                 break  # budget spent: the rest of the prefills wait for the next step
             granted = self._reserve(seq, wanted)
+            while granted == 0 and self.victim_policy is not None and len(self.running) > 1:
+                victim = self.victim_policy([s for s in self.running if s not in served])
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+                granted = self._reserve(seq, wanted)
+            if seq.status is not Status.RUNNING:
+                continue
+            if granted == 0 and len(self.running) == 1:
+                self._finish_too_big(seq)  # alone in the cache and still no room: it can never finish
+                finished.append(seq.seq_id)
+                continue
             if granted == 0:
                 stalled.append(seq.seq_id)
                 continue
-            chunks.append(self._chunk(seq, granted))
+            chunks.append(self._chunk(seq, granted, is_prefill=seq.seq_id not in decoding_ids))
+            served.append(seq)
             budget -= granted
-        # Phase 3: admissions, first come first served.
-        admitted, hit_tokens, budget = self._admit(chunks, budget)
-        if not chunks and self.sequences:
+        # Phase 3: admissions, first come first served -- but not in a step that had to preempt.
+        admitted, hit_tokens = self._admit(chunks, budget) if not preempted else ([], 0)
+        if not chunks and not finished and self.sequences:
             raise SchedulerStalled(self._stall_message())
-        return StepPlan(self.step, tuple(chunks), tuple(admitted), tuple(stalled), (), hit_tokens)
+        resumed = tuple(i for i in admitted if self.sequences[i].num_preemptions)
+        recomputed = sum(self._recomputed(c) for c in chunks)
+        return StepPlan(self.step, tuple(chunks), tuple(admitted), tuple(stalled), tuple(preempted), resumed,
+                        tuple(finished), hit_tokens, recomputed)
 
     def _reserve(self, seq: Sequence, wanted: int) -> int:
         """Grow a running sequence's blocks for up to `wanted` more tokens; returns how many fit.
@@ -157,7 +193,7 @@ class Scheduler:
         held = manager.num_tokens(seq.seq_id) - seq.num_computed_tokens  # slots reserved but not written
         slack = -manager.num_tokens(seq.seq_id) % bs  # unused slots in the last block
         fits = held + slack + manager.num_free * bs
-        granted = min(wanted, fits) if self.config.chunked_prefill or wanted == 1 else wanted
+        granted = min(wanted, fits) if self._may_chunk(seq) or wanted == 1 else wanted
         if granted > fits:
             return 0
         extra = seq.num_computed_tokens + granted - manager.num_tokens(seq.seq_id)
@@ -168,10 +204,10 @@ class Scheduler:
             return 0
         return granted
 
-    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> tuple[list[int], int, int]:
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> tuple[list[int], int]:
         config, manager = self.config, self.manager
         if config.batching == "static" and self.running:
-            return [], 0, budget  # static batching: the next batch starts when the whole last one is done
+            return [], 0  # static batching: the next batch starts when the whole last one is done
         admitted, hit_tokens = [], 0
         while self.waiting and len(self.running) < config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
@@ -179,37 +215,65 @@ class Scheduler:
             hits = manager.cached_prefix(seq.token_ids[:-1]) if config.enable_prefix_caching else []
             cached = len(hits) * manager.block_size
             num_new = min(seq.num_tokens - cached, budget)
-            if num_new < seq.num_tokens - cached and not config.chunked_prefill:
+            if num_new < seq.num_tokens - cached and not self._may_chunk(seq):
                 break  # without chunking the whole prompt must fit in what is left of the budget
             try:
                 manager.allocate(seq.seq_id, cached + num_new, prefix_blocks=hits)
             except OutOfBlocks:
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            seq.status, seq.num_computed_tokens, seq.num_cached_tokens = Status.RUNNING, cached, cached
+            seq.status, seq.num_computed_tokens = Status.RUNNING, cached
+            if not seq.num_preemptions:
+                seq.num_cached_tokens = cached  # what the prompt found cached on first admission
             self.running.append(seq)
-            chunks.append(self._chunk(seq, num_new))
+            chunks.append(self._chunk(seq, num_new, is_prefill=True))
             admitted.append(seq.seq_id)
             hit_tokens += cached
             budget -= num_new
-        return admitted, hit_tokens, budget
+        return admitted, hit_tokens
+
+    def _may_chunk(self, seq: Sequence) -> bool:
+        """A prompt is chunked only if the config says so; a preempted sequence's recompute always may
+        be, or a long one could never be admitted again."""
+        return self.config.chunked_prefill or seq.num_preemptions > 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: free every block, keep the tokens, queue at the very front."""
+        self.manager.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.status, seq.num_computed_tokens = Status.WAITING, 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish_too_big(self, seq: Sequence) -> None:
+        blocks = self.manager.blocks_needed(0, seq.num_tokens)
+        seq.finish(CACHE_FULL)
+        seq.finish_message = (f"sequence {seq.seq_id} needs {blocks} KV-cache blocks for its next token but the "
+                              f"whole cache has {self.manager.allocator.num_blocks}: ended early, give the "
+                              f"engine a bigger cache or ask for fewer tokens")
+        self.manager.free(seq.seq_id)
+        self.running.remove(seq)  # leaves self.sequences in update(), so the engine still reports it
+
+    def _recomputed(self, chunk: ScheduledChunk) -> int:
+        """Tokens of the chunk this sequence had computed before, until a preemption threw them away."""
+        done_before = self.sequences[chunk.seq_id].max_computed_tokens
+        return max(0, min(chunk.start + chunk.num_tokens, done_before) - chunk.start)
 
     @staticmethod
-    def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+    def _chunk(seq: Sequence, num_tokens: int, is_prefill: bool) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        reaches_end = start + num_tokens == seq.num_tokens
-        is_prefill = not (num_tokens == 1 and start >= seq.num_prompt_tokens)
-        return ScheduledChunk(seq.seq_id, start, num_tokens, is_prefill, reaches_end)
+        return ScheduledChunk(seq.seq_id, start, num_tokens, is_prefill, start + num_tokens == seq.num_tokens)
 
     def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
         """After the forward pass: advance what was computed, append sampled tokens, retire finished
         sequences (freeing their blocks now). Returns the sequences that finished this step."""
-        finished = []
+        finished = [self.sequences.pop(i) for i in plan.finished if i in self.sequences]
         for chunk in plan.chunks:
             seq = self.sequences.get(chunk.seq_id)
             if seq is None:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            seq.max_computed_tokens = max(seq.max_computed_tokens, seq.num_computed_tokens)
             if self.config.enable_prefix_caching:  # name full blocks only now that their K/V exist
                 self.manager.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if chunk.samples:

@@ -83,8 +83,9 @@ class Status(enum.Enum):
     FINISHED = "finished"  # done; its blocks are back in the pool
 
 
-# Finish reasons, as the OpenAI API names them (plus "abort", which vLLM adds).
-STOP, LENGTH, ABORT = "stop", "length", "abort"
+# Finish reasons, as the OpenAI API names them, plus "abort" (as vLLM) and "cache_full": the sequence
+# outgrew the whole KV cache while running alone, so no amount of waiting could let it continue.
+STOP, LENGTH, ABORT, CACHE_FULL = "stop", "length", "abort", "cache_full"
 
 
 @dataclass(eq=False)
@@ -100,9 +101,12 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt then output
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    max_computed_tokens: int = 0  # the most it ever had computed (more than now after a preemption)
+    num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token or string that ended it (None for EOS / length)
+    finish_message: str | None = None  # why, in words, when the engine ended it (cache_full)
     output_text: str = ""
     _decoder: StreamingDecoder = field(default_factory=StreamingDecoder, repr=False)
     _text_sent: int = field(default=0, repr=False)  # chars of output_text already handed out

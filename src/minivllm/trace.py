@@ -24,10 +24,12 @@ class StepRecord:
     finished: tuple[tuple[int, str], ...]  # (sequence, finish reason)
     stalled: tuple[int, ...]
     preempted: tuple[int, ...]
+    resumed: tuple[int, ...]  # admitted again after a preemption
     running: tuple[int, ...]  # after the step
     waiting: tuple[int, ...]  # after the step, in queue order
     num_batched_tokens: int
     prefix_hit_tokens: int
+    recomputed_tokens: int  # computed again because a preemption had thrown their K/V away
     blocks_used: int  # during the forward pass (before finished sequences let go)
     blocks_free: int
     forward_s: float = 0.0  # time in the model forward pass
@@ -64,18 +66,29 @@ def read_jsonl(path: str | Path) -> list[StepRecord]:
         return [StepRecord.from_dict(json.loads(line)) for line in source if line.strip()]
 
 
-# What a request was doing in a step, for timelines. Chapter 05 adds "preempted".
-STATES = ("waiting", "prefill", "decode", "stalled", "preempted", "unscheduled")
+# What a request was doing in a step, for timelines.
+STATES = ("waiting", "prefill", "decode", "unscheduled", "stalled", "preempted", "recompute")
 
 
 def request_timeline(records: Iterable[StepRecord]) -> dict[int, dict[int, str]]:
-    """Request -> {step: state} for every step it was in the engine, from arrival to finish."""
+    """Request -> {step: state} for every step it was in the engine, from arrival to finish.
+
+    "preempted" covers the step it lost its blocks and the steps it then waits; "recompute" the
+    prefill of its prompt and output after it is admitted again; "unscheduled" a running sequence the
+    step had no token budget left for.
+    """
     timeline: dict[int, dict[int, str]] = {}
+    evicted: set[int] = set()  # preempted and not admitted again yet
+    recomputing: set[int] = set()  # admitted again, not decoding yet
     for r in records:
-        states = {s: "waiting" for s in r.waiting}
-        states.update({s: "unscheduled" for s in r.running})  # running, but no budget left for it this step
-        states.update({s: "prefill" for s, _ in r.prefilled})
+        evicted |= set(r.preempted)
+        evicted -= set(r.resumed)
+        recomputing |= set(r.resumed)
+        states = {s: "preempted" if s in evicted else "waiting" for s in r.waiting}
+        states.update({s: "unscheduled" for s in r.running})
+        states.update({s: "recompute" if s in recomputing else "prefill" for s, _ in r.prefilled})
         states.update({s: "decode" for s in r.decoded})
+        recomputing -= set(r.decoded)
         states.update({s: "stalled" for s in r.stalled})
         states.update({s: "preempted" for s in r.preempted})
         for seq_id, state in states.items():
