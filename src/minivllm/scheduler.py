@@ -145,26 +145,18 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         stalled, preempted, finished = [], [], []
         # Phase 1 and 2: the running batch, decodes first, then prompts still being prefilled.
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1 and s.num_computed_tokens >= s.num_prompt_tokens]
-        prefilling = [s for s in self.running if s not in decoding]
+        decoding = [s for s in self.running if s.is_decoding]
+        prefilling = [s for s in self.running if not s.is_decoding]
         served: list[Sequence] = []  # scheduled this step: never preempted by a later one
-        decoding_ids = {s.seq_id for s in decoding}
         for seq in decoding + prefilling:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
             wanted = min(seq.num_uncomputed_tokens, budget)
             if wanted == 0:
                 break  # budget spent: the rest of the prefills wait for the next step
-            granted = self._reserve(seq, wanted)
-            while granted == 0 and self.victim_policy is not None and len(self.running) > 1:
-                victim = self.victim_policy([s for s in self.running if s not in served])
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                if victim is seq:
-                    break
-                granted = self._reserve(seq, wanted)
+            granted = self._make_room(seq, wanted, served, preempted)
             if seq.status is not Status.RUNNING:
-                continue
+                continue  # it was its own victim
             if granted == 0 and len(self.running) == 1:
                 self._finish_too_big(seq)  # alone in the cache and still no room: it can never finish
                 finished.append(seq.seq_id)
@@ -172,7 +164,7 @@ class Scheduler:
             if granted == 0:
                 stalled.append(seq.seq_id)
                 continue
-            chunks.append(self._chunk(seq, granted, is_prefill=seq.seq_id not in decoding_ids))
+            chunks.append(self._chunk(seq, granted, is_prefill=seq not in decoding))
             served.append(seq)
             budget -= granted
         # Phase 3: admissions, first come first served -- but not in a step that had to preempt.
@@ -183,6 +175,19 @@ class Scheduler:
         recomputed = sum(self._recomputed(c) for c in chunks)
         return StepPlan(self.step, tuple(chunks), tuple(admitted), tuple(stalled), tuple(preempted), resumed,
                         tuple(finished), hit_tokens, recomputed)
+
+    def _make_room(self, seq: Sequence, wanted: int, served: list[Sequence], preempted: list[int]) -> int:
+        """Reserve blocks for up to `wanted` tokens of `seq`. When none are free, preempt victims chosen by
+        the policy (chapter 05) until it fits or is the victim itself. Returns the tokens granted."""
+        granted = self._reserve(seq, wanted)
+        while granted == 0 and self.victim_policy is not None and len(self.running) > 1:
+            victim = self.victim_policy([s for s in self.running if s not in served])
+            self._preempt(victim)
+            preempted.append(victim.seq_id)
+            if victim is seq:
+                return 0
+            granted = self._reserve(seq, wanted)
+        return granted
 
     def _reserve(self, seq: Sequence, wanted: int) -> int:
         """Grow a running sequence's blocks for up to `wanted` more tokens; returns how many fit.
@@ -239,11 +244,14 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free every block, keep the tokens, queue at the very front."""
+        # EXERCISE ch05.2: preempt -- free the victim's blocks, stop running it, forget its K/V, queue it first
+        ### BEGIN SOLUTION
         self.manager.free(seq.seq_id)
         self.running.remove(seq)
-        seq.status, seq.num_computed_tokens = Status.WAITING, 0
+        seq.status, seq.num_computed_tokens = Status.WAITING, 0  # its tokens stay; their K/V are gone
+        self.waiting.appendleft(seq)  # before every fresh request: it has a user waiting mid-answer
+        ### END SOLUTION
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def _finish_too_big(self, seq: Sequence) -> None:
         blocks = self.manager.blocks_needed(0, seq.num_tokens)

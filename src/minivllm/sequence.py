@@ -139,6 +139,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def is_decoding(self) -> bool:
+        """Its whole prompt is computed and only the token it sampled last is not: one token to run."""
+        return self.num_uncomputed_tokens == 1 and self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 

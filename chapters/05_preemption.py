@@ -1,0 +1,368 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 05 — Preemption: when the cache runs out mid-flight
+#
+# Chapter 04's scheduler admits a request when there are blocks for its prompt. It cannot know how
+# long the answer will be, so it bets that the running sequences will find blocks as they grow. With
+# a big cache the bet is safe. With a small one, or a burst of long answers, every block ends up held
+# by a sequence that needs one more — and nobody can move. This chapter makes the engine take a
+# block back: it **preempts** a running sequence, throws its KV cache away, and recomputes it later.
+
+# %%
+import copy
+import io
+import time
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minivllm.book import sequence_color, show, use_book_style
+from minivllm.checkpoint import load_model
+from minivllm.corpus import shipped_validation_text
+from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.plots import draw_block_pool, draw_block_tables, draw_gantt
+from minivllm.preemption import least_progressed, newest_first
+from minivllm.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
+from minivllm.sequence import SamplingParams
+
+torch.manual_seed(0)
+torch.set_num_threads(2)
+use_book_style()
+model = load_model("target")
+text = shipped_validation_text()
+
+# %% [markdown]
+# ## Why: chapter 04's engine in a small cache
+#
+# A burst of 12 requests, each a line of a play and 120 new tokens, into a cache of 24 blocks of 16
+# tokens. With `preemption=None` the scheduler behaves as in chapter 04: a sequence that finds no
+# block for its next token is *stalled* and waits for someone else to finish.
+
+# %%
+rng = np.random.default_rng(0)
+burst = [text[s:s + 40] for s in rng.integers(0, len(text) - 40, size=12)]
+long_answers = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+
+
+def small_engine(preemption, num_blocks=24, block_size=16, **scheduler):
+    config = SchedulerConfig(max_num_seqs=16, preemption=preemption, **scheduler)
+    return LLMEngine(model, EngineConfig(num_blocks=num_blocks, block_size=block_size, scheduler=config))
+
+
+stuck = small_engine(preemption=None)
+try:
+    stuck.generate(burst, long_answers)
+except SchedulerStalled as error:
+    print(f"step {stuck.scheduler.step}: SchedulerStalled: {error}")
+last = stuck.trace[-1]
+print(f"last step that ran: {len(last.running)} running, {len(last.stalled)} of them stalled, "
+      f"{len(last.waiting)} waiting, {last.blocks_free} blocks free")
+
+# %% [markdown]
+# Every block belongs to a sequence that needs one more. None can finish, so none will ever free a
+# block: a **deadlock**. Here is the pool at that moment — every colour is a request that is half
+# done and stuck:
+
+# %%
+fig, (pool_ax, table_ax) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1, 1.4]})
+centres = draw_block_pool(pool_ax, stuck.manager, columns=6, title="the pool, deadlocked")
+draw_block_tables(table_ax, stuck.manager)
+plt.show()
+
+# %% [markdown]
+# Waiting longer cannot help. Something must give a block back, and the only blocks are in use.
+#
+# ## Build: preemption by recompute
+#
+# vLLM's answer is to **preempt**: pick a running sequence (the *victim*), free *all* of its blocks,
+# and put it back at the front of the waiting queue. Its tokens — prompt and the output so far — are
+# kept; only their keys and values are thrown away. When it is admitted again it prefills prompt and
+# output together (one chunked prefill, fast: all positions in parallel) and carries on where it was.
+# Because sampling depends only on (request seed, position), it produces exactly the tokens it would
+# have produced without the interruption.
+#
+# (The alternative, *swapping* the blocks out to CPU memory and back, saves the recompute but costs
+# a copy each way; vLLM V1 dropped it. On a CPU there is nowhere cheaper to swap to.)
+
+# %%
+show(Scheduler._preempt)
+
+# %% [markdown]
+# `schedule()` asks `_make_room` for every running sequence's next tokens. When `_reserve` fails, it
+# picks a victim among the running sequences not yet scheduled in this step, preempts it and retries —
+# until the sequence fits or is itself the victim. A step that preempted admits no one (the freed blocks are for the running batch).
+# One sequence is never preempted for nothing: if it is **alone** and still does not fit, no amount of
+# waiting will help, so it ends with finish reason `"cache_full"` instead of looping forever.
+
+# %%
+show(Scheduler._make_room)
+
+# %% [markdown]
+# Whom to evict is a *policy*, a plain function from the candidates to the victim. Two ship:
+#
+# - **newest first** (LIFO) — the most recently admitted; vLLM's and nano-vllm's choice. The newest has
+#   waited least, and usually has the least computed.
+# - **least progressed** — the fewest output tokens, ties to the higher id: it throws away the least
+#   generated work, whoever arrived first.
+
+# %%
+show(newest_first)
+show(least_progressed)
+
+# %% [markdown]
+# The same 12 requests, now with preemption: all finish.
+
+# %%
+for policy in ["newest", "least_progressed"]:
+    engine = small_engine(policy)
+    outs = engine.generate(burst, long_answers)
+    preemptions = sum(len(r.preempted) for r in engine.trace)
+    print(f"{policy:>16}: {sum(o.finish_reason == 'length' for o in outs)} of 12 finished in "
+          f"{len(engine.trace)} steps, {preemptions} preemptions, "
+          f"{sum(r.recomputed_tokens for r in engine.trace)} tokens recomputed, "
+          f"{engine.manager.num_free} of 24 blocks free at the end")
+
+# %% [markdown]
+# ## A worked example, step by step
+#
+# Small enough to follow by hand: a cache of **6 blocks of 1 token**, and three requests. A arrives
+# first (3 prompt tokens, 3 new), C next (3 prompt tokens, 4 new), B last (1 prompt token, 4 new).
+
+# %%
+WORKED = [  # (name, arrival step, prompt ids, max_tokens)
+    ("A", 0, [256, 65, 66], 3),
+    ("C", 1, [256, 67, 68], 4),
+    ("B", 2, [256], 4),
+]
+
+
+def run_worked(policy):
+    """Run the worked example; return one snapshot per step (the pool and queues after it)."""
+    engine = small_engine(policy, num_blocks=6, block_size=1)
+    names, snapshots = {}, []
+    for step in range(40):
+        for name, arrival, ids, max_tokens in WORKED:
+            if arrival == step:
+                names[engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))] = name
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        snapshots.append((copy.deepcopy(engine.manager), engine.trace[-1]))
+    return names, snapshots
+
+
+def describe(names, record):
+    said = [f"admit {names[i]}" for i in record.admitted if i not in record.resumed]
+    said += [f"resume {names[i]}" for i in record.resumed]
+    said += [f"preempt {names[i]}" for i in record.preempted]
+    said += [f"finish {names[i]}" for i, _ in record.finished]
+    return ", ".join(said) or "decode"
+
+
+for policy in ["newest", "least_progressed"]:
+    names, snapshots = run_worked(policy)
+    print(f"{policy}:")
+    for manager, record in snapshots:
+        running = " ".join(names[i] for i in record.running) or "-"
+        waiting = " ".join(names[i] for i in record.waiting) or "-"
+        print(f"  step {record.step}: {describe(names, record):34s} running [{running}] waiting [{waiting}] "
+              f"free {record.blocks_free}")
+
+# %% [markdown]
+# Follow `newest`: in step 3 all six blocks are taken (A holds 4, C 1... read the log above), and the
+# decodes need more. The newest sequence, B, is the victim: its blocks go back, it goes to the front
+# of the queue. When A finishes, its blocks return and B is admitted again; it *recomputes* its
+# prompt and output in one prefill and continues. `least_progressed` picks by output tokens instead.
+#
+# The pool at each step under `newest` (one colour per request; the block tables below each pool):
+
+# %%
+names, snapshots = run_worked("newest")
+
+
+def draw_worked_step(axes, manager, record):
+    pool_ax, table_ax = axes
+    draw_block_pool(pool_ax, manager, columns=6, title=f"step {record.step}")
+    draw_block_tables(table_ax, manager)
+    table_ax.set_title(describe(names, record), fontsize=8)
+
+
+fig, axes = plt.subplots(2, len(snapshots), figsize=(1.6 * len(snapshots), 3.2),
+                         gridspec_kw={"height_ratios": [1, 2]})
+for column, (manager, record) in enumerate(snapshots):
+    draw_worked_step(axes[:, column], manager, record)
+plt.show()
+print("sequence ids:", {i: n for i, n in names.items()}, "(colours follow the ids)")
+
+# %% [markdown]
+# ## Step through a bigger run
+#
+# The burst from the top of the chapter, with preemption (`newest`). The slider picks a step and
+# shows the pool, the block tables and the queues after it.
+
+# %%
+burst_engine = small_engine("newest")
+burst_snapshots = []
+for i, prompt in enumerate(burst):
+    burst_engine.add_request(prompt, long_answers)
+while burst_engine.has_unfinished():
+    burst_engine.step()
+    burst_snapshots.append((copy.deepcopy(burst_engine.manager), burst_engine.trace[-1]))
+
+
+def draw_burst_step(fig, manager, record):
+    pool_ax, table_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.5]})
+    draw_block_pool(pool_ax, manager, columns=6, title=f"step {record.step}")
+    draw_block_tables(table_ax, manager)
+    events = f"preempted {list(record.preempted)}  " if record.preempted else ""
+    events += f"resumed {list(record.resumed)}  " if record.resumed else ""
+    table_ax.set_title(f"{events}waiting {list(record.waiting)}", fontsize=8)
+
+
+def burst_png(step: int) -> bytes:
+    fig = plt.figure(figsize=(9, 3.4))
+    draw_burst_step(fig, *burst_snapshots[step - 1])
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+first_preemption = next(r.step for _, r in burst_snapshots if r.preempted)
+slider = widgets.IntSlider(min=1, max=len(burst_snapshots), value=first_preemption, description="step")
+image = widgets.Image(value=burst_png(slider.value), format="png")
+slider.observe(lambda change: setattr(image, "value", burst_png(change["new"])), names="value")
+widgets.VBox([slider, image])
+
+# %% [markdown]
+# Without a kernel, four moments of the same run: just before the first preemption, at it, at the
+# first resumption, and near the end.
+
+# %%
+first_resume = next(r.step for _, r in burst_snapshots if r.resumed)
+moments = [first_preemption - 1, first_preemption, first_resume, len(burst_snapshots) - 5]
+fig = plt.figure(figsize=(10, 13))
+for subfig, step in zip(fig.subfigures(len(moments), 1), moments):
+    draw_burst_step(subfig, *burst_snapshots[step - 1])
+plt.show()
+
+# %% [markdown]
+# ## Check: preemption never changes a token
+#
+# The load-bearing promise: a request's tokens are the same whether it was preempted five times or
+# never — greedy and sampled. Run a seeded workload in a cache large enough that nobody is preempted,
+# and in one small enough that many are:
+
+# %%
+mixed = [SamplingParams(max_tokens=int(n), temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
+         for i, n in enumerate(rng.integers(40, 120, size=12))]
+roomy = small_engine("newest", num_blocks=512)
+reference = [o.token_ids for o in roomy.generate(burst, mixed)]
+assert not any(r.preempted for r in roomy.trace)
+for policy in ["newest", "least_progressed"]:
+    tight = small_engine(policy, num_blocks=16)
+    assert [o.token_ids for o in tight.generate(burst, mixed)] == reference
+    print(f"{policy}: {sum(len(r.preempted) for r in tight.trace)} preemptions, identical tokens")
+
+# %% [markdown]
+# And the one request that can never fit: 200 tokens of answer in a cache of 8 blocks of 16 (128
+# tokens). It ends with `cache_full` and says why; the request beside it is served normally.
+
+# %%
+engine = small_engine("newest", num_blocks=8)
+too_long, normal = engine.generate(["ROMEO:\n", "JULIET:\n"], [
+    SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), SamplingParams(max_tokens=30, temperature=0)])
+print(too_long.finish_reason, "-", too_long.finish_message)
+print(normal.finish_reason, repr(normal.text))
+
+# %% [markdown]
+# ## See: every request's timeline, per policy
+#
+# The burst again, one row per request: grey while waiting, hatched while prefilling, solid while
+# decoding, crossed grey once preempted (and waiting again), back-hatched while recomputing.
+
+# %%
+fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+for ax, policy in zip(axes, ["newest", "least_progressed"]):
+    engine = small_engine(policy)
+    engine.generate(burst, long_answers)
+    preemptions = sum(len(r.preempted) for r in engine.trace)
+    draw_gantt(ax, engine.trace, f"{policy}: {len(engine.trace)} steps, {preemptions} preemptions")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Newest-first keeps evicting the same late arrivals, which then wait for whole sequences to finish;
+# least-progressed spreads the evictions over whoever has generated least at the time.
+#
+# ## Measure: recompute overhead and throughput against cache size
+#
+# 24 requests (prompts of 40 bytes, 60–160 new tokens), in caches from 16 to 64 blocks of 16 tokens.
+# The **recompute overhead** is the tokens computed again after a preemption, as a share of the useful
+# tokens (prompts plus outputs).
+
+# %%
+workload = [text[s:s + 40] for s in rng.integers(0, len(text) - 40, size=24)]
+workload_params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
+                   for n in rng.integers(60, 161, size=24)]
+measured = {}
+for num_blocks in [16, 24, 32, 48, 64]:
+    for policy in ["newest", "least_progressed"]:
+        engine = small_engine(policy, num_blocks=num_blocks)
+        started = time.perf_counter()
+        outs = engine.generate(workload, workload_params)
+        seconds = time.perf_counter() - started
+        useful = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
+        recomputed = sum(r.recomputed_tokens for r in engine.trace)
+        measured[num_blocks, policy] = dict(
+            steps=len(engine.trace), preemptions=sum(len(r.preempted) for r in engine.trace),
+            overhead=recomputed / useful, tokens=sum(len(o.token_ids) for o in outs), seconds=seconds)
+print(f"{'blocks':>6} {'policy':>16} {'steps':>6} {'preemptions':>11} {'recompute overhead':>18}")
+for (num_blocks, policy), m in measured.items():
+    print(f"{num_blocks:6d} {policy:>16} {m['steps']:6d} {m['preemptions']:11d} {m['overhead']:18.1%}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for (num_blocks, policy), m in measured.items():
+    print(f"{num_blocks:3d} blocks, {policy:>16}: {m['tokens'] / m['seconds']:6.0f} tokens/s")
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+for color, policy in enumerate(["newest", "least_progressed"]):
+    sizes = sorted({b for b, _ in measured})
+    ax1.plot(sizes, [measured[b, policy]["overhead"] for b in sizes], "o-", color=sequence_color(color), label=policy)
+    ax2.plot(sizes, [measured[b, policy]["tokens"] / measured[b, policy]["seconds"] for b in sizes], "o-",
+             color=sequence_color(color), label=policy)
+ax1.set_xlabel("cache blocks (16 tokens each)")
+ax1.set_ylabel("recomputed / useful tokens")
+ax2.set_xlabel("cache blocks (16 tokens each)")
+ax2.set_ylabel("tokens / s (this machine)")
+ax1.legend()
+plt.show()
+
+# %% [markdown]
+# A small cache costs twice: every preemption recomputes a sequence, and fewer sequences fit in a
+# step. The full sweep is `benchmarks/preemption.py`.
+#
+# ## Exercises
+#
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/preemption.py`
+# and `src/minivllm/scheduler.py`; run one exercise's tests with `pytest tests --exercise ch05.1`.
+#
+# 1. **ch05.1 — least progressed.** Return the candidate with the fewest output tokens; on a tie, the
+#    one with the higher `seq_id`. The tests pin the worked example's victims.
+# 2. **ch05.2 — preempt.** In `Scheduler._preempt`, give back every block of the victim, take it out of
+#    the running list, reset what it has computed (its tokens stay) and put it at the *front* of the
+#    waiting queue. The tests check output identity under heavy preemption.
+# 3. *(Explore, no test.)* Write a third policy — *longest remaining* (evict the sequence furthest from
+#    its `max_tokens`) — pass the function as `SchedulerConfig(preemption=...)`, and compare its
+#    recompute overhead with the two above.
