@@ -32,7 +32,7 @@ from minivllm.checkpoint import load_model
 from minivllm.corpus import shipped_validation_text
 from minivllm.engine import EngineConfig, LLMEngine
 from minivllm.plots import draw_block_pool, draw_block_tables, draw_gantt
-from minivllm.preemption import least_progressed, newest_first
+from minivllm.preemption import CountingPolicy, least_progressed, newest_first
 from minivllm.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
 from minivllm.sequence import SamplingParams
 
@@ -56,7 +56,8 @@ long_answers = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
 
 
 def small_engine(preemption, num_blocks=24, block_size=16, **scheduler):
-    config = SchedulerConfig(max_num_seqs=16, preemption=preemption, **scheduler)
+    scheduler.setdefault("max_num_seqs", 16)
+    config = SchedulerConfig(preemption=preemption, **scheduler)
     return LLMEngine(model, EngineConfig(num_blocks=num_blocks, block_size=block_size, scheduler=config))
 
 
@@ -65,9 +66,6 @@ try:
     stuck.generate(burst, long_answers)
 except SchedulerStalled as error:
     print(f"step {stuck.scheduler.step}: SchedulerStalled: {error}")
-last = stuck.trace[-1]
-print(f"last step that ran: {len(last.running)} running, {len(last.stalled)} of them stalled, "
-      f"{len(last.waiting)} waiting, {last.blocks_free} blocks free")
 
 # %% [markdown]
 # Every block belongs to a sequence that needs one more. None can finish, so none will ever free a
@@ -136,25 +134,28 @@ for policy in ["newest", "least_progressed"]:
 # %% [markdown]
 # ## A worked example, step by step
 #
-# Small enough to follow by hand: a cache of **6 blocks of 1 token**, and three requests. A arrives
-# first (3 prompt tokens, 3 new), C next (3 prompt tokens, 4 new), B last (1 prompt token, 4 new).
+# Small enough to follow by hand: a cache of **6 blocks of 1 token**, a token budget of 4 per step,
+# and three requests. A arrives first (3 prompt tokens, 2 new), C at step 1 (3 prompt tokens, 3 new),
+# B at step 2 (1 prompt token, 3 new). Each step's log says who was admitted, preempted, resumed or
+# finished, and what the queues and the pool look like after it.
 
 # %%
-WORKED = [  # (name, arrival step, prompt ids, max_tokens)
-    ("A", 0, [256, 65, 66], 3),
-    ("C", 1, [256, 67, 68], 4),
-    ("B", 2, [256], 4),
-]
+WORKED = {  # request id: (name, arrival step, prompt ids, max_tokens)
+    0: ("A", 0, [256, 65, 66], 2),
+    1: ("B", 2, [256], 3),
+    2: ("C", 1, [256, 67, 68], 3),
+}
 
 
 def run_worked(policy):
     """Run the worked example; return one snapshot per step (the pool and queues after it)."""
-    engine = small_engine(policy, num_blocks=6, block_size=1)
-    names, snapshots = {}, []
+    engine = small_engine(policy, num_blocks=6, block_size=1, max_num_batched_tokens=4, max_num_seqs=4)
+    names, snapshots = {i: name for i, (name, *_) in WORKED.items()}, []
     for step in range(40):
-        for name, arrival, ids, max_tokens in WORKED:
+        for request_id, (name, arrival, ids, max_tokens) in WORKED.items():
             if arrival == step:
-                names[engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))] = name
+                params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                engine.add_request(ids, params, request_id=request_id)
         if not engine.has_unfinished():
             break
         engine.step()
@@ -180,10 +181,11 @@ for policy in ["newest", "least_progressed"]:
               f"free {record.blocks_free}")
 
 # %% [markdown]
-# Follow `newest`: in step 3 all six blocks are taken (A holds 4, C 1... read the log above), and the
-# decodes need more. The newest sequence, B, is the victim: its blocks go back, it goes to the front
-# of the queue. When A finishes, its blocks return and B is admitted again; it *recomputes* its
-# prompt and output in one prefill and continues. `least_progressed` picks by output tokens instead.
+# Read the two logs side by side. Until the pool is full they are the same run. Then two running
+# sequences need a block and none is free, and the policies part ways: newest-first evicts the one
+# admitted last; least-progressed evicts the one with the fewest output tokens (on a tie, the higher
+# id). The victim loses its blocks and waits at the front of the queue; when the other finishes, the
+# victim is admitted again, recomputes prompt and output in one prefill, and finishes.
 #
 # The pool at each step under `newest` (one colour per request; the block tables below each pool):
 
@@ -294,43 +296,53 @@ print(normal.finish_reason, repr(normal.text))
 
 # %%
 fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+timelines = {}
 for ax, policy in zip(axes, ["newest", "least_progressed"]):
     engine = small_engine(policy)
     engine.generate(burst, long_answers)
+    timelines[policy] = [r.to_dict(timings=False) for r in engine.trace]
     preemptions = sum(len(r.preempted) for r in engine.trace)
     draw_gantt(ax, engine.trace, f"{policy}: {len(engine.trace)} steps, {preemptions} preemptions")
 plt.tight_layout()
 plt.show()
+print("the two policies produced the same schedule:", timelines["newest"] == timelines["least_progressed"])
 
 # %% [markdown]
-# Newest-first keeps evicting the same late arrivals, which then wait for whole sequences to finish;
-# least-progressed spreads the evictions over whoever has generated least at the time.
+# Preempted requests are the late ones: they lose their blocks, wait at the front of the queue while
+# the leaders finish, then recompute and catch up. If the two schedules above are the same, that is
+# not a bug — the measurement below counts how rarely the two policies would choose differently.
 #
 # ## Measure: recompute overhead and throughput against cache size
 #
-# 24 requests (prompts of 40 bytes, 60–160 new tokens), in caches from 16 to 64 blocks of 16 tokens.
-# The **recompute overhead** is the tokens computed again after a preemption, as a share of the useful
-# tokens (prompts plus outputs).
+# 16 requests with prompts of 16–240 bytes and 30–90 new tokens, a token budget of 64 per step (so
+# long prompts are chunked), in caches of 20 to 40 blocks of 16 tokens. The **recompute overhead** is
+# the tokens computed again after a preemption, as a share of the useful tokens (prompts plus outputs).
+# A counting wrapper (`CountingPolicy`) also asks, at every preemption, whether the *other* policy
+# would have chosen the same victim.
 
 # %%
-workload = [text[s:s + 40] for s in rng.integers(0, len(text) - 40, size=24)]
+prompt_bytes = rng.integers(16, 241, size=16)
+workload = [text[s:s + int(n)] for s, n in zip(rng.integers(0, len(text) - 300, size=16), prompt_bytes)]
 workload_params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
-                   for n in rng.integers(60, 161, size=24)]
+                   for n in rng.integers(30, 91, size=16)]
 measured = {}
-for num_blocks in [16, 24, 32, 48, 64]:
-    for policy in ["newest", "least_progressed"]:
-        engine = small_engine(policy, num_blocks=num_blocks)
+for num_blocks in [20, 28, 40]:
+    for name, policy in [("newest", newest_first), ("least_progressed", least_progressed)]:
+        counter = CountingPolicy(policy)
+        engine = small_engine(counter, num_blocks=num_blocks, max_num_batched_tokens=64)
         started = time.perf_counter()
         outs = engine.generate(workload, workload_params)
         seconds = time.perf_counter() - started
         useful = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
-        recomputed = sum(r.recomputed_tokens for r in engine.trace)
-        measured[num_blocks, policy] = dict(
-            steps=len(engine.trace), preemptions=sum(len(r.preempted) for r in engine.trace),
-            overhead=recomputed / useful, tokens=sum(len(o.token_ids) for o in outs), seconds=seconds)
-print(f"{'blocks':>6} {'policy':>16} {'steps':>6} {'preemptions':>11} {'recompute overhead':>18}")
-for (num_blocks, policy), m in measured.items():
-    print(f"{num_blocks:6d} {policy:>16} {m['steps']:6d} {m['preemptions']:11d} {m['overhead']:18.1%}")
+        measured[num_blocks, name] = dict(
+            steps=len(engine.trace), preemptions=counter.calls, disagreements=counter.disagreements,
+            overhead=sum(r.recomputed_tokens for r in engine.trace) / useful,
+            tokens=sum(len(o.token_ids) for o in outs), seconds=seconds)
+print(f"{'blocks':>6} {'policy':>16} {'steps':>6} {'preemptions':>11} {'other would differ':>18} "
+      f"{'recompute overhead':>18}")
+for (num_blocks, name), m in measured.items():
+    print(f"{num_blocks:6d} {name:>16} {m['steps']:6d} {m['preemptions']:11d} {m['disagreements']:18d} "
+          f"{m['overhead']:18.1%}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -351,7 +363,12 @@ plt.show()
 
 # %% [markdown]
 # A small cache costs twice: every preemption recomputes a sequence, and fewer sequences fit in a
-# step. The full sweep is `benchmarks/preemption.py`.
+# step. The "other would differ" column explains why the two policies' rows look so alike: with
+# first-come-first-served admission and one token per step for everyone, the sequence admitted last
+# is nearly always also the one with the fewest output tokens. The policies part only when progress
+# is uneven — a resumed sequence re-admitted with many tokens, a long prompt still being prefilled
+# in chunks — which is exactly where "fewest *output* tokens" and "least *computed*" stop meaning the
+# same thing.
 #
 # ## Exercises
 #

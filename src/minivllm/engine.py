@@ -149,21 +149,21 @@ class LLMEngine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         sequences = self.scheduler.sequences
-        batch = build_batch(plan, sequences, self.manager)
-        forward_started = time.perf_counter()
-        logits = self.runner.forward(batch)
-        forward_s = time.perf_counter() - forward_started
-        tokens = self.runner.sample(plan, sequences, logits)
-        blocks_used = self.manager.allocator.num_used  # before finished sequences let go
+        tokens, forward_s = {}, 0.0
+        if plan.chunks:  # a plan can be empty when all it did was end a sequence too big for the cache
+            batch = build_batch(plan, sequences, self.manager)
+            forward_started = time.perf_counter()
+            logits = self.runner.forward(batch)
+            forward_s = time.perf_counter() - forward_started
+            tokens = self.runner.sample(plan, sequences, logits)
         stepped = [sequences[i] for i in plan.sampling_seq_ids]
         stepped += [sequences[i] for i in plan.finished]  # ended by the scheduler without a new token
         finished = self.scheduler.update(plan, tokens)
-        self.trace.append(self._record(plan, finished, blocks_used, forward_s, time.perf_counter() - started))
+        self.trace.append(self._record(plan, finished, forward_s, time.perf_counter() - started))
         return [self._output(seq) for seq in stepped]
 
-    def _record(self, plan: StepPlan, finished: list[Sequence], blocks_used: int,
-                forward_s: float, step_s: float) -> StepRecord:
-        scheduler = self.scheduler
+    def _record(self, plan: StepPlan, finished: list[Sequence], forward_s: float, step_s: float) -> StepRecord:
+        scheduler, blocks_used = self.scheduler, self.manager.allocator.num_used
         return StepRecord(
             step=plan.step, admitted=plan.admitted,
             decoded=tuple(c.seq_id for c in plan.decodes),
@@ -233,7 +233,7 @@ class LLM:
         if isinstance(model, str):
             model = load_model(model)
         scheduler_keys = {"max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "batching",
-                          "enable_prefix_caching"}
+                          "enable_prefix_caching", "preemption"}
         scheduler = SchedulerConfig(**{k: config.pop(k) for k in list(config) if k in scheduler_keys})
         self.engine = LLMEngine(model, EngineConfig(scheduler=scheduler, **config))
 

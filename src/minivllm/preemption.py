@@ -38,3 +38,16 @@ VICTIM_POLICIES: dict[str, Callable[[SequenceOf[Sequence]], Sequence]] = {
     "newest": newest_first,
     "least_progressed": least_progressed,
 }
+
+
+class CountingPolicy:
+    """Wraps a victim policy: counts its preemptions, and how often newest-first and least-progressed
+    would have chosen different victims (to see when the choice of policy matters at all)."""
+
+    def __init__(self, policy: Callable[[SequenceOf[Sequence]], Sequence]) -> None:
+        self.policy, self.calls, self.disagreements = policy, 0, 0
+
+    def __call__(self, candidates: SequenceOf[Sequence]) -> Sequence:
+        self.calls += 1
+        self.disagreements += newest_first(candidates) is not least_progressed(candidates)
+        return self.policy(candidates)

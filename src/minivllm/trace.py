@@ -30,7 +30,7 @@ class StepRecord:
     num_batched_tokens: int
     prefix_hit_tokens: int
     recomputed_tokens: int  # computed again because a preemption had thrown their K/V away
-    blocks_used: int  # during the forward pass (before finished sequences let go)
+    blocks_used: int  # after the step: finished sequences have let go
     blocks_free: int
     forward_s: float = 0.0  # time in the model forward pass
     step_s: float = 0.0  # time of the whole step: schedule, build the batch, forward, sample, update
