@@ -389,7 +389,7 @@ def test_the_trace_tells_the_whole_story(target, tmp_path) -> None:
     assert [r.to_dict(timings=False) for r in bare] == [r.to_dict(timings=False) for r in trace]
     assert all(r.forward_s == 0.0 and r.step_s == 0.0 for r in bare) and all(r.step_s > 0 for r in trace)
     for r in trace:
-        assert r.blocks_used + r.blocks_free == 32 and r.blocks_used > 0
+        assert r.blocks_used + r.blocks_free == 32 and (r.blocks_used > 0) == bool(r.running)  # after the step
         assert r.num_batched_tokens <= 32 and len(r.running) <= 4
         assert r.num_batched_tokens == len(r.decoded) + sum(n for _, n in r.prefilled)
         assert not set(r.running) & set(r.waiting) and not {i for i, _ in r.finished} & set(r.running)

@@ -145,10 +145,12 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         stalled, preempted, finished = [], [], []
         # Phase 1 and 2: the running batch, decodes first, then prompts still being prefilled.
-        decoding = [s for s in self.running if s.is_decoding]
-        prefilling = [s for s in self.running if not s.is_decoding]
+        decoding, prefilling = [], []
+        for seq in self.running:
+            (decoding if seq.is_decoding else prefilling).append(seq)
+        num_decoding = len(decoding)
         served: list[Sequence] = []  # scheduled this step: never preempted by a later one
-        for seq in decoding + prefilling:
+        for index, seq in enumerate(decoding + prefilling):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
             wanted = min(seq.num_uncomputed_tokens, budget)
@@ -164,7 +166,7 @@ class Scheduler:
             if granted == 0:
                 stalled.append(seq.seq_id)
                 continue
-            chunks.append(self._chunk(seq, granted, is_prefill=seq not in decoding))
+            chunks.append(self._chunk(seq, granted, is_prefill=index >= num_decoding))
             served.append(seq)
             budget -= granted
         # Phase 3: admissions, first come first served -- but not in a step that had to preempt.

@@ -13,7 +13,7 @@ Sequences with a single new token (decodes) come first, `num_decodes` of them, t
 
 `TorchPagedAttention` is the reference backend: chapter 03's gather-and-attend, extended to the batch.
 Each layer writes the new K/V of ALL sequences through the slot mapping, then attends in two groups:
-decodes as one `[num_decodes, heads, 1, context]` call, prefill chunks padded to the longest chunk.
+decodes as one `[num_decodes, kv_heads, group, context]` call, prefill chunks padded to the longest chunk.
 Splitting the groups keeps a 400-token prefill from padding 60 one-token decodes to 400 queries each.
 Chapter 07 writes a CUDA kernel that takes the same `VarlenBatch`.
 """
@@ -70,7 +70,7 @@ class TorchPagedAttention:
         nd, nseq = batch.num_decodes, batch.num_seqs
         if nd:
             self.decode_slots, valid = context_slots(batch, slice(0, nd))
-            self.decode_mask = valid[:, None, None, :]  # [nd, heads, 1 query, keys]
+            self.decode_mask = valid[:, None, None, :]  # [nd, kv_heads, group, keys], broadcast
         if nd < nseq:
             self._prepare_prefills(slice(nd, nseq))
 
@@ -98,7 +98,7 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         nd = batch.num_decodes
         if nd:
-            out[:nd] = self._attend(layer, q[:nd, None], self.decode_slots, self.decode_mask)[:, 0]
+            out[:nd] = self._attend_decodes(layer, q[:nd])
         if nd < batch.num_seqs:
             heads, dim = q.shape[1:]
             padded = q.new_zeros(len(self.prefill_slots) * self.prefill_width, heads, dim)
@@ -107,6 +107,18 @@ class TorchPagedAttention:
             result = self._attend(layer, padded, self.prefill_slots, self.prefill_mask)
             out[self.prefill_rows] = result.reshape(-1, heads, dim)[self.padded_index]
         return out
+
+    def _attend_decodes(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """One query per sequence, `[nd, heads, D]`. The query heads that share a K/V head are laid along
+        the query axis, `[nd, kv_heads, group, D]`, so each cached K/V row is read once per K/V head
+        rather than copied once per query head (what `enable_gqa` does on the CPU)."""
+        nd, heads, dim = q.shape
+        keys, values = self.storage.read_slots(layer, self.decode_slots)  # [nd, S, kv_heads, D]
+        kv_heads = keys.shape[2]
+        grouped = q.view(nd, kv_heads, heads // kv_heads, dim)
+        out = F.scaled_dot_product_attention(
+            grouped, keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2), attn_mask=self.decode_mask)
+        return out.reshape(nd, heads, dim)
 
     def _attend(self, layer: int, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q `[b, T, heads, D]` against the K/V at `slots` `[b, S]` -> `[b, T, heads, D]`."""
