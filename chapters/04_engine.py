@@ -124,6 +124,8 @@ show(Sequence.num_uncomputed_tokens.fget)
 # (each reserves the slot for its next token *before* the forward pass), then prompts still being
 # prefilled, then admissions from the waiting queue, first come first served, while three limits
 # hold: `max_num_seqs`, the per-step token budget `max_num_batched_tokens`, and free blocks.
+# (`_make_room` is `_reserve` plus chapter 05's preemption; with `preemption=None` it only reserves, and
+# a sequence it cannot serve is *stalled* for the step.)
 
 # %%
 show(Scheduler.schedule)

@@ -99,9 +99,14 @@ show(Scheduler._preempt)
 # %% [markdown]
 # `schedule()` asks `_make_room` for every running sequence's next tokens. When `_reserve` fails, it
 # picks a victim among the running sequences not yet scheduled in this step, preempts it and retries —
-# until the sequence fits or is itself the victim. A step that preempted admits no one (the freed blocks are for the running batch).
-# One sequence is never preempted for nothing: if it is **alone** and still does not fit, no amount of
-# waiting will help, so it ends with finish reason `"cache_full"` instead of looping forever.
+# until the sequence fits or is itself the victim. Three rules keep this from doing harm:
+#
+# - A step that preempted admits no one: the freed blocks are for the running batch.
+# - A *prompt chunk* that finds no block waits (is stalled) instead of preempting, once the step has
+#   other work. Preempting for it would throw away keys and values — often its own half-computed
+#   prompt — to run a few prompt tokens one step sooner. Decodes do preempt: a user is waiting on them.
+# - A sequence that is **alone** and still does not fit can never fit: it ends with finish reason
+#   `"cache_full"` instead of looping forever.
 
 # %%
 show(Scheduler._make_room)

@@ -156,7 +156,10 @@ class Scheduler:
             wanted = min(seq.num_uncomputed_tokens, budget)
             if wanted == 0:
                 break  # budget spent: the rest of the prefills wait for the next step
-            granted = self._make_room(seq, wanted, served, preempted)
+            # A prompt chunk waits rather than preempt once the step has other work: preempting for it
+            # would throw away K/V (maybe its own) to run a few prompt tokens a step sooner.
+            may_preempt = index < num_decoding or not chunks
+            granted = self._make_room(seq, wanted, served, preempted) if may_preempt else self._reserve(seq, wanted)
             if seq.status is not Status.RUNNING:
                 continue  # it was its own victim
             if granted == 0 and len(self.running) == 1:
