@@ -375,6 +375,11 @@ plt.show()
 # in chunks — which is exactly where "fewest *output* tokens" and "least *computed*" stop meaning the
 # same thing.
 #
+# An overhead above 100 % means sequences were recomputed more than once. In a cache this small a
+# readmitted sequence's prefill takes every block the decodes will need a few steps later, so it is
+# preempted again: *thrashing*. vLLM damps it with a *watermark* — admit only while some blocks stay
+# free for the running batch to grow into (exercise 4).
+#
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/preemption.py`
@@ -388,3 +393,7 @@ plt.show()
 # 3. *(Explore, no test.)* Write a third policy — *longest remaining* (evict the sequence furthest from
 #    its `max_tokens`) — pass the function as `SchedulerConfig(preemption=...)`, and compare its
 #    recompute overhead with the two above.
+# 4. *(Explore, no test.)* Add a watermark to `Scheduler._admit`: admit only while, after the
+#    allocation, at least one free block per running decode would remain. Rerun the measurement: how
+#    do the preemption count, the recompute overhead and the steps move, and at what cache size does
+#    the watermark start to cost more than it saves?
