@@ -1,0 +1,46 @@
+"""The `minivllm generate` command line: streams the continuation, exits 2 with a reason on bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.checkpoint import load_model
+from minivllm.cli import main
+from minivllm.engine import LLMEngine
+from minivllm.sequence import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_generate_streams_the_engines_text(capsys) -> None:
+    assert main(["generate", "ROMEO:\n", "--max-tokens", "12", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    expected = LLMEngine(load_model("target")).generate(["ROMEO:\n"], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out == "ROMEO:\n" + expected.text + "\n"
+    assert f"finish_reason: {expected.finish_reason}" in err
+
+
+def test_a_seed_makes_sampling_repeatable(capsys) -> None:
+    args = ["generate", "JULIET:", "--max-tokens", "20", "--temperature", "0.9", "--seed", "7"]
+    main(args)
+    first = capsys.readouterr().out
+    main(args)
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--model", "no-such-model"], "no-such-model"),
+    (["--max-tokens", "600"], "context"),
+])
+def test_bad_arguments_exit_2_with_the_reason(capsys, args: list[str], message: str) -> None:
+    assert main(["generate", "ROMEO:", *args]) == 2
+    assert message in capsys.readouterr().err
