@@ -48,7 +48,7 @@ class RequestOutput:
     token_ids: list[int]  # generated tokens
     text: str  # generated text (a stop string is cut off)
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort" or "cache_full"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_preemptions: int = 0
@@ -104,7 +104,7 @@ class LLMEngine:
     def _prompt_ids(self, prompt: str | SequenceOf[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_bos=True)
-        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
         else:
             raise TypeError("prompt must be a string or a list of token ids (ints)")
