@@ -1,4 +1,9 @@
-"""`pytest --exercise ch01.1`: run only the tests that grade one exercise (repeat the option for more)."""
+"""Shared test setup.
+
+`pytest --exercise ch01.1` runs only the tests that grade one exercise (repeat the option for more).
+`one_torch_thread` (module scope) runs a test module's torch work on one thread, and `target` loads the
+shipped model once per module.
+"""
 
 from __future__ import annotations
 
@@ -26,3 +31,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     kept = [item for item in items if exercise_ids(item) & wanted]
     config.hook.pytest_deselected(items=[item for item in items if not exercise_ids(item) & wanted])
     items[:] = kept
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for the module: on a small shared machine two BLAS threads can make a small
+    matmul hundreds of times slower, and the engine's steps are many small matmuls."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    from minivllm.checkpoint import load_model
+
+    return load_model("target")

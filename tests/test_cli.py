@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from minivllm.checkpoint import load_model
 from minivllm.cli import main
@@ -11,12 +10,7 @@ from minivllm.engine import LLMEngine
 from minivllm.sequence import SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_generate_streams_the_engines_text(capsys) -> None:

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from minivllm.block_allocator import BlockManager
-from minivllm.checkpoint import load_model
 from minivllm.engine import LLM, EngineConfig, LLMEngine, RequestOutput
 from minivllm.kv_cache import ContiguousKVCache, generate_cached
 from minivllm.model_runner import build_batch
@@ -39,18 +38,7 @@ LINES = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # One thread: on a small shared machine two BLAS threads can make a small matmul hundreds of times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_model("target")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(model, num_blocks: int = 128, block_size: int = 16, seed: int = 0, **scheduler) -> LLMEngine:

@@ -15,12 +15,10 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minivllm.block_allocator import BlockManager
-from minivllm.checkpoint import load_model
 from minivllm.corpus import shipped_validation_text
 from minivllm.engine import EngineConfig, LLMEngine, RequestOutput
 from minivllm.preemption import VICTIM_POLICIES, least_progressed, newest_first
@@ -35,18 +33,7 @@ ch05_1 = pytest.mark.exercise("ch05.1")
 ch05_2 = pytest.mark.exercise("ch05.2")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # One thread: on a small shared machine two BLAS threads can make a small matmul hundreds of times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_model("target")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- helpers: the pure scheduler with a fake sampler ----------------------------------------------------------------

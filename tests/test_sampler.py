@@ -21,12 +21,7 @@ from minivllm.sampler import derive_seed, position_uniforms, sample, sample_from
 U_MAX = 1.0 - 2.0**-53  # the largest value position_uniforms can return
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def probs_of(logits, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:

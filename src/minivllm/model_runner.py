@@ -76,8 +76,6 @@ class ModelRunner:
     def sample(self, plan: StepPlan, sequences: Mapping[int, Sequence], logits: torch.Tensor) -> dict[int, int]:
         """One token per sampling chunk; its position is the index it will have in the sequence."""
         seqs = [sequences[i] for i in plan.sampling_seq_ids]
-        if all(s.params.temperature == 0 for s in seqs):
-            return dict(zip(plan.sampling_seq_ids, logits.argmax(dim=-1).tolist()))  # all greedy
         tokens = sample(
             logits,
             temperatures=[s.params.temperature for s in seqs], top_ks=[s.params.top_k for s in seqs],

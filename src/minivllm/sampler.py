@@ -92,8 +92,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: np.ndarray | torch.Tensor) 
 def sample(logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float],
            seeds: Sequence[int], positions: Sequence[int]) -> list[int]:
     """The engine's sampler: one token per row of `logits`, each from its own request's distribution."""
-    temperatures = torch.tensor(temperatures, dtype=torch.float64)
-    if bool((temperatures == 0).all()):
+    if all(t == 0 for t in temperatures):
         return logits.argmax(dim=-1).tolist()  # all greedy: skip the sort and the hash
-    probs = token_probs(logits, temperatures, torch.tensor(top_ks), torch.tensor(top_ps, dtype=torch.float64))
+    probs = token_probs(logits, torch.tensor(temperatures, dtype=torch.float64), torch.tensor(top_ks),
+                        torch.tensor(top_ps, dtype=torch.float64))
     return sample_from_probs(probs, position_uniforms(seeds, positions)).tolist()

@@ -199,14 +199,14 @@ class Scheduler:
 
         A decode needs its one slot or nothing; a prefill chunk may shrink to what the free blocks hold.
         """
-        manager, bs = self.manager, self.manager.block_size
-        held = manager.num_tokens(seq.seq_id) - seq.num_computed_tokens  # slots reserved but not written
-        slack = -manager.num_tokens(seq.seq_id) % bs  # unused slots in the last block
-        fits = held + slack + manager.num_free * bs
+        manager = self.manager
+        holds = manager.num_tokens(seq.seq_id)  # token slots its blocks cover now
+        slack = -holds % manager.block_size  # unused slots in the last block
+        fits = holds - seq.num_computed_tokens + slack + manager.num_free * manager.block_size
         granted = min(wanted, fits) if self._may_chunk(seq) or wanted == 1 else wanted
         if granted > fits:
             return 0
-        extra = seq.num_computed_tokens + granted - manager.num_tokens(seq.seq_id)
+        extra = seq.num_computed_tokens + granted - holds
         try:
             if extra > 0:
                 manager.append(seq.seq_id, extra)
