@@ -207,6 +207,28 @@ class BlockManager:
         table.blocks.extend(self.allocator.allocate() for _ in range(needed))
         table.num_tokens += extra_tokens
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Roll the sequence back to its first `num_tokens` token slots and free the blocks past them
+        (speculative decoding: the slots of rejected draft tokens, chapter 06). All or nothing: it
+        refuses, changing nothing, to cut into a block the prefix cache has named (others may share it)."""
+        table = self._table(seq_id)
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise ValueError(f"cannot truncate sequence {seq_id} to {num_tokens} tokens: it holds {table.num_tokens}")
+        named = len(table.block_hashes) * self.block_size
+        if num_tokens < named:
+            raise ValueError(f"cannot truncate sequence {seq_id} to {num_tokens} tokens: its first {named} are in "
+                             f"named prefix-cache blocks that other sequences may share")
+        # EXERCISE ch06.2: KV rollback -- keep the blocks that hold num_tokens, give the rest back, set the count
+        ### BEGIN SOLUTION
+        keep = -(-num_tokens // self.block_size)
+        # Free the last block first, so the LIFO stack hands the first freed block out again first:
+        # the next speculative round grows back into the very blocks this one gave up.
+        for block in reversed(table.blocks[keep:]):
+            self.allocator.decref(block)
+        del table.blocks[keep:]
+        table.num_tokens = num_tokens
+        ### END SOLUTION
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; writes are separated later by copy-on-write."""
         parent = self._table(parent_id)

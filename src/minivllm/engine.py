@@ -7,7 +7,9 @@ The engine owns no policy of its own. A step is
     tokens = runner.sample(plan, logits)          # one batched sampling call
     finished = scheduler.update(plan, tokens)     # append, stop checks, free blocks
 
-plus a `StepRecord` for the trace. Requests come in with `add_request` (checked there, so a bad one
+plus a `StepRecord` for the trace. With a `SpeculativeConfig` (chapter 06) a drafter proposes tokens for
+every decoding sequence between `schedule()` and the forward pass, the same single pass verifies them,
+and `verify` turns its logits into runs of accepted tokens. Requests come in with `add_request` (checked there, so a bad one
 never reaches the scheduler) and leave as `RequestOutput`s. `generate` runs a list of prompts to the
 end; `stream` yields text deltas as they are produced; `LLM` is the two-line front door.
 """
@@ -15,8 +17,8 @@ end; `stream` yields text deltas as they are produced; `LLM` is the two-line fro
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence as SequenceOf
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence as SequenceOf
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,6 +30,7 @@ from .paged_cache import PagedKVStorage
 from .sampler import derive_seed
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .sequence import SamplingParams, Sequence, Status
+from .speculative import Proposal, SpeculativeConfig, make_drafter, verify
 from .tokenizer import ByteTokenizer
 from .trace import StepRecord
 
@@ -39,6 +42,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0  # requests without a seed get one derived from this and their id
     dtype: torch.dtype = torch.float32
+    speculative: SpeculativeConfig | None = None  # None: plain decoding, one target pass per token
 
 
 @dataclass
@@ -70,9 +74,14 @@ class LLMEngine:
                  tokenizer: ByteTokenizer | None = None) -> None:
         self.model, self.config = model.eval(), config or EngineConfig()
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.manager = BlockManager(self.config.num_blocks, self.config.block_size)
-        self.storage = PagedKVStorage(model.config, self.config.num_blocks, self.config.block_size, self.config.dtype)
-        self.scheduler = Scheduler(self.config.scheduler, self.manager)
+        config = self.config
+        self.manager = BlockManager(config.num_blocks, config.block_size)
+        self.storage = PagedKVStorage(model.config, config.num_blocks, config.block_size, config.dtype)
+        scheduler_config, self.drafter = config.scheduler, None
+        if config.speculative is not None:  # reserve k lookahead slots after every decode for the drafts
+            self.drafter = make_drafter(config.speculative, model, self.manager, config.num_blocks, config.dtype)
+            scheduler_config = replace(scheduler_config, num_lookahead_slots=config.speculative.num_speculative_tokens)
+        self.scheduler = Scheduler(scheduler_config, self.manager)
         self.runner = ModelRunner(model, self.storage, self.manager)
         self.trace: list[StepRecord] = []
         self._next_id = 0
@@ -89,7 +98,10 @@ class LLMEngine:
         if request_id in self.scheduler.sequences:
             raise ValueError(f"request id {request_id} is already in use by an unfinished request")
         seed = params.seed if params.seed is not None else derive_seed(self.config.seed, request_id)
-        self.scheduler.add(Sequence(request_id, prompt_ids, params, seed, self.model.config.eos_token_id))
+        seq = Sequence(request_id, prompt_ids, params, seed, self.model.config.eos_token_id)
+        if self.drafter is not None and self.drafter.uses_cache:
+            seq.num_draft_computed_tokens = 0
+        self.scheduler.add(seq)
         self._next_id = max(self._next_id, request_id + 1)
         return request_id
 
@@ -149,20 +161,41 @@ class LLMEngine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         sequences = self.scheduler.sequences
-        tokens, forward_s = {}, 0.0
+        tokens, proposals, forward_s, draft_s = {}, {}, 0.0, 0.0
         if plan.chunks:  # a plan can be empty when all it did was end a sequence too big for the cache
-            batch = build_batch(plan, sequences, self.manager)
+            draft_started = time.perf_counter()
+            proposals = self._propose(plan, sequences)
+            draft_s = time.perf_counter() - draft_started
+            batch = build_batch(plan, sequences, self.manager, {i: p.tokens for i, p in proposals.items()})
             forward_started = time.perf_counter()
             logits = self.runner.forward(batch)
             forward_s = time.perf_counter() - forward_started
-            tokens = self.runner.sample(plan, sequences, logits)
+            tokens = self._sample(plan, sequences, logits, proposals)
         stepped = [sequences[i] for i in plan.sampling_seq_ids]
         stepped += [sequences[i] for i in plan.finished]  # ended by the scheduler without a new token
+        speculated = tuple((i, len(p.tokens), len(tokens[i]) - 1) for i, p in proposals.items())
         finished = self.scheduler.update(plan, tokens)
-        self.trace.append(self._record(plan, finished, forward_s, time.perf_counter() - started))
+        self.trace.append(self._record(plan, finished, speculated, forward_s, draft_s, time.perf_counter() - started))
         return [self._output(seq) for seq in stepped]
 
-    def _record(self, plan: StepPlan, finished: list[Sequence], forward_s: float, step_s: float) -> StepRecord:
+    def _propose(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> dict[int, Proposal]:
+        """The drafter's tokens for every chunk with lookahead slots (none without speculation)."""
+        chunks = [c for c in plan.chunks if c.num_lookahead]
+        if self.drafter is None or not chunks:
+            return {}
+        proposals = self.drafter.propose([sequences[c.seq_id] for c in chunks], [c.num_lookahead for c in chunks])
+        return {c.seq_id: p for c, p in zip(chunks, proposals)}
+
+    def _sample(self, plan: StepPlan, sequences: Mapping[int, Sequence], logits: torch.Tensor,
+                proposals: Mapping[int, Proposal]) -> dict[int, int | list[int]]:
+        if self.drafter is None:
+            return self.runner.sample(plan, sequences, logits)
+        ids = plan.sampling_seq_ids
+        runs = verify(logits, [sequences[i] for i in ids], [proposals.get(i, Proposal()) for i in ids])
+        return dict(zip(ids, runs))
+
+    def _record(self, plan: StepPlan, finished: list[Sequence], speculated: tuple[tuple[int, int, int], ...],
+                forward_s: float, draft_s: float, step_s: float) -> StepRecord:
         scheduler, blocks_used = self.scheduler, self.manager.allocator.num_used
         return StepRecord(
             step=plan.step, admitted=plan.admitted,
@@ -173,8 +206,8 @@ class LLMEngine:
             running=tuple(s.seq_id for s in scheduler.running), waiting=tuple(s.seq_id for s in scheduler.waiting),
             num_batched_tokens=plan.num_batched_tokens, prefix_hit_tokens=plan.prefix_hit_tokens,
             recomputed_tokens=plan.recomputed_tokens,
-            blocks_used=blocks_used, blocks_free=self.config.num_blocks - blocks_used,
-            forward_s=forward_s, step_s=step_s,
+            blocks_used=blocks_used, blocks_free=self.config.num_blocks - blocks_used, speculated=speculated,
+            forward_s=forward_s, draft_s=draft_s, step_s=step_s,
         )
 
     @staticmethod
@@ -235,6 +268,8 @@ class LLM:
         scheduler_keys = {"max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "batching",
                           "enable_prefix_caching", "preemption"}
         scheduler = SchedulerConfig(**{k: config.pop(k) for k in list(config) if k in scheduler_keys})
+        if isinstance(config.get("speculative"), dict):  # vLLM style: speculative={"method": "ngram", ...}
+            config["speculative"] = SpeculativeConfig(**config["speculative"])
         self.engine = LLMEngine(model, EngineConfig(scheduler=scheduler, **config))
 
     def generate(self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None

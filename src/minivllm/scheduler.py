@@ -45,15 +45,24 @@ class SchedulerConfig:
     # Out of blocks while the batch runs: None stalls the sequence (chapter 04); a victim policy's name
     # ("newest", "least_progressed", see preemption.py) or a function preempts by recompute (chapter 05).
     preemption: str | Callable | None = "newest"
+    # Speculative decoding (chapter 06): extra slots reserved after each decode for draft tokens that
+    # the target verifies in the same pass (k, the number of speculative tokens). 0 = plain decoding.
+    num_lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        lookahead = self.num_lookahead_slots
+        if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+            raise ValueError(f"SchedulerConfig.num_lookahead_slots must be an int >= 0, got {lookahead!r}")
+        per_decode = 1 + lookahead  # a decode runs its last token plus its draft tokens
+        if self.max_num_batched_tokens < self.max_num_seqs * per_decode:
             raise ValueError(f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                             f">= max_num_seqs ({self.max_num_seqs}), or a full batch could not all decode")
+                             f">= max_num_seqs ({self.max_num_seqs}) x {per_decode} tokens per decode "
+                             f"(1 + {lookahead} lookahead slots), or a full batch could not all decode: "
+                             f"raise the budget or lower max_num_seqs")
         if isinstance(self.preemption, str) and self.preemption not in VICTIM_POLICIES:
             raise ValueError(f"SchedulerConfig.preemption must be None, a function or one of "
                              f"{sorted(VICTIM_POLICIES)}, got {self.preemption!r}")
@@ -70,6 +79,7 @@ class ScheduledChunk:
     num_tokens: int
     is_prefill: bool  # prompt (or recomputed) tokens; False for a decode: the one token sampled last step
     samples: bool  # this chunk reaches the sequence's last token: its logits pick the next token
+    num_lookahead: int = 0  # slots reserved after it for draft tokens to verify (chapter 06)
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,8 @@ class StepPlan:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        """Tokens the step may run: the chunks, plus the slots reserved for draft tokens."""
+        return sum(c.num_tokens + c.num_lookahead for c in self.chunks)
 
     @property
     def decodes(self) -> tuple[ScheduledChunk, ...]:
@@ -153,13 +164,20 @@ class Scheduler:
         for index, seq in enumerate(decoding + prefilling):
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
-            wanted = min(seq.num_uncomputed_tokens, budget)
+            is_decode = index < num_decoding
+            lookahead = self._lookahead(seq) if is_decode else 0
+            wanted = min(seq.num_uncomputed_tokens + lookahead, budget)  # the config makes decodes always fit
             if wanted == 0:
                 break  # budget spent: the rest of the prefills wait for the next step
+            # A decode (with its lookahead) gets all its slots or none, so how far a sequence speculates
+            # never depends on who else is in the batch; a prompt chunk may shrink to what is free.
+            divisible = not is_decode and self._may_chunk(seq)
             # A prompt chunk waits rather than preempt once the step has other work: preempting for it
             # would throw away K/V (maybe its own) to run a few prompt tokens a step sooner.
-            may_preempt = index < num_decoding or not chunks
-            granted = self._make_room(seq, wanted, served, preempted) if may_preempt else self._reserve(seq, wanted)
+            if is_decode or not chunks:
+                granted = self._make_room(seq, wanted, divisible, served, preempted)
+            else:
+                granted = self._reserve(seq, wanted, divisible)
             if seq.status is not Status.RUNNING:
                 continue  # it was its own victim
             if granted == 0 and len(self.running) == 1:
@@ -169,7 +187,7 @@ class Scheduler:
             if granted == 0:
                 stalled.append(seq.seq_id)
                 continue
-            chunks.append(self._chunk(seq, granted, is_prefill=index >= num_decoding))
+            chunks.append(self._chunk(seq, granted - lookahead, is_prefill=not is_decode, lookahead=lookahead))
             served.append(seq)
             budget -= granted
         # Phase 3: admissions, first come first served -- but not in a step that had to preempt.
@@ -181,29 +199,31 @@ class Scheduler:
         return StepPlan(self.step, tuple(chunks), tuple(admitted), tuple(stalled), tuple(preempted), resumed,
                         tuple(finished), hit_tokens, recomputed)
 
-    def _make_room(self, seq: Sequence, wanted: int, served: list[Sequence], preempted: list[int]) -> int:
+    def _make_room(self, seq: Sequence, wanted: int, divisible: bool, served: list[Sequence],
+                   preempted: list[int]) -> int:
         """Reserve blocks for up to `wanted` tokens of `seq`. When none are free, preempt victims chosen by
         the policy (chapter 05) until it fits or is the victim itself. Returns the tokens granted."""
-        granted = self._reserve(seq, wanted)
+        granted = self._reserve(seq, wanted, divisible)
         while granted == 0 and self.victim_policy is not None and len(self.running) > 1:
             victim = self.victim_policy([s for s in self.running if s not in served])
             self._preempt(victim)
             preempted.append(victim.seq_id)
             if victim is seq:
                 return 0
-            granted = self._reserve(seq, wanted)
+            granted = self._reserve(seq, wanted, divisible)
         return granted
 
-    def _reserve(self, seq: Sequence, wanted: int) -> int:
+    def _reserve(self, seq: Sequence, wanted: int, divisible: bool) -> int:
         """Grow a running sequence's blocks for up to `wanted` more tokens; returns how many fit.
 
-        A decode needs its one slot or nothing; a prefill chunk may shrink to what the free blocks hold.
+        An indivisible request (a decode and its lookahead) gets all its slots or nothing; a divisible
+        one (a prefill chunk) may shrink to what the free blocks hold.
         """
         manager = self.manager
         holds = manager.num_tokens(seq.seq_id)  # token slots its blocks cover now
         slack = -holds % manager.block_size  # unused slots in the last block
         fits = holds - seq.num_computed_tokens + slack + manager.num_free * manager.block_size
-        granted = min(wanted, fits) if self._may_chunk(seq) or wanted == 1 else wanted
+        granted = min(wanted, fits) if divisible else wanted
         if granted > fits:
             return 0
         extra = seq.num_computed_tokens + granted - holds
@@ -233,6 +253,8 @@ class Scheduler:
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.status, seq.num_computed_tokens = Status.RUNNING, cached
+            if seq.num_draft_computed_tokens is not None:
+                seq.num_draft_computed_tokens = cached  # named blocks hold both models' K/V (see update)
             if not seq.num_preemptions:
                 seq.num_cached_tokens = cached  # what the prompt found cached on first admission
             self.running.append(seq)
@@ -241,6 +263,11 @@ class Scheduler:
             hit_tokens += cached
             budget -= num_new
         return admitted, hit_tokens
+
+    def _lookahead(self, seq: Sequence) -> int:
+        """Draft tokens to verify after this decode: k, but never past max_tokens (a round emits up to
+        lookahead + 1 tokens). It depends on the sequence alone, so its tokens do not depend on the batch."""
+        return max(0, min(self.config.num_lookahead_slots, seq.params.max_tokens - seq.num_output_tokens - 1))
 
     def _may_chunk(self, seq: Sequence) -> bool:
         """A prompt is chunked only if the config says so; a preempted sequence's recompute always may
@@ -257,6 +284,8 @@ class Scheduler:
         self.waiting.appendleft(seq)  # before every fresh request: it has a user waiting mid-answer
         ### END SOLUTION
         seq.num_preemptions += 1
+        if seq.num_draft_computed_tokens is not None:
+            seq.num_draft_computed_tokens = 0  # the draft model's K/V lived in the same blocks
 
     def _finish_too_big(self, seq: Sequence) -> None:
         blocks = self.manager.blocks_needed(0, seq.num_tokens)
@@ -273,28 +302,45 @@ class Scheduler:
         return max(0, min(chunk.start + chunk.num_tokens, done_before) - chunk.start)
 
     @staticmethod
-    def _chunk(seq: Sequence, num_tokens: int, is_prefill: bool) -> ScheduledChunk:
+    def _chunk(seq: Sequence, num_tokens: int, is_prefill: bool, lookahead: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        return ScheduledChunk(seq.seq_id, start, num_tokens, is_prefill, start + num_tokens == seq.num_tokens)
+        return ScheduledChunk(seq.seq_id, start, num_tokens, is_prefill, start + num_tokens == seq.num_tokens,
+                              lookahead)
 
-    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> list[Sequence]:
+    def update(self, plan: StepPlan, sampled: Mapping[int, int | list[int]]) -> list[Sequence]:
         """After the forward pass: advance what was computed, append sampled tokens, retire finished
-        sequences (freeing their blocks now). Returns the sequences that finished this step."""
+        sequences (freeing their blocks now). Returns the sequences that finished this step.
+
+        A sampling chunk gets one token, or with speculative decoding a run of them: the accepted draft
+        tokens, then the target's own token. The accepted drafts were computed in this very pass, so
+        they count as computed; the slots of rejected ones are rolled back.
+        """
         finished = [self.sequences.pop(i) for i in plan.finished if i in self.sequences]
         for chunk in plan.chunks:
             seq = self.sequences.get(chunk.seq_id)
             if seq is None:
                 continue  # aborted while the step ran
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            seq.max_computed_tokens = max(seq.max_computed_tokens, seq.num_computed_tokens)
-            if self.config.enable_prefix_caching:  # name full blocks only now that their K/V exist
-                self.manager.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if chunk.samples:
-                seq.append_token(sampled[seq.seq_id])
-                if seq.is_finished:
-                    self._retire(seq)
-                    finished.append(seq)
+                run = sampled[seq.seq_id]
+                appended = seq.append_tokens([run] if isinstance(run, int) else list(run))
+                seq.num_computed_tokens += appended - 1  # accepted drafts: their K/V were written
+            self._advance(seq, chunk)
+            if seq.is_finished:
+                self._retire(seq)
+                finished.append(seq)
         return finished
+
+    def _advance(self, seq: Sequence, chunk: ScheduledChunk) -> None:
+        seq.max_computed_tokens = max(seq.max_computed_tokens, seq.num_computed_tokens)
+        if chunk.num_lookahead:  # give back the slots of rejected (or never proposed) draft tokens
+            self.manager.truncate(seq.seq_id, seq.num_computed_tokens)
+        ready = seq.num_computed_tokens
+        if seq.num_draft_computed_tokens is not None:  # the draft's K/V past the accepted run are wrong
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, ready)
+            ready = seq.num_draft_computed_tokens
+        if self.config.enable_prefix_caching:  # name full blocks only once every model's K/V are in them
+            self.manager.register_computed(seq.seq_id, seq.token_ids, ready)
 
     def _retire(self, seq: Sequence) -> None:
         if seq.status is not Status.FINISHED:

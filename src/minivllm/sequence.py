@@ -102,6 +102,9 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     max_computed_tokens: int = 0  # the most it ever had computed (more than now after a preemption)
+    # Speculative decoding with a draft model (chapter 06): leading tokens whose K/V are in the DRAFT
+    # model's cache. None when no draft model keeps a cache for this sequence.
+    num_draft_computed_tokens: int | None = None
     num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -146,6 +149,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def append_tokens(self, tokens: list[int]) -> int:
+        """Append a run of tokens (speculative decoding accepts several at once) until one of them
+        finishes the request; returns how many were appended. The rest of the run is dropped."""
+        for count, token in enumerate(tokens, start=1):
+            self.append_token(token)
+            if self.is_finished:
+                return count
+        return len(tokens)
 
     def append_token(self, token: int) -> None:
         """Record a sampled token and decide whether the request is now done."""

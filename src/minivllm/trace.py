@@ -32,18 +32,21 @@ class StepRecord:
     recomputed_tokens: int  # computed again because a preemption had thrown their K/V away
     blocks_used: int  # after the step: finished sequences have let go
     blocks_free: int
-    forward_s: float = 0.0  # time in the model forward pass
+    # Speculative decoding (chapter 06): (sequence, draft tokens proposed, of them accepted) per verify.
+    speculated: tuple[tuple[int, int, int], ...] = ()
+    forward_s: float = 0.0  # time in the target model's forward pass
+    draft_s: float = 0.0  # time the drafter took to propose (0 without speculative decoding)
     step_s: float = 0.0  # time of the whole step: schedule, build the batch, forward, sample, update
 
     def to_dict(self, timings: bool = True) -> dict:
         record = asdict(self)
         if not timings:
-            del record["forward_s"], record["step_s"]
+            del record["forward_s"], record["draft_s"], record["step_s"]
         return record
 
     @classmethod
     def from_dict(cls, record: dict) -> StepRecord:
-        tuples = {"prefilled", "finished"}  # JSON turns tuples of pairs into lists of lists
+        tuples = {"prefilled", "finished", "speculated"}  # JSON turns tuples of pairs into lists of lists
         values = {}
         for f in fields(cls):
             if f.name not in record:
