@@ -166,7 +166,8 @@ class Scheduler:
                 continue  # preempted earlier in this step
             is_decode = index < num_decoding
             lookahead = self._lookahead(seq) if is_decode else 0
-            wanted = min(seq.num_uncomputed_tokens + lookahead, budget)  # the config makes decodes always fit
+            todo = 1 + lookahead if is_decode else self._prefill_end(seq) - seq.num_computed_tokens
+            wanted = min(todo, budget)  # the config makes decodes always fit
             if wanted == 0:
                 break  # budget spent: the rest of the prefills wait for the next step
             # A decode (with its lookahead) gets all its slots or none, so how far a sequence speculates
@@ -241,11 +242,12 @@ class Scheduler:
         admitted, hit_tokens = [], 0
         while self.waiting and len(self.running) < config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            # Never take the last prompt token from the cache: its logits are what picks the next token.
-            hits = manager.cached_prefix(seq.token_ids[:-1]) if config.enable_prefix_caching else []
+            end = self._prefill_end(seq)
+            # Never take the prefill's last token from the cache: the prefill must compute something.
+            hits = manager.cached_prefix(seq.token_ids[:end - 1]) if config.enable_prefix_caching else []
             cached = len(hits) * manager.block_size
-            num_new = min(seq.num_tokens - cached, budget)
-            if num_new < seq.num_tokens - cached and not self._may_chunk(seq):
+            num_new = min(end - cached, budget)
+            if num_new < end - cached and not self._may_chunk(seq):
                 break  # without chunking the whole prompt must fit in what is left of the budget
             try:
                 manager.allocate(seq.seq_id, cached + num_new, prefix_blocks=hits)
@@ -268,6 +270,18 @@ class Scheduler:
         """Draft tokens to verify after this decode: k, but never past max_tokens (a round emits up to
         lookahead + 1 tokens). It depends on the sequence alone, so its tokens do not depend on the batch."""
         return max(0, min(self.config.num_lookahead_slots, seq.params.max_tokens - seq.num_output_tokens - 1))
+
+    def _prefill_end(self, seq: Sequence) -> int:
+        """Where a sequence's prefill stops: after its last token, whose logits pick the next one.
+
+        With speculative decoding a *resumed* sequence (it has output already) stops one token short
+        and goes on as a decode. Its next tokens then come from a speculative round starting exactly
+        where the interrupted one would have, so a preemption cannot change them (a prefill's own draw
+        is an ordinary draw, a round's is not: the same distribution, not the same token).
+        """
+        if self.config.num_lookahead_slots and seq.num_output_tokens:
+            return seq.num_tokens - 1
+        return seq.num_tokens
 
     def _may_chunk(self, seq: Sequence) -> bool:
         """A prompt is chunked only if the config says so; a preempted sequence's recompute always may

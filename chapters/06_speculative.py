@@ -1,0 +1,524 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 06 — Speculative decoding: several tokens per target pass
+#
+# Chapter 04's engine emits one token per sequence per step, and every step is a full pass of the
+# target model. At a small batch that pass costs nearly the same whether it computes one token or
+# several: the weights are read, the kernels launched, the Python runs, and the arithmetic is the
+# small part. This chapter lets a cheap **drafter** guess the next k tokens and has the target check
+# all of them in ONE pass — keeping the output distribution *exactly* the target's.
+
+# %%
+import copy
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minivllm.block_allocator import BlockManager
+from minivllm.book import sequence_color, show, use_book_style
+from minivllm.checkpoint import load_model
+from minivllm.corpus import shipped_validation_text
+from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.model_runner import BatchPiece, build_batch, pack_batch, run_model
+from minivllm.paged_cache import PagedKVStorage
+from minivllm.plots import draw_acceptance_map, draw_block_tables, draw_speculative_round
+from minivllm.sampler import position_uniforms, sample_from_probs, token_probs
+from minivllm.scheduler import Scheduler, SchedulerConfig
+from minivllm.sequence import SamplingParams
+from minivllm.speculative import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, ModelDrafter, NgramDrafter,
+                                  SpeculativeConfig, accept_or_resample, verify)
+from minivllm.stats import chi_square
+
+torch.manual_seed(0)
+torch.set_num_threads(2)
+use_book_style()
+target, draft = load_model("target"), load_model("draft")
+text = shipped_validation_text()
+print(f"target: {target.num_parameters():,} parameters, {target.config.n_layers} layers")
+print(f"draft:  {draft.num_parameters():,} parameters, {draft.config.n_layers} layers")
+
+# %% [markdown]
+# ## Why: one target pass per token
+#
+# Run the plain engine on one request and look at its trace: every output token after the first is
+# one engine step, and every step is one full target pass.
+
+# %%
+greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+plain = LLMEngine(target)
+[out] = plain.generate(["HAMLET:\nTo be, or not to be"], greedy)
+print(f"{len(out.token_ids)} tokens in {len(plain.trace)} steps = {len(plain.trace)} target passes")
+print(repr(out.text))
+
+# %% [markdown]
+# What does a pass cost as a function of how many tokens it runs? Time the target over T new tokens
+# of one sequence, at the end of a 100-token context, with the engine's own `run_model`:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def time_pass(model, num_new, repeats=30):
+    manager = BlockManager(16, 16)
+    manager.allocate(0, 100 + num_new)
+    storage = PagedKVStorage(model.config, 16, 16)
+    batch = pack_batch([BatchPiece(0, 100, [65] * num_new, num_new)], manager)
+    run_model(model, storage, batch)  # warm up
+    started = time.perf_counter()
+    for _ in range(repeats):
+        run_model(model, storage, batch)
+    return (time.perf_counter() - started) / repeats
+
+
+sizes = [1, 2, 3, 5, 9, 17]
+pass_ms = {name: [1e3 * time_pass(m, n) for n in sizes] for name, m in [("target", target), ("draft", draft)]}
+for name, times in pass_ms.items():
+    print(name, " ".join(f"{n} tok: {ms:.1f} ms" for n, ms in zip(sizes, times)))
+fig, ax = plt.subplots(figsize=(6.5, 3))
+for color, (name, times) in enumerate(pass_ms.items()):
+    ax.plot(sizes, times, "o-", color=sequence_color(color), label=f"{name}: one pass")
+ax.plot(sizes, [pass_ms["target"][0] * n for n in sizes], ":", color="grey", label="target: one pass per token")
+ax.set_xlabel("new tokens in the pass (one sequence)")
+ax.set_ylabel("ms")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# The solid target line rises far more slowly than the dotted one: checking five tokens in one
+# pass costs a fraction of five passes. (On a GPU the line is flatter still; on this CPU a matrix
+# product over a handful of rows is slower than over one, so it is not flat.) The draft model has a
+# third of the target's layers and an eighth of its width, so a draft pass is cheap — but not free:
+# with weights this small, each pass is mostly fixed cost per operation, and the draft runs the same
+# operations per layer as the target.
+#
+# ## Build 1: the acceptance rule
+#
+# The drafter proposes a token d drawn from its distribution q. The target's distribution at that
+# position is p. Accept d with probability min(1, p(d)/q(d)); if rejected, draw a replacement from
+# the **residual** norm(max(0, p − q)). Why is the emitted token distributed exactly as p?
+#
+# - A token x is emitted by acceptance with probability q(x) · min(1, p(x)/q(x)) = min(p(x), q(x)).
+# - A rejection happens with probability 1 − Σ min(p, q) = Σ max(0, p − q) (the two sums add to 1).
+# - So x is emitted by resampling with probability Σ max(0, p − q) · max(0, p(x) − q(x)) / Σ max(0, p − q)
+#   = max(0, p(x) − q(x)).
+# - min(p, q) + max(0, p − q) = p. ∎
+#
+# The package's rule, for all drafted rows of a batch at once:
+
+# %%
+show(accept_or_resample)
+
+# %% [markdown]
+# The same argument, computed exactly for a six-token vocabulary where the draft is poor: it gives
+# weight to a token the target never picks (`f`) and none to one it does (`e`).
+
+# %%
+vocab = list("abcdef")
+p_toy = torch.tensor([0.35, 0.25, 0.20, 0.10, 0.10, 0.00], dtype=torch.float64)
+q_toy = torch.tensor([0.10, 0.40, 0.20, 0.25, 0.00, 0.05], dtype=torch.float64)
+accepted_mass = torch.minimum(p_toy, q_toy)
+residual = (p_toy - q_toy).clamp(min=0)
+emitted = accepted_mass + (1 - accepted_mass.sum()) * residual / residual.sum()
+print("p        ", p_toy.tolist())
+print("emitted  ", [round(x, 12) for x in emitted.tolist()])
+assert torch.allclose(emitted, p_toy)
+print(f"acceptance rate alpha = sum min(p, q) = {accepted_mass.sum():.2f}")
+
+# %% [markdown]
+# Now by sampling, with the package's rule and its random numbers: 20,000 independent trials, each
+# with its own seed, drawing the draft from q, then accepting or resampling. Next to it, the
+# tempting shortcut **"accept when p(d) ≥ q(d), else resample"** — it has no randomness in the test.
+# A chi-square test compares each histogram with p (a p-value near 0 means "not drawn from p").
+
+# %%
+def tempting_rule(p, q, drafted, u_accept, u_residual):
+    """Accept whenever the target likes the token at least as much as the draft. Wrong (see below)."""
+    p_draft, q_draft = p.gather(1, drafted.view(-1, 1)).view(-1), q.gather(1, drafted.view(-1, 1)).view(-1)
+    return p_draft >= q_draft, sample_from_probs((p - q).clamp(min=0), u_residual)
+
+
+trials = 20_000
+seeds, positions = np.arange(trials), np.zeros(trials, dtype=np.int64)
+p_rows, q_rows = p_toy.expand(trials, -1), q_toy.expand(trials, -1)
+drafted = sample_from_probs(q_rows, position_uniforms(seeds, positions, STREAM_DRAFT))
+u_accept = torch.from_numpy(position_uniforms(seeds, positions, STREAM_ACCEPT))
+u_residual = torch.from_numpy(position_uniforms(seeds, positions, STREAM_RESIDUAL))
+histograms = {}
+for name, rule in [("min(1, p/q)", accept_or_resample), ("accept if p >= q", tempting_rule)]:
+    accepted, resampled = rule(p_rows, q_rows, drafted, u_accept, u_residual)
+    emitted_tokens = torch.where(accepted, drafted, resampled)
+    histograms[name] = torch.bincount(emitted_tokens, minlength=len(vocab)).numpy()
+    statistic, dof, p_value = chi_square(histograms[name], p_toy)
+    print(f"{name:>17}: acceptance {accepted.double().mean():.3f}, chi-square {statistic:9.1f} "
+          f"({dof} dof), p-value {p_value:.3g}")
+
+# %%
+fig, ax = plt.subplots(figsize=(7.5, 3))
+x = np.arange(len(vocab))
+ax.bar(x - 0.3, p_toy, 0.2, color="#1f77b4", label="p (target)")
+ax.bar(x - 0.1, q_toy, 0.2, color="#ff7f0e", label="q (draft)")
+for offset, (name, counts) in zip([0.1, 0.3], histograms.items()):
+    ax.bar(x + offset, counts / trials, 0.2, color="#2ca02c" if "min" in name else "#d62728", label=f"emitted: {name}")
+ax.set_xticks(x, vocab)
+ax.set_ylabel("probability")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# The shortcut never emits `d` (p < q there, so it is always rejected, and the residual has no mass
+# on it) and over-emits `b`, the token the draft loves. The real rule accepts `d` *sometimes* — with
+# probability p/q — and that is exactly what keeps the output honest.
+#
+# **Greedy is the limit.** At temperature 0 both p and q are one-hot. Then min(1, p(d)/q(d)) is 1
+# if d is the target's argmax and 0 otherwise, and the residual max(0, p − q) is the target's
+# one-hot: a rejection emits the target's argmax. Speculative greedy decoding must therefore give
+# *token for token* what plain greedy decoding gives.
+
+# %%
+one_hot = torch.eye(len(vocab), dtype=torch.float64)
+for draft_token in [0, 3]:
+    accepted, resampled = accept_or_resample(one_hot[[0]], one_hot[[draft_token]], torch.tensor([draft_token]),
+                                             torch.tensor([0.999]), torch.tensor([0.5]))
+    print(f"target argmax 'a', draft {vocab[draft_token]!r}: accepted={bool(accepted)}, "
+          f"replacement={vocab[int(resampled)]!r}")
+
+# %% [markdown]
+# **Whose randomness?** The three uniform numbers a position uses — the draft's draw, the accept test,
+# the residual draw — each come from `position_uniforms(seed, position, stream)` with its own stream;
+# a bonus token uses stream 0, the ordinary draw. A request's tokens are a pure function of (seed, k,
+# drafter): batching and preemption cannot change them. They are a *different* draw from plain
+# sampling's (same distribution, different tokens): no exact rule can emit the token plain sampling
+# would have, because the draft must be drawn before p is known.
+#
+# ## Build 2: drafters
+#
+# **Prompt lookup (n-gram).** No model at all: find the latest earlier place where the last n tokens
+# of the context occurred, and propose what followed them there. Text repeats — names, refrains, a
+# small model's own loops — and when it does, the guess is free. Its proposals are deterministic (q is
+# one-hot), so the rule above reduces to "accept with probability p(d)".
+
+# %%
+show(NgramDrafter.lookup)
+
+# %%
+ngram = NgramDrafter(min_n=1, max_n=3)
+context = list(b"To be, or not to be, that is the question: whether 'tis nobler in the mind to be")
+print(repr(bytes(context[-12:]).decode()), "->", repr(bytes(ngram.lookup(context, 6)).decode()))
+
+# %% [markdown]
+# **A draft model.** The shipped draft is a 2-layer model trained on the same plays. It drafts k tokens
+# per sequence in k batched passes; its keys and values live in a tensor of their own but at the same
+# slots as the target's, read through the target's block tables, as vLLM's draft models do. One
+# reservation covers both models, and one truncation rolls both back. The draft lags the target by a
+# token or two (`num_draft_computed_tokens`); the first pass of each round catches it up.
+
+# %%
+show(ModelDrafter.propose)
+
+# %% [markdown]
+# ## Build 3: inside the batching engine
+#
+# Three small changes carry speculation through chapter 04's engine.
+#
+# 1. **Lookahead slots.** The scheduler reserves k extra slots after every decode, all or nothing,
+#    with k capped so a round never runs past `max_tokens`. The cap depends on the sequence alone,
+#    so how far a sequence speculates never depends on who else is in the batch.
+
+# %%
+show(Scheduler._lookahead)
+
+# %% [markdown]
+# 2. **One verify pass.** Between `schedule()` and the forward pass the drafter proposes; `build_batch`
+#    appends each sequence's drafts to its decode chunk, so a decode becomes a (k + 1)-token chunk —
+#    chapter 04's varlen attention already handles a multi-token chunk at any position — and all
+#    k + 1 rows of it return logits. `verify` turns them into runs: the accepted drafts, then the
+#    target's own token.
+# 3. **Rollback.** `update` appends the run, counts the accepted drafts as computed (their K/V were
+#    written by the verify pass), and gives back the slots of the rejected ones:
+
+# %%
+show(BlockManager.truncate)
+
+# %% [markdown]
+# ## See: one round, by hand
+#
+# A request at temperature 0.8, blocks of 4 tokens so the tables are readable. The engine runs until
+# it reaches a round where the draft model gets some tokens right and then one wrong; that round is
+# then run by hand with the engine's own parts — the four lines of `LLMEngine.step`.
+
+# %%
+def round_engine():
+    config = EngineConfig(num_blocks=64, block_size=4, speculative=SpeculativeConfig(draft_model=draft))
+    engine = LLMEngine(target, config)
+    engine.add_request("ROMEO:\nBut soft, what light", SamplingParams(max_tokens=60, temperature=0.8, seed=11))
+    return engine
+
+
+def interesting(record):  # some drafts accepted, then a rejection
+    return any(0 < accepted < proposed for _, proposed, accepted in record.speculated)
+
+
+probe = round_engine()
+while not (probe.trace and interesting(probe.trace[-1])):
+    probe.step()
+round_step = len(probe.trace)
+
+engine = round_engine()
+for _ in range(round_step - 1):
+    engine.step()
+plan = engine.scheduler.schedule()
+sequences = engine.scheduler.sequences
+proposals = engine._propose(plan, sequences)
+batch = build_batch(plan, sequences, engine.manager, {i: p.tokens for i, p in proposals.items()})
+logits = engine.runner.forward(batch)
+runs = engine._sample(plan, sequences, logits, proposals)
+tables_before = copy.deepcopy(engine.manager)
+[(seq_id, proposal)] = proposals.items()
+seq = sequences[seq_id]
+params = seq.params
+p_rows = token_probs(logits, torch.full((len(logits),), params.temperature, dtype=torch.float64),
+                     torch.zeros(len(logits), dtype=torch.long), torch.ones(len(logits), dtype=torch.float64))
+drafted_ids = list(proposal.tokens)
+p_of_draft = [float(p_rows[i, t]) for i, t in enumerate(drafted_ids)]
+q_of_draft = [float(proposal.probs[i, t]) for i, t in enumerate(drafted_ids)]
+run = runs[seq_id]
+engine.scheduler.update(plan, runs)
+print(f"step {plan.step}: context ends {bytes(t for t in seq.token_ids[-len(run) - 12:-len(run)]).decode()!r}")
+print(f"drafted  {bytes(drafted_ids).decode(errors='replace')!r}, p(d) {[round(v, 3) for v in p_of_draft]}, "
+      f"q(d) {[round(v, 3) for v in q_of_draft]}")
+print(f"emitted  {bytes(run).decode(errors='replace')!r}: {len(run) - 1} drafts accepted + 1 from the target")
+
+# %%
+accepted_count = len(run) - 1
+final_kind = "bonus" if accepted_count == len(drafted_ids) else "resampled"
+fig = plt.figure(figsize=(10, 5.6))
+top, bottom = fig.subfigures(2, 1, height_ratios=[1.2, 1])
+draw_speculative_round(top.subplots(), [chr(t) for t in drafted_ids], p_of_draft, q_of_draft, accepted_count,
+                       chr(run[-1]), final_kind)
+before_ax, after_ax = bottom.subplots(1, 2)
+draw_block_tables(before_ax, tables_before)
+before_ax.set_title(f"before the verify: {tables_before.num_tokens(seq_id)} slots "
+                    f"({plan.chunks[0].num_lookahead} reserved for drafts)", fontsize=9)
+draw_block_tables(after_ax, engine.manager)
+after_ax.set_title(f"after the rollback: {engine.manager.num_tokens(seq_id)} slots", fontsize=9)
+plt.show()
+
+# %% [markdown]
+# Read it left to right: each draft is kept while a uniform number falls under p(d)/q(d) (always, if
+# p ≥ q); the first one that fails is replaced by a draw from the residual, and the drafts after it are
+# never looked at. The block tables show the same round in memory: the scheduler reserved k slots
+# beyond the last token, and the rollback gave back the ones holding rejected drafts.
+#
+# ## Check: exactness in the engine
+#
+# Greedy speculative decoding must reproduce plain greedy decoding token for token — for every k,
+# with the model drafter, with a deliberately useless draft (random weights) and with prompt lookup.
+
+# %%
+rng = np.random.default_rng(6)
+starts = rng.integers(0, len(text) - 200, size=8)
+prompts = [text[s:s + int(n)] for s, n in zip(starts, rng.integers(20, 120, size=8))]
+check_params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+reference = [o.token_ids for o in LLMEngine(target).generate(prompts, check_params)]
+
+useless = load_model("draft")
+torch.nn.init.normal_(useless.lm_head.weight, std=0.02, generator=torch.Generator().manual_seed(0))
+
+
+def speculative_engine(config, max_num_seqs=16, **engine):
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_seqs * (config.num_speculative_tokens + 1))
+    return LLMEngine(target, EngineConfig(speculative=config, scheduler=scheduler, **engine))
+
+
+def tokens_per_pass(trace):
+    verifies = [accepted + 1 for r in trace for _, _, accepted in r.speculated]
+    return sum(verifies) / len(verifies)
+
+
+drafters = {"draft model": {"draft_model": draft}, "useless draft": {"draft_model": useless},
+            "n-gram": {"method": "ngram"}}
+for name, settings in drafters.items():
+    row = []
+    for k in [1, 2, 4, 8]:
+        engine = speculative_engine(SpeculativeConfig(num_speculative_tokens=k, **settings))
+        assert [o.token_ids for o in engine.generate(prompts, check_params)] == reference
+        row.append(f"k={k}: {tokens_per_pass(engine.trace):.2f}")
+    print(f"{name:>13}: identical to plain greedy; tokens per target pass  " + "  ".join(row))
+
+# %% [markdown]
+# Under sampling the promise is reproducibility: the same request gives the same tokens alone, in a
+# batch, and when a tiny cache forces preemptions in the middle of its speculation.
+
+# %%
+sampled = [SamplingParams(max_tokens=48, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(8)]
+spec = SpeculativeConfig(draft_model=draft)
+batched = [o.token_ids for o in speculative_engine(spec).generate(prompts, sampled)]
+alone = [speculative_engine(spec).generate([p], s)[0].token_ids for p, s in zip(prompts[:3], sampled[:3])]
+tight = speculative_engine(spec, num_blocks=14)
+squeezed = [o.token_ids for o in tight.generate(prompts, sampled)]
+assert alone == batched[:3] and squeezed == batched
+print(f"alone == batched for 3 requests; {sum(len(r.preempted) for r in tight.trace)} preemptions in the tight "
+      f"cache, all 8 outputs identical; {tight.manager.num_free} of 14 blocks free at the end")
+
+# %% [markdown]
+# ## See: drafts being accepted
+#
+# One column per verify pass of a request (greedy, k = 4): green drafts were accepted, the red one
+# was the first rejection (the blue dot is the target's replacement), grey ones were never checked; a
+# blue cell on top is the bonus token after a fully accepted round. Model drafter above, prompt lookup
+# below, same request.
+
+# %%
+maps = {}
+for name, settings in [("draft model", {"draft_model": draft}), ("n-gram", {"method": "ngram"})]:
+    engine = speculative_engine(SpeculativeConfig(num_speculative_tokens=4, **settings))
+    engine.generate(prompts[:4], SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
+    maps[name] = engine.trace
+fig, axes = plt.subplots(2, 1, figsize=(10, 4.2), sharex=True)
+for ax, (name, trace) in zip(axes, maps.items()):
+    draw_acceptance_map(ax, trace, seq_id=1, title=f"request 1, {name}: {tokens_per_pass(trace):.2f} tokens "
+                                                   f"per target pass (all 4 requests)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The draft model is right most of the time, everywhere. Prompt lookup is all or nothing: it has long
+# green runs where the text repeats itself (and a small greedy model's text does), and proposes
+# nothing or nonsense elsewhere — an empty column is a pass where it found no match and the step was
+# a plain decode.
+#
+# ## Measure: acceptance, tokens per pass, speedup
+#
+# **Tokens per pass against k.** If each draft is accepted with probability α independently, a
+# round with k drafts emits (1 − α^{k+1}) / (1 − α) tokens on average: the accepted prefix plus one.
+# α is estimated from the traces as accepted / reached drafts (a draft is *reached* if every draft
+# before it was accepted). 16 requests, greedy, 64 new tokens each; the theory uses each pass's own
+# number of drafts (fewer than k near `max_tokens`).
+
+# %%
+measure_prompts = [text[s:s + 80] for s in np.random.default_rng(1).integers(0, len(text) - 100, size=16)]
+measure_params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+def acceptance(trace):
+    verifies = [(proposed, accepted) for r in trace for _, proposed, accepted in r.speculated]
+    reached = sum(accepted + (accepted < proposed) for proposed, accepted in verifies)
+    alpha = sum(accepted for _, accepted in verifies) / max(reached, 1)
+    theory = np.mean([(1 - alpha ** (proposed + 1)) / (1 - alpha) for proposed, _ in verifies])
+    return alpha, tokens_per_pass(trace), theory
+
+
+sweep = {}
+for name, settings in [("draft model", {"draft_model": draft}), ("n-gram", {"method": "ngram"})]:
+    for k in range(1, 9):
+        engine = speculative_engine(SpeculativeConfig(num_speculative_tokens=k, **settings))
+        engine.generate(measure_prompts, measure_params)
+        sweep[name, k] = acceptance(engine.trace)
+print(f"{'drafter':>12} {'k':>2} {'alpha':>6} {'tokens/pass':>11} {'theory':>7}")
+for (name, k), (alpha, measured, theory) in sweep.items():
+    print(f"{name:>12} {k:2d} {alpha:6.3f} {measured:11.2f} {theory:7.2f}")
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 3.2))
+for color, name in enumerate(["draft model", "n-gram"]):
+    ks = range(1, 9)
+    ax.plot(ks, [sweep[name, k][1] for k in ks], "o-", color=sequence_color(color), label=f"{name}: measured")
+    ax.plot(ks, [sweep[name, k][2] for k in ks], "--", color=sequence_color(color), label=f"{name}: theory")
+ax.plot(ks, [k + 1 for k in ks], ":", color="grey", label="k + 1 (every draft accepted)")
+ax.axhline(2.5, color="#d62728", lw=0.8, alpha=0.6)
+ax.set_xlabel("k (draft tokens per round)")
+ax.set_ylabel("tokens per target pass")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# The red line is the issue's goal for k = 4. The independence assumption is only roughly true — a
+# draft that was right on a word tends to be right on its next letter — so the measurement and the
+# curve need not agree exactly; with the draft model they are close. Prompt lookup's α is not a single
+# number at all: it is near 1 inside a repeat and near 0 outside one.
+#
+# **Wall-clock.** Tokens per pass is not speed: every round also pays k draft passes, and the verify
+# pass runs k + 1 tokens. At batch 1 (four requests one after another) and batch 16, k = 4, greedy,
+# best of two runs:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def tokens_per_second(config, prompts, params, one_at_a_time):
+    best = float("inf")
+    for _ in range(2):
+        engine = LLMEngine(target) if config is None else speculative_engine(config)
+        started = time.perf_counter()
+        outs = ([engine.generate([p], params)[0] for p in prompts] if one_at_a_time
+                else engine.generate(prompts, params))
+        best = min(best, time.perf_counter() - started)
+    return sum(len(o.token_ids) for o in outs) / best, engine.trace
+
+
+speed_params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+configs = {"plain": None, "draft model": SpeculativeConfig(draft_model=draft),
+           "n-gram": SpeculativeConfig(method="ngram")}
+speeds, last_traces = {}, {}
+for batch_name, batch_prompts, one_at_a_time in [("batch 1", measure_prompts[:4], True),
+                                                 ("batch 16", measure_prompts, False)]:
+    for name, config in configs.items():
+        speeds[batch_name, name], last_traces[batch_name, name] = tokens_per_second(
+            config, batch_prompts, speed_params, one_at_a_time)
+for (batch_name, name), tps in speeds.items():
+    print(f"{batch_name:>8} {name:>12}: {tps:7.1f} tokens/s  ({tps / speeds[batch_name, 'plain']:.2f}x plain)")
+
+# %% [markdown]
+# Why the draft model's speedup is smaller than its tokens per pass: a simple cost model. Let c be
+# a draft pass's cost and v a verify pass's cost, both in units of a plain decode step, and E the
+# tokens per pass. One round costs k·c + v plain steps and emits E tokens, so the speedup is
+# E / (k·c + v). The batch-1 traces give all three:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def mean_ms(values):
+    return 1e3 * float(np.mean(values))
+
+
+plain_step = mean_ms([r.forward_s for r in last_traces["batch 1", "plain"] if r.decoded])
+for name in ["draft model", "n-gram"]:
+    trace = [r for r in last_traces["batch 1", name] if r.speculated]
+    draft_pass = mean_ms([r.draft_s / max(p for _, p, _ in r.speculated) for r in trace])
+    verify_pass = mean_ms([r.forward_s for r in trace])
+    c, v, E = draft_pass / plain_step, verify_pass / plain_step, tokens_per_pass(trace)
+    print(f"{name:>12}: plain step {plain_step:.2f} ms, draft pass {draft_pass:.2f} ms (c = {c:.2f}), "
+          f"verify {verify_pass:.2f} ms (v = {v:.2f}), E = {E:.2f} -> predicted {E / (4 * c + v):.2f}x, "
+          f"measured {speeds['batch 1', name] / speeds['batch 1', 'plain']:.2f}x")
+
+# %% [markdown]
+# With a tiny model on a CPU the draft is not "nearly free": c is set by the number of operations per
+# pass, not by the size of the matrices, and a 2-layer draft runs a third of a 6-layer target's
+# operations. Prompt lookup has c ≈ 0, so even its lower E turns into speed. At batch 16 the picture
+# changes again: a plain step is no longer latency bound — it already runs 16 tokens — so the verify
+# pass of 16 × (k + 1) tokens costs much more than a plain step, and speculation pays less, or not at
+# all. That is why production engines speculate hardest at low load. `benchmarks/speculative.py`
+# measures the same things at more k and more requests.
+#
+# ## Exercises
+#
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/speculative.py`
+# and `src/minivllm/block_allocator.py`; run one exercise's tests with `pytest tests --exercise ch06.1`.
+#
+# 1. **ch06.1 — the acceptance rule.** In `accept_or_resample`, accept each draft with probability
+#    min(1, p/q) (never when q = 0), and draw each row's replacement from norm(max(0, p − q)), falling
+#    back to p where that residual is empty. The tests include a chi-square test of the output.
+# 2. **ch06.2 — KV rollback.** In `BlockManager.truncate`, keep the blocks that hold the first
+#    `num_tokens` slots, give the others back (last one first, so the next round gets them back in
+#    order) and update the table's token count.
+# 3. *(Explore, no test.)* Make k adaptive: keep a running α per sequence and choose the k that
+#    maximises E / (k·c + v) with the c and v measured above. Where does it beat a fixed k = 4?
+# 4. *(Explore, no test.)* Measure α of the draft model against temperature (0, 0.5, 0.8, 1.2). Does
+#    sampling make the draft better or worse at guessing, and why does top-k on both models change it?
