@@ -38,3 +38,17 @@ def test_a_seed_makes_sampling_repeatable(capsys) -> None:
 def test_bad_arguments_exit_2_with_the_reason(capsys, args: list[str], message: str) -> None:
     assert main(["generate", "ROMEO:", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_speculative_greedy_prints_the_plain_text(capsys, method: str) -> None:
+    base = ["generate", "KING HENRY:\n", "--max-tokens", "30", "--temperature", "0"]
+    main(base)
+    plain = capsys.readouterr().out
+    assert main([*base, "--speculative", method, "--num-speculative-tokens", "3"]) == 0
+    assert capsys.readouterr().out == plain
+
+
+def test_a_bad_speculative_setting_exits_2(capsys) -> None:
+    assert main(["generate", "ROMEO:", "--speculative", "draft", "--num-speculative-tokens", "0"]) == 2
+    assert "num_speculative_tokens" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """The `minivllm` command line.
 
     minivllm generate "ROMEO:" --max-tokens 200 --temperature 0.8 --seed 1
+    minivllm generate "ROMEO:" --speculative draft --num-speculative-tokens 4
 
 streams the continuation to stdout as the engine produces it. A bad argument or a request that can
 never run exits with status 2 and a one-line reason on stderr.
@@ -14,8 +15,9 @@ import sys
 import torch
 
 from .checkpoint import CheckpointError, load_model
-from .engine import LLMEngine
+from .engine import EngineConfig, LLMEngine
 from .sequence import SamplingParams
+from .speculative import SpeculativeConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-scene token")
+    gen.add_argument("--speculative", choices=["draft", "ngram"], default=None,
+                     help="speculative decoding: the shipped draft model, or n-gram prompt lookup (default: off)")
+    gen.add_argument("--num-speculative-tokens", type=int, default=4, help="k, draft tokens per step")
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return parser
 
@@ -40,7 +45,10 @@ def generate(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    engine = LLMEngine(load_model(args.model))
+    speculative = None
+    if args.speculative:
+        speculative = SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    engine = LLMEngine(load_model(args.model), EngineConfig(speculative=speculative))
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
     for delta in engine.stream([args.prompt], params):
