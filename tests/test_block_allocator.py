@@ -237,10 +237,128 @@ def test_prefix_cache_out_of_blocks_is_transactional() -> None:
         m.allocate_cached(2, list(range(7)))
 
 
+# -- truncate: KV rollback for speculative decoding (exercise ch06.2) ----------------------------------
+
+ch06_2 = pytest.mark.exercise("ch06.2")
+
+
+def scrambled() -> BlockManager:
+    """Sequence 0 holds 13 tokens in blocks [0, 1, 3, 4] (sequence 1 took block 2 in between), then
+    sequence 2 takes block 5; 4 of 10 blocks free."""
+    m = BlockManager(10, 4)
+    m.allocate(0, 6)
+    m.allocate(1, 3)
+    m.append(0, 7)
+    m.allocate(2, 1)
+    assert (m.tables[0].blocks, m.tables[1].blocks, m.tables[2].blocks, m.num_free) == ([0, 1, 3, 4], [2], [5], 4)
+    return m
+
+
+@ch06_2
+def test_truncate_frees_exactly_the_tail_blocks() -> None:
+    m = scrambled()
+    m.truncate(0, 5)  # 5 tokens need 2 blocks: 3 and 4 go back
+    assert m.tables[0].blocks == [0, 1] and m.num_tokens(0) == 5 and m.num_free == 6
+    assert [m.allocator.refcount(b) for b in range(6)] == [1, 1, 1, 0, 0, 1]
+    assert sorted(m.allocator.free_list) == [3, 4, 6, 7, 8, 9]
+    assert (m.tables[1].blocks, m.num_tokens(1), m.tables[2].blocks, m.num_tokens(2)) == ([2], 3, [5], 1)
+    assert m.slot_mapping(0, [4]) == [4]
+    with pytest.raises(IndexError, match="position 5 is outside"):
+        m.slot_mapping(0, [5])
+    m.truncate(0, 0)  # everything: an empty table that stays registered
+    assert m.tables[0].blocks == [] and m.num_tokens(0) == 0 and m.num_free == 8 and 0 in m
+    m.free(0)  # nothing left to free twice
+    assert m.num_free == 8 and [m.allocator.refcount(b) for b in (2, 5)] == [1, 1]
+
+
+@ch06_2
+def test_truncate_inside_the_last_block_frees_nothing() -> None:
+    m = scrambled()
+    m.truncate(0, 13)  # the same length: a no-op
+    assert m.tables[0].blocks == [0, 1, 3, 4] and m.num_tokens(0) == 13 and m.num_free == 4
+    m.truncate(0, 12)  # 12 tokens still fill 3 blocks exactly; block 4 goes
+    assert m.tables[0].blocks == [0, 1, 3] and m.num_tokens(0) == 12 and m.num_free == 5
+    m.truncate(0, 9)  # 9 tokens still need 3 blocks
+    assert m.tables[0].blocks == [0, 1, 3] and m.num_tokens(0) == 9 and m.num_free == 5
+    m.append(0, 3)  # the slack of the last block: no new block
+    assert m.tables[0].blocks == [0, 1, 3] and m.num_tokens(0) == 12 and m.num_free == 5
+
+
+@ch06_2
+def test_truncate_to_the_same_length_changes_nothing() -> None:
+    m = scrambled()
+    m.truncate(2, 1)
+    before = snapshot(m)
+    m.truncate(0, 13)
+    m.truncate(1, 3)
+    assert snapshot(m) == before
+
+
+@ch06_2
+def test_blocks_given_back_by_truncate_come_back_in_the_same_order() -> None:
+    m = BlockManager(16, 4)
+    m.allocate(0, 3)
+    m.allocate(1, 3)
+    m.append(0, 14)  # 17 tokens: blocks [0, 2, 3, 4, 5]
+    table = m.block_table(0)
+    assert table == [0, 2, 3, 4, 5]
+    m.truncate(0, 4)  # a rejected speculative round: keep block 0 only
+    assert m.allocator.free_list[-4:] == [5, 4, 3, 2]  # the last block freed first: 2 is on top
+    m.append(0, 13)  # the next round grows back into the very same blocks, in the same order
+    assert m.block_table(0) == table and m.num_tokens(0) == 17 and m.num_free == 10
+
+
+@ch06_2
+def test_truncate_refuses_what_it_cannot_do_and_changes_nothing() -> None:
+    m = scrambled()
+    m.truncate(0, 9)  # a good one first
+    before = snapshot(m)
+    for bad in (-1, 10, 14):  # below 0, beyond what it holds now, beyond what it ever held
+        with pytest.raises(ValueError, match=f"cannot truncate sequence 0 to {bad} tokens: it holds 9"):
+            m.truncate(0, bad)
+        assert snapshot(m) == before
+    with pytest.raises(KeyError, match="no block table"):
+        m.truncate(7, 0)
+    assert snapshot(m) == before
+
+
+@ch06_2
+def test_truncate_never_cuts_into_named_prefix_cache_blocks() -> None:
+    m = BlockManager(8, 4)
+    m.allocate_cached(0, list(range(10)))  # blocks [0, 1, 2]; the full ones, 0 and 1, are named
+    m.allocate_cached(1, list(range(10)))  # shares 0 and 1 through the prefix cache, its own block 3
+    assert m.tables[1].blocks == [0, 1, 3]
+    before = snapshot(m)
+    for bad in (0, 4, 7):
+        with pytest.raises(ValueError, match="named prefix-cache blocks"):
+            m.truncate(1, bad)
+        assert snapshot(m) == before
+    m.truncate(1, 8)  # exactly the named blocks: the unnamed tail goes
+    assert m.tables[1].blocks == [0, 1] and m.num_tokens(1) == 8
+    assert m.tables[1].block_hashes == m.tables[0].block_hashes
+    assert [m.allocator.refcount(b) for b in range(4)] == [2, 2, 1, 0] and m.num_free == 5
+    assert m.cached_prefix(list(range(8))) == [0, 1]  # still hittable
+
+
+@ch06_2
+def test_truncate_of_shared_blocks_only_drops_a_reference() -> None:
+    m = BlockManager(8, 4)
+    m.allocate(0, 10)  # [0, 1, 2]
+    m.fork(0, 1)
+    m.truncate(1, 4)
+    assert m.tables[1].blocks == [0] and m.num_tokens(1) == 4
+    assert m.tables[0].blocks == [0, 1, 2] and m.num_tokens(0) == 10  # the parent keeps its tokens
+    assert [m.allocator.refcount(b) for b in range(3)] == [2, 1, 1] and m.num_free == 5  # nothing freed
+    m.truncate(0, 4)  # now the last holder lets go
+    assert [m.allocator.refcount(b) for b in range(3)] == [2, 0, 0] and m.num_free == 7
+    m.append(1, 1)  # 5 tokens: a block of its own (block 1, on top of the stack); block 0 stays shared
+    assert m.tables[1].blocks == [0, 1] and m.write(1, 4) == (1, None) and m.allocator.refcount(0) == 2
+
+
 # -- property test: long random sequences of operations on a tiny pool ---------------------------------
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / write / free / prefix hits on 8 blocks, against a toy storage.
+    """Random allocate / append / fork / write / truncate / free / prefix hits on 8 blocks, against a toy storage.
 
     The storage holds a value per physical slot and performs the copies that `write` asks for; the
     model remembers what each sequence wrote, so copy-on-write mistakes show up as wrong values.
@@ -303,6 +421,21 @@ class CacheMachine(RuleBasedStateMachine):
                 self.storage[block] = list(self.storage[src])
             self.storage[block][pos % 3] = value
             self.written[seq][pos] = value
+
+    @precondition(lambda self: self.written)
+    @rule(data=st.data())
+    def truncate(self, data) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.written)))
+        table = self.m.tables[seq]
+        num_tokens = data.draw(st.integers(-1, table.num_tokens + 1))
+        if len(table.block_hashes) * 3 <= num_tokens <= table.num_tokens:
+            self.m.truncate(seq, num_tokens)
+            self.written[seq] = {p: v for p, v in self.written[seq].items() if p < num_tokens}
+        else:
+            before = snapshot(self.m)
+            with pytest.raises(ValueError, match="cannot truncate"):
+                self.m.truncate(seq, num_tokens)
+            assert snapshot(self.m) == before
 
     @precondition(lambda self: self.written)
     @rule(data=st.data())

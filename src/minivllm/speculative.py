@@ -254,18 +254,20 @@ class ModelDrafter:
         """One batched draft pass: each sequence's next draft token and the distribution q it came from
         (None for a greedy batch: q is the one-hot at the argmax, no need to build it)."""
         logits = run_model(self.model, self.storage, pack_batch(pieces, self.manager))
-        if all(s.params.greedy for s in seqs):
+        greedy = [s.params.greedy for s in seqs]
+        if all(greedy):
             return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
         q = token_probs(logits, torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64),
                         torch.tensor([s.params.top_k for s in seqs]),
                         torch.tensor([s.params.top_p for s in seqs], dtype=torch.float64))
         positions = [piece.start + len(piece.token_ids) for piece in pieces]
         uniforms = position_uniforms([s.seed for s in seqs], positions, STREAM_DRAFT)
-        return sample_from_probs(q, uniforms).tolist(), list(q)
+        # A greedy row's q is the one-hot at its token: leave it implied (None) whoever else is in the pass.
+        return sample_from_probs(q, uniforms).tolist(), [None if g else row for g, row in zip(greedy, q)]
 
 
 def _stack_or_none(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """q rows as one tensor; None when there are none or they are all implied one-hots (greedy)."""
+    """A sequence's q rows as one tensor; None when there are none or they are implied one-hots (greedy)."""
     return None if not rows or rows[0] is None else torch.stack(rows)
 
 
