@@ -96,7 +96,8 @@ plt.show()
 # The solid target line rises far more slowly than the dotted one: checking five tokens in one
 # pass costs a fraction of five passes. (On a GPU the line is flatter still; on this CPU a matrix
 # product over a handful of rows is slower than over one, so it is not flat.) The draft model has a
-# third of the target's layers and an eighth of its width, so a draft pass is cheap — but not free:
+# third of the target's layers and half its width (the parameter counts are printed above), so a
+# draft pass is cheap — but not free:
 # with weights this small, each pass is mostly fixed cost per operation, and the draft runs the same
 # operations per layer as the target.
 #
@@ -136,14 +137,14 @@ print(f"acceptance rate alpha = sum min(p, q) = {accepted_mass.sum():.2f}")
 # %% [markdown]
 # Now by sampling, with the package's rule and its random numbers: 20,000 independent trials, each
 # with its own seed, drawing the draft from q, then accepting or resampling. Next to it, the
-# tempting shortcut **"accept when p(d) ≥ q(d), else resample"** — it has no randomness in the test.
+# tempting shortcut **"accept when p(d) > q(d), else resample"** — it has no randomness in the test.
 # A chi-square test compares each histogram with p (a p-value near 0 means "not drawn from p").
 
 # %%
 def tempting_rule(p, q, drafted, u_accept, u_residual):
-    """Accept whenever the target likes the token at least as much as the draft. Wrong (see below)."""
+    """Accept whenever the target likes the token more than the draft does. Wrong (see below)."""
     p_draft, q_draft = p.gather(1, drafted.view(-1, 1)).view(-1), q.gather(1, drafted.view(-1, 1)).view(-1)
-    return p_draft >= q_draft, sample_from_probs((p - q).clamp(min=0), u_residual)
+    return p_draft > q_draft, sample_from_probs((p - q).clamp(min=0), u_residual)
 
 
 trials = 20_000
@@ -153,7 +154,7 @@ drafted = sample_from_probs(q_rows, position_uniforms(seeds, positions, STREAM_D
 u_accept = torch.from_numpy(position_uniforms(seeds, positions, STREAM_ACCEPT))
 u_residual = torch.from_numpy(position_uniforms(seeds, positions, STREAM_RESIDUAL))
 histograms = {}
-for name, rule in [("min(1, p/q)", accept_or_resample), ("accept if p >= q", tempting_rule)]:
+for name, rule in [("min(1, p/q)", accept_or_resample), ("accept if p > q", tempting_rule)]:
     accepted, resampled = rule(p_rows, q_rows, drafted, u_accept, u_residual)
     emitted_tokens = torch.where(accepted, drafted, resampled)
     histograms[name] = torch.bincount(emitted_tokens, minlength=len(vocab)).numpy()
@@ -174,9 +175,11 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# The shortcut never emits `d` (p < q there, so it is always rejected, and the residual has no mass
-# on it) and over-emits `b`, the token the draft loves. The real rule accepts `d` *sometimes* — with
-# probability p/q — and that is exactly what keeps the output honest.
+# The shortcut never emits `b`, `c` or `d`: the draft proposes them at least as often as the target
+# wants them (p ≤ q), so they are always rejected, and the residual has no mass there either. All
+# that mass goes to `a` and `e`, where the residual lives. The real rule accepts `b` and `d`
+# *sometimes* — with probability p/q — and `c` always, and that is exactly what keeps the output
+# honest.
 #
 # **Greedy is the limit.** At temperature 0 both p and q are one-hot. Then min(1, p(d)/q(d)) is 1
 # if d is the target's argmax and 0 otherwise, and the residual max(0, p − q) is the target's
@@ -300,8 +303,8 @@ print(f"emitted  {bytes(run).decode(errors='replace')!r}: {len(run) - 1} drafts 
 # %%
 accepted_count = len(run) - 1
 final_kind = "bonus" if accepted_count == len(drafted_ids) else "resampled"
-fig = plt.figure(figsize=(10, 5.6))
-top, bottom = fig.subfigures(2, 1, height_ratios=[1.2, 1])
+fig = plt.figure(figsize=(10, 4.4))
+top, bottom = fig.subfigures(2, 1, height_ratios=[2.6, 1])
 draw_speculative_round(top.subplots(), [chr(t) for t in drafted_ids], p_of_draft, q_of_draft, accepted_count,
                        chr(run[-1]), final_kind)
 before_ax, after_ax = bottom.subplots(1, 2)
@@ -394,19 +397,20 @@ plt.show()
 # %% [markdown]
 # The draft model is right most of the time, everywhere. Prompt lookup is all or nothing: it has long
 # green runs where the text repeats itself (and a small greedy model's text does), and proposes
-# nothing or nonsense elsewhere — an empty column is a pass where it found no match and the step was
-# a plain decode.
+# nothing or nonsense elsewhere. A column that is a single blue cell at the bottom is a pass where it
+# found no match: the step was a plain decode.
 #
 # ## Measure: acceptance, tokens per pass, speedup
 #
 # **Tokens per pass against k.** If each draft is accepted with probability α independently, a
 # round with k drafts emits (1 − α^{k+1}) / (1 − α) tokens on average: the accepted prefix plus one.
 # α is estimated from the traces as accepted / reached drafts (a draft is *reached* if every draft
-# before it was accepted). 16 requests, greedy, 64 new tokens each; the theory uses each pass's own
+# before it was accepted). 12 requests, greedy, 64 new tokens each; the theory uses each pass's own
 # number of drafts (fewer than k near `max_tokens`).
 
 # %%
 measure_prompts = [text[s:s + 80] for s in np.random.default_rng(1).integers(0, len(text) - 100, size=16)]
+sweep_prompts = measure_prompts[:12]
 measure_params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
 
@@ -422,7 +426,7 @@ sweep = {}
 for name, settings in [("draft model", {"draft_model": draft}), ("n-gram", {"method": "ngram"})]:
     for k in range(1, 9):
         engine = speculative_engine(SpeculativeConfig(num_speculative_tokens=k, **settings))
-        engine.generate(measure_prompts, measure_params)
+        engine.generate(sweep_prompts, measure_params)
         sweep[name, k] = acceptance(engine.trace)
 print(f"{'drafter':>12} {'k':>2} {'alpha':>6} {'tokens/pass':>11} {'theory':>7}")
 for (name, k), (alpha, measured, theory) in sweep.items():
@@ -477,10 +481,11 @@ for (batch_name, name), tps in speeds.items():
     print(f"{batch_name:>8} {name:>12}: {tps:7.1f} tokens/s  ({tps / speeds[batch_name, 'plain']:.2f}x plain)")
 
 # %% [markdown]
-# Why the draft model's speedup is smaller than its tokens per pass: a simple cost model. Let c be
-# a draft pass's cost and v a verify pass's cost, both in units of a plain decode step, and E the
-# tokens per pass. One round costs k·c + v plain steps and emits E tokens, so the speedup is
-# E / (k·c + v). The batch-1 traces give all three:
+# Why the draft model's speedup is smaller than its tokens per pass: a simple cost model. Measure a
+# round's drafting cost D and its verify pass cost v, both in units of a plain decode step, and its
+# tokens per pass E. One round costs D + v plain steps and emits E tokens, so the speedup is
+# E / (D + v). For a draft model D = k·c, with c the cost of one draft pass. The batch-1 traces give
+# all of them:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -491,17 +496,16 @@ def mean_ms(values):
 plain_step = mean_ms([r.forward_s for r in last_traces["batch 1", "plain"] if r.decoded])
 for name in ["draft model", "n-gram"]:
     trace = [r for r in last_traces["batch 1", name] if r.speculated]
-    draft_pass = mean_ms([r.draft_s / max(p for _, p, _ in r.speculated) for r in trace])
-    verify_pass = mean_ms([r.forward_s for r in trace])
-    c, v, E = draft_pass / plain_step, verify_pass / plain_step, tokens_per_pass(trace)
-    print(f"{name:>12}: plain step {plain_step:.2f} ms, draft pass {draft_pass:.2f} ms (c = {c:.2f}), "
-          f"verify {verify_pass:.2f} ms (v = {v:.2f}), E = {E:.2f} -> predicted {E / (4 * c + v):.2f}x, "
+    drafting, verify_pass = mean_ms([r.draft_s for r in trace]), mean_ms([r.forward_s for r in trace])
+    D, v, E = drafting / plain_step, verify_pass / plain_step, tokens_per_pass(trace)
+    print(f"{name:>12}: plain step {plain_step:.2f} ms; drafting {drafting:.2f} ms (D = {D:.2f}); verify "
+          f"{verify_pass:.2f} ms (v = {v:.2f}); E = {E:.2f} -> predicted {E / (D + v):.2f}x, "
           f"measured {speeds['batch 1', name] / speeds['batch 1', 'plain']:.2f}x")
 
 # %% [markdown]
 # With a tiny model on a CPU the draft is not "nearly free": c is set by the number of operations per
 # pass, not by the size of the matrices, and a 2-layer draft runs a third of a 6-layer target's
-# operations. Prompt lookup has c ≈ 0, so even its lower E turns into speed. At batch 16 the picture
+# operations. Prompt lookup has D ≈ 0, so even its lower E turns into speed. At batch 16 the picture
 # changes again: a plain step is no longer latency bound — it already runs 16 tokens — so the verify
 # pass of 16 × (k + 1) tokens costs much more than a plain step, and speculation pays less, or not at
 # all. That is why production engines speculate hardest at low load. `benchmarks/speculative.py`
@@ -519,6 +523,6 @@ for name in ["draft model", "n-gram"]:
 #    `num_tokens` slots, give the others back (last one first, so the next round gets them back in
 #    order) and update the table's token count.
 # 3. *(Explore, no test.)* Make k adaptive: keep a running α per sequence and choose the k that
-#    maximises E / (k·c + v) with the c and v measured above. Where does it beat a fixed k = 4?
+#    maximises E / (k·c + v) with the c and v measured above (c = D / k). Where does it beat a fixed k = 4?
 # 4. *(Explore, no test.)* Measure α of the draft model against temperature (0, 0.5, 0.8, 1.2). Does
 #    sampling make the draft better or worse at guessing, and why does top-k on both models change it?
