@@ -30,7 +30,7 @@ from minivllm.checkpoint import load_model
 from minivllm.corpus import shipped_validation_text
 from minivllm.engine import EngineConfig, LLMEngine
 from minivllm.kv_cache import ContiguousKVCache, generate_cached
-from minivllm.model_runner import build_batch
+from minivllm.model_runner import build_batch, pack_batch
 from minivllm.plots import draw_batch_places, draw_flat_batch, draw_gantt
 from minivllm.sampler import position_uniforms, sample_from_probs, token_probs
 from minivllm.scheduler import Scheduler, SchedulerConfig
@@ -170,9 +170,14 @@ while toy.has_unfinished():
 # The `StepPlan` is a list of chunks of different sequences, at different positions, of different
 # lengths. The model runner lays their tokens **end to end** — no padding in the matmuls — and keeps
 # the metadata that says which token belongs to whom: the varlen layout of FlashAttention and vLLM.
+# `build_batch` turns each chunk into a `BatchPiece` (its tokens, where they start, how many rows of
+# logits it wants; the `drafts` are chapter 06's) and `pack_batch` lays the pieces end to end.
 
 # %%
 show(build_batch)
+
+# %%
+show(pack_batch)
 
 # %% [markdown]
 # Here is a real step from the middle of a run: three sequences decoding and one new prompt being
@@ -244,7 +249,8 @@ plt.show()
 # ## The engine
 #
 # `LLMEngine` connects the pieces and adds no policy of its own: schedule, build the batch, one
-# forward pass, sample, update, and one trace record.
+# forward pass, sample, update, and one trace record. (The drafter's proposals are chapter 06's
+# speculative decoding; without it they are empty.)
 
 # %%
 show(LLMEngine.step)
@@ -390,7 +396,7 @@ plt.show()
 # 2. **ch04.2 — inverse CDF.** In `sample_from_probs`, pick for each row the first token whose running
 #    total of probability exceeds `u` (scaled by the row's total). The tests check boundaries and that a
 #    zero-probability token is never picked.
-# 3. **ch04.3 — flatten a chunk.** In `build_batch`, append one chunk's token ids, positions and slots
+# 3. **ch04.3 — flatten a chunk.** In `pack_batch`, append one piece's token ids, positions and slots
 #    to the flat batch, its end to `query_start`, and its context length. The tests compare a
 #    hand-worked step token by token.
 # 4. *(Explore, no test.)* Rerun the static/continuous comparison with `max_num_batched_tokens=16`.
