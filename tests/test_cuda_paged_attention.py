@@ -1,0 +1,118 @@
+"""The numba-cuda paged-attention kernels (chapter 07) against the torch reference.
+
+On a CPU the kernels run in numba's CUDA simulator -- the same source, every CUDA thread a Python
+thread -- so these shapes are small. The full grid of the issue (block sizes 8/16/32, head_dim
+32/64/128, GQA 1/2/4, float32 and float16) runs natively when a GPU is present. Inputs are fresh random
+numbers (never zeros) and the output is poisoned with NaN before the launch, so an element the kernel
+forgets to write cannot pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from minivllm.cuda_paged_attention import SIMULATOR, paged_attention
+from minivllm.model import attention_reference
+
+GPU = torch.cuda.is_available()
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def make_case(num_seqs_heads_kv_dim, block_size, context_lens, dtype, seed, device="cpu"):
+    """Random q and caches; each sequence gets its own shuffled physical blocks."""
+    num_heads, num_kv_heads, head_dim = num_seqs_heads_kv_dim
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks nobody owns: reading one would be a bug
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator)
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(context_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for seq, count in enumerate(blocks_per_seq):
+        tables[seq, :count] = order[used:used + count]
+        used += count
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return [t.to(device) for t in (q.to(dtype), key_cache.to(dtype), value_cache.to(dtype), tables, lens)]
+
+
+def reference(q, key_cache, value_cache, tables, lens) -> torch.Tensor:
+    """Gather each sequence's K/V through its table, then plain softmax attention (model.py's)."""
+    block_size = key_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for seq, length in enumerate(lens.tolist()):
+        positions = torch.arange(length)
+        blocks = tables[seq].cpu().long()[positions // block_size]
+        keys = key_cache.cpu().float()[blocks, positions % block_size]
+        values = value_cache.cpu().float()[blocks, positions % block_size]
+        out[seq] = attention_reference(q[seq].cpu().float()[None], keys, values,
+                                       torch.ones(1, length, dtype=torch.bool))[0]
+    return out
+
+
+def relative_error(case, partition_size=None, threads=32) -> float:
+    q = case[0]
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    paged_attention(*case, partition_size=partition_size, threads=threads, out=out)
+    expected = reference(*case)
+    assert not torch.isnan(out).any(), "the kernel left elements unwritten"
+    return float((out.cpu().float() - expected).abs().max() / expected.abs().max())
+
+
+def test_the_simulator_runs_when_there_is_no_gpu() -> None:
+    print(f"kernels run {'in the CUDA simulator' if SIMULATOR else 'natively on ' + torch.cuda.get_device_name()}")
+    assert SIMULATOR != GPU
+
+
+@pytest.mark.exercise("ch07.1")
+@pytest.mark.parametrize("shape, block_size, lens, threads", [
+    ((2, 1, 16), 4, [1, 11], 32),   # GQA 2, a one-token context, a context ending mid-block
+    ((2, 2, 32), 8, [8, 3], 64),    # no GQA, a context ending on a block boundary, two warps
+])
+def test_v1_matches_the_reference(shape, block_size, lens, threads) -> None:
+    assert relative_error(make_case(shape, block_size, lens, torch.float32, seed=len(lens) + threads),
+                          threads=threads) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.exercise("ch07.1")
+def test_v1_in_float16() -> None:
+    assert relative_error(make_case((2, 1, 16), 4, [10], torch.float16, seed=3)) <= TOLERANCE[torch.float16]
+
+
+@pytest.mark.exercise("ch07.2")
+def test_v2_merges_partitions_including_empty_ones() -> None:
+    # Partitions of 4 tokens: the 9-token sequence has 3, the 2-token one 1 real and 2 empty.
+    case = make_case((4, 1, 16), 4, [9, 2], torch.float32, seed=5)
+    assert relative_error(case, partition_size=4) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: [c[0], c[1], c[2][:, :, :, :8].contiguous(), c[3], c[4]], "caches must both be"),
+    (lambda c: [c[0], c[1], c[2], c[3], c[4] * 100], "context lengths must be"),
+    (lambda c: [c[0], c[1][:, :, :1].expand(-1, -1, 3, -1).contiguous(),
+                c[2][:, :, :1].expand(-1, -1, 3, -1).contiguous(), c[3], c[4]], "cannot share"),
+])
+def test_bad_shapes_are_refused_before_a_launch(change, message) -> None:
+    case = make_case((2, 1, 16), 4, [5, 3], torch.float32, seed=0)
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*change(case))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        paged_attention(*case, threads=48)
+
+
+GRID = list(itertools.product([8, 16, 32], [32, 64, 128], [1, 2, 4], [torch.float32, torch.float16]))
+
+
+@pytest.mark.skipif(not GPU, reason="no CUDA GPU: the native kernels need one (the simulator tests above run "
+                                    "the same kernel source on the CPU)")
+@pytest.mark.parametrize("block_size, head_dim, group, dtype", GRID)
+@pytest.mark.parametrize("partition_size", [None, 64])
+def test_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size) -> None:
+    lens = [1, block_size - 1, 3 * block_size + 5, 517]
+    case = make_case((8, 8 // group, head_dim), block_size, lens, dtype, seed=block_size + head_dim + group,
+                     device="cuda")
+    assert relative_error(case, partition_size=partition_size, threads=128) <= TOLERANCE[dtype]
