@@ -116,3 +116,21 @@ def test_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size
     case = make_case((8, 8 // group, head_dim), block_size, lens, dtype, seed=block_size + head_dim + group,
                      device="cuda")
     assert relative_error(case, partition_size=partition_size, threads=128) <= TOLERANCE[dtype]
+
+
+def test_the_engine_gives_the_same_tokens_with_the_kernel_backend() -> None:
+    """A tiny random model, so the simulator can run every decode of a few requests through the kernel."""
+    from minivllm.cuda_paged_attention import CudaPagedAttention
+    from minivllm.engine import EngineConfig, LLMEngine
+    from minivllm.model import ModelConfig, Transformer, init_weights
+    from minivllm.sequence import SamplingParams
+
+    model = Transformer(ModelConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=64))
+    init_weights(model, seed=0)
+    prompts, params = [[256, 65, 66], [256, 71, 72, 73, 74]], SamplingParams(max_tokens=3, temperature=0)
+    outputs = {}
+    for backend in ["torch", "cuda"]:
+        engine = LLMEngine(model, EngineConfig(num_blocks=16, block_size=4, device="cpu", attention_backend=backend))
+        outputs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert engine.runner.backend is CudaPagedAttention
+    assert outputs["cuda"] == outputs["torch"] and all(len(t) == 3 for t in outputs["torch"])

@@ -455,3 +455,17 @@ def test_a_prompt_over_the_budget_without_chunking_is_refused(target) -> None:
     assert not engine.has_unfinished()
     engine.add_request("x" * 10, SamplingParams(max_tokens=2, temperature=0))
     assert run_all(engine)[0].finish_reason == "length"
+
+
+def test_the_attention_backend_and_device_are_chosen_and_checked(target) -> None:
+    from minivllm.varlen_attention import TorchPagedAttention
+
+    engine = LLMEngine(target, EngineConfig(num_blocks=8))
+    expected_device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert engine.device == expected_device
+    if expected_device == "cpu":
+        assert engine.runner.backend is TorchPagedAttention  # the reference on a CPU, by default
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="triton")
+    with pytest.raises(ValueError, match="device"):
+        EngineConfig(device="tpu")

@@ -33,6 +33,8 @@ if not torch.cuda.is_available():
 
 from numba import cuda, float32  # noqa: E402  (the environment variable must be set first)
 
+from .varlen_attention import TorchPagedAttention  # noqa: E402
+
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 if not SIMULATOR and not cuda.is_available():
     raise ImportError("numba sees no CUDA GPU and its simulator is off: numba was imported before "
@@ -281,3 +283,19 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     merge_partitions[(num_seqs, num_heads), min(threads, 128)](
         _kernel_arg(out), _kernel_arg(partial), _kernel_arg(max_logits), _kernel_arg(exp_sums))
     return out
+
+
+class CudaPagedAttention(TorchPagedAttention):
+    """The engine's attention backend with its decodes on the kernel above (v1). Writing the new K/V and
+    attending prefill chunks stay the torch reference's: the kernel is a decode kernel, one query per
+    sequence. `EngineConfig(attention_backend="cuda")` picks it; on a CPU it runs in the simulator,
+    which is only fast enough for small checks."""
+
+    def _attend_decodes(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        kv, nd = self.storage.kv[layer], self.batch.num_decodes
+        return paged_attention(q.contiguous(), kv[0], kv[1], self.batch.block_tables[:nd].to(torch.int32),
+                               self.batch.context_lens[:nd].to(torch.int32), threads=_ENGINE_THREADS)
+
+
+# One warp per block in the simulator (each CUDA thread is a Python thread there); four on a GPU.
+_ENGINE_THREADS = WARP_SIZE if SIMULATOR else DEFAULT_THREADS

@@ -32,6 +32,7 @@ from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .sequence import SamplingParams, Sequence, Status
 from .speculative import Proposal, SpeculativeConfig, make_drafter, verify
 from .tokenizer import ByteTokenizer
+from .varlen_attention import TorchPagedAttention
 from .trace import StepRecord
 
 
@@ -43,6 +44,19 @@ class EngineConfig:
     seed: int = 0  # requests without a seed get one derived from this and their id
     dtype: torch.dtype = torch.float32
     speculative: SpeculativeConfig | None = None  # None: plain decoding, one target pass per token
+    device: str = "auto"  # "cpu", "cuda", or "auto": the GPU when torch sees one
+    # "torch" (the reference), "cuda" (chapter 07's kernel for decodes; on a CPU it runs in numba's
+    # simulator, for small checks only) or "auto": the kernel on a GPU, the reference on a CPU.
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"EngineConfig.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "cuda"):
+            raise ValueError(f"EngineConfig.attention_backend must be 'auto', 'torch' or 'cuda', "
+                             f"got {self.attention_backend!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("EngineConfig.device is 'cuda' but torch sees no GPU: use 'cpu' or 'auto'")
 
 
 @dataclass
@@ -75,14 +89,18 @@ class LLMEngine:
         self.model, self.config = model.eval(), config or EngineConfig()
         self.tokenizer = tokenizer or ByteTokenizer()
         config = self.config
+        self.device = _resolve_device(config.device)
+        self.model.to(self.device)
+        backend = _attention_backend(config.attention_backend, self.device)
         self.manager = BlockManager(config.num_blocks, config.block_size)
-        self.storage = PagedKVStorage(model.config, config.num_blocks, config.block_size, config.dtype)
+        self.storage = PagedKVStorage(model.config, config.num_blocks, config.block_size, config.dtype, self.device)
         scheduler_config, self.drafter = config.scheduler, None
         if config.speculative is not None:  # reserve k lookahead slots after every decode for the drafts
-            self.drafter = make_drafter(config.speculative, model, self.manager, config.num_blocks, config.dtype)
+            self.drafter = make_drafter(config.speculative, model, self.manager, config.num_blocks, config.dtype,
+                                        self.device, backend)
             scheduler_config = replace(scheduler_config, num_lookahead_slots=config.speculative.num_speculative_tokens)
         self.scheduler = Scheduler(scheduler_config, self.manager)
-        self.runner = ModelRunner(model, self.storage, self.manager)
+        self.runner = ModelRunner(model, self.storage, self.manager, backend)
         self.trace: list[StepRecord] = []
         self._next_id = 0
 
@@ -257,6 +275,23 @@ class LLMEngine:
         for prompt, p in zip(prompts, param_list):  # check them all before queueing any
             self._check_fits(self._prompt_ids(prompt), self._params(p))
         return [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _attention_backend(name: str, device: str) -> type:
+    """The attention class for the runner. The CUDA kernel's module is imported only when chosen:
+    importing it switches numba's simulator on when there is no GPU."""
+    if name == "auto":
+        name = "cuda" if device == "cuda" else "torch"
+    if name == "torch":
+        return TorchPagedAttention
+    from .cuda_paged_attention import CudaPagedAttention
+    return CudaPagedAttention
 
 
 class LLM:

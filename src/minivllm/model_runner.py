@@ -91,20 +91,24 @@ def _leading_single_tokens(pieces: SequenceOf[BatchPiece]) -> int:
 
 
 @torch.no_grad()
-def run_model(model: Transformer, storage: PagedKVStorage, batch: VarlenBatch) -> torch.Tensor:
-    """One forward pass over a flattened batch; the logits of the rows it asks for, `[S, vocab]`."""
-    attention = TorchPagedAttention(storage, batch)
-    logits = model(batch.input_ids, batch.positions, attention)
-    return logits[batch.logits_indices]
+def run_model(model: Transformer, storage: PagedKVStorage, batch: VarlenBatch,
+              backend: type = TorchPagedAttention) -> torch.Tensor:
+    """One forward pass over a flattened batch, on the storage's device, with an attention backend
+    (`TorchPagedAttention`, or chapter 07's `CudaPagedAttention`); the logits of the rows it asks for,
+    `[S, vocab]`, back on the CPU, where sampling happens."""
+    batch = batch.to(storage.kv.device)
+    logits = model(batch.input_ids, batch.positions, backend(storage, batch))
+    return logits[batch.logits_indices].float().cpu()
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, storage: PagedKVStorage, manager: BlockManager) -> None:
-        self.model, self.storage, self.manager = model, storage, manager
+    def __init__(self, model: Transformer, storage: PagedKVStorage, manager: BlockManager,
+                 backend: type = TorchPagedAttention) -> None:
+        self.model, self.storage, self.manager, self.backend = model, storage, manager, backend
 
     def forward(self, batch: VarlenBatch) -> torch.Tensor:
         """Logits of the rows that pick (or check) a token, `[S, vocab]`."""
-        return run_model(self.model, self.storage, batch)
+        return run_model(self.model, self.storage, batch, self.backend)
 
     def sample(self, plan: StepPlan, sequences: Mapping[int, Sequence], logits: torch.Tensor) -> dict[int, int]:
         """One token per sampling chunk; its position is the index it will have in the sequence."""

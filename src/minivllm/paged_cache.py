@@ -35,13 +35,14 @@ class PagedKVStorage:
     """The single K/V tensor of a paged cache; written through slots, read through block tables."""
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.config, self.num_blocks, self.block_size, self.dtype = config, num_blocks, block_size, dtype
         shape = (config.n_layers, 2, num_blocks, block_size, config.n_kv_heads, config.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def num_slots(self) -> int:

@@ -40,6 +40,7 @@ from .model_runner import BatchPiece, pack_batch, run_model
 from .paged_cache import PagedKVStorage
 from .sampler import position_uniforms, sample_from_probs, token_probs
 from .sequence import Sequence
+from .varlen_attention import TorchPagedAttention
 
 # Independent random streams per position; stream 0 is the ordinary draw (and the bonus token's).
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_RESIDUAL = 1, 2, 3
@@ -224,9 +225,10 @@ class ModelDrafter:
 
     uses_cache = True
 
-    def __init__(self, model: Transformer, manager: BlockManager, num_blocks: int, dtype: torch.dtype) -> None:
-        self.model, self.manager = model.eval(), manager
-        self.storage = PagedKVStorage(model.config, num_blocks, manager.block_size, dtype)
+    def __init__(self, model: Transformer, manager: BlockManager, num_blocks: int, dtype: torch.dtype,
+                 device: str = "cpu", backend: type = TorchPagedAttention) -> None:
+        self.model, self.manager, self.backend = model.eval().to(device), manager, backend
+        self.storage = PagedKVStorage(model.config, num_blocks, manager.block_size, dtype, device)
 
     def propose(self, seqs: SequenceOf[Sequence], lookaheads: SequenceOf[int]) -> list[Proposal]:
         tokens = {s.seq_id: [] for s in seqs}
@@ -253,7 +255,7 @@ class ModelDrafter:
     def _draw(self, seqs: list[Sequence], pieces: list[BatchPiece]) -> tuple[list[int], list[torch.Tensor | None]]:
         """One batched draft pass: each sequence's next draft token and the distribution q it came from
         (None for a greedy batch: q is the one-hot at the argmax, no need to build it)."""
-        logits = run_model(self.model, self.storage, pack_batch(pieces, self.manager))
+        logits = run_model(self.model, self.storage, pack_batch(pieces, self.manager), self.backend)
         greedy = [s.params.greedy for s in seqs]
         if all(greedy):
             return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
@@ -272,7 +274,8 @@ def _stack_or_none(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 def make_drafter(config: SpeculativeConfig, target: Transformer, manager: BlockManager, num_blocks: int,
-                 dtype: torch.dtype) -> NgramDrafter | ModelDrafter:
+                 dtype: torch.dtype, device: str = "cpu",
+                 backend: type = TorchPagedAttention) -> NgramDrafter | ModelDrafter:
     if config.method == "ngram":
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
     draft = config.draft_model
@@ -285,4 +288,4 @@ def make_drafter(config: SpeculativeConfig, target: Transformer, manager: BlockM
     if draft.config.max_seq_len < target.config.max_seq_len:
         raise ValueError(f"the draft model's context ({draft.config.max_seq_len}) is shorter than the target's "
                          f"({target.config.max_seq_len}): it could not draft for long sequences")
-    return ModelDrafter(draft, manager, num_blocks, dtype)
+    return ModelDrafter(draft, manager, num_blocks, dtype, device, backend)

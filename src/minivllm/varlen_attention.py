@@ -20,7 +20,7 @@ Chapter 07 writes a CUDA kernel that takes the same `VarlenBatch`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,13 +48,19 @@ class VarlenBatch:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    def to(self, device: torch.device | str) -> VarlenBatch:
+        """The same batch with every tensor on `device` (the batch is built on the CPU)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
 
 def context_slots(batch: VarlenBatch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """For sequences `rows`: the slot of each of their cached tokens, `[b, max_len]`, and which entries
     are real, `[b, max_len]` (the rest is padding, pointing at slot 0)."""
     lens = batch.context_lens[rows]
     width = int(lens.max())
-    offsets = torch.arange(width)
+    offsets = torch.arange(width, device=lens.device)
     blocks = batch.block_tables[rows][:, offsets // batch.block_size]
     valid = offsets[None, :] < lens[:, None]
     slots = torch.where(valid, blocks * batch.block_size + offsets % batch.block_size, 0)
@@ -79,15 +85,15 @@ class TorchPagedAttention:
         starts, ends = batch.query_start[rows], batch.query_start[rows.start + 1:rows.stop + 1]
         lens = ends - starts
         width = int(lens.max())
-        t = torch.arange(width)
+        t = torch.arange(width, device=lens.device)
         real = t[None, :] < lens[:, None]  # [b, width]: padded query rows are not real
         # Padded layout [b * width] <- flat rows: where each real prefill token sits in the padded grid.
-        self.prefill_rows = torch.arange(int(starts[0]), int(ends[-1]))
-        self.padded_index = (torch.arange(len(lens))[:, None] * width + t[None, :])[real]
+        self.prefill_rows = torch.arange(int(starts[0]), int(ends[-1]), device=lens.device)
+        self.padded_index = (torch.arange(len(lens), device=lens.device)[:, None] * width + t[None, :])[real]
         self.prefill_width = width
         self.prefill_slots, valid = context_slots(batch, rows)
         query_pos = (batch.context_lens[rows] - lens)[:, None] + t[None, :]  # absolute position of each query
-        keys = torch.arange(self.prefill_slots.shape[1])
+        keys = torch.arange(self.prefill_slots.shape[1], device=lens.device)
         mask = valid[:, None, :] & (keys[None, None, :] <= query_pos[:, :, None])
         mask[~real] = keys == 0  # a padded query looks at one key, so its softmax is not 0/0 (NaN)
         self.prefill_mask = mask[:, None]  # [b, heads, width, keys]
