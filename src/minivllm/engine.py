@@ -9,8 +9,8 @@ The engine owns no policy of its own. A step is
 
 plus a `StepRecord` for the trace. With a `SpeculativeConfig` (chapter 06) a drafter proposes tokens for
 every decoding sequence between `schedule()` and the forward pass, the same single pass verifies them,
-and `verify` turns its logits into runs of accepted tokens. Requests come in with `add_request` (checked there, so a bad one
-never reaches the scheduler) and leave as `RequestOutput`s. `generate` runs a list of prompts to the
+and `verify` turns its logits into runs of accepted tokens. Requests come in with `add_request`
+(checked there, so a bad one never reaches the scheduler) and leave as `RequestOutput`s. `generate` runs a list of prompts to the
 end; `stream` yields text deltas as they are produced; `LLM` is the two-line front door.
 """
 
@@ -32,8 +32,8 @@ from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .sequence import SamplingParams, Sequence, Status
 from .speculative import Proposal, SpeculativeConfig, make_drafter, verify
 from .tokenizer import ByteTokenizer
-from .varlen_attention import TorchPagedAttention
 from .trace import StepRecord
+from .varlen_attention import TorchPagedAttention
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class LLMEngine:
         self.tokenizer = tokenizer or ByteTokenizer()
         config = self.config
         self.device = _resolve_device(config.device)
-        self.model.to(self.device)
+        self.model.to(self.device)  # in place: the engine runs the caller's model where its cache lives
         backend = _attention_backend(config.attention_backend, self.device)
         self.manager = BlockManager(config.num_blocks, config.block_size)
         self.storage = PagedKVStorage(model.config, config.num_blocks, config.block_size, config.dtype, self.device)
