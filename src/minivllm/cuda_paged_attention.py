@@ -31,11 +31,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-from numba import cuda, float32  # noqa: E402  (the environment variable must be set first)
+from numba import config as numba_config, cuda, float32  # noqa: E402  (the variable must be set first)
 
 from .varlen_attention import TorchPagedAttention  # noqa: E402
 
-SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+# What numba itself decided when numba.cuda was first imported, not what the environment says now.
+SIMULATOR = bool(numba_config.ENABLE_CUDASIM)
 if not SIMULATOR and not cuda.is_available():
     raise ImportError("numba sees no CUDA GPU and its simulator is off: numba was imported before "
                       "minivllm.cuda_paged_attention could set NUMBA_ENABLE_CUDASIM=1. Set that variable in "
