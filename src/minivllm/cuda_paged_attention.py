@@ -230,8 +230,9 @@ DEFAULT_THREADS = 128  # 4 warps per block
 
 
 def _kernel_arg(tensor: torch.Tensor):
-    """What a kernel takes: the CUDA tensor itself (numba reads it in place), or on the simulator the
-    CPU tensor's numpy view (also no copy)."""
+    """What a kernel takes: the CUDA tensor itself (numba reads it in place, no copy), or on the
+    simulator the CPU tensor's numpy view (the simulator copies it in and back out, as it emulates
+    device memory)."""
     if not tensor.is_contiguous():
         raise ValueError(f"kernel arguments must be contiguous, got strides {tensor.stride()}")
     return tensor if tensor.is_cuda else tensor.numpy()
