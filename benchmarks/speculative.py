@@ -72,7 +72,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -90,6 +89,8 @@ from minivllm.sequence import SamplingParams
 from minivllm.speculative import SpeculativeConfig
 from minivllm.tokenizer import ByteTokenizer
 
+from _common import best_of, char_start, load_str, source_version
+
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 BUDGET = 512  # max_num_batched_tokens: holds 16 x (8 + 1) verify tokens and a prompt or more
 BLOCK_SIZE = 16
@@ -98,9 +99,6 @@ GOAL_K, GOAL_TOKENS_PER_PASS, GOAL_SPEEDUP_BATCH1 = 4, 2.5, 1.5
 
 
 # -- the workload ------------------------------------------------------------------------------------
-def _char_start(data: bytes, i: int) -> bool:
-    """Does a UTF-8 character start at byte i (or is i the end)?"""
-    return i >= len(data) or not 0x80 <= data[i] <= 0xBF
 
 
 def make_prompts(num_prompts: int, seed: int, prompt_bytes: tuple[int, int] = (40, 120)) -> list[str]:
@@ -113,7 +111,7 @@ def make_prompts(num_prompts: int, seed: int, prompt_bytes: tuple[int, int] = (4
     for index in rng.permutation(len(speeches))[:num_prompts]:
         speech = speeches[int(index)]
         end = int(rng.integers(lo, hi + 1))
-        while not _char_start(speech, end):  # never cut a character in two
+        while not char_start(speech, end):  # never cut a character in two
             end -= 1
         prompts.append(speech[:end].decode("utf-8"))
     return prompts
@@ -127,20 +125,8 @@ def sampling(max_tokens: int, temperature: float, count: int, seed: int) -> list
             for i in range(count)]
 
 
-def source_version() -> dict:
-    """The commit the numbers were measured at, and whether the working tree differed from it."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True,
-                                text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "src_modified": None}
-    return {"commit": commit.stdout.strip(), "src_modified": bool(status.stdout.strip())}
 
 
-def load_str() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 # -- one system, one run -----------------------------------------------------------------------------
@@ -232,14 +218,6 @@ def step_costs(trace, k: int) -> dict:
 
 
 # -- report ------------------------------------------------------------------------------------------
-def best_of(runs: list[dict]) -> dict:
-    """The least disturbed run of a system, with the spread of all of them."""
-    best = dict(min(runs, key=lambda r: r["seconds"]))
-    best["repeats"] = len(runs)
-    best["median_seconds"] = statistics.median(r["seconds"] for r in runs)
-    best["runs"] = [{"seconds": round(r["seconds"], 4), "load_before": r["load_before"],
-                     "load_after": r["load_after"]} for r in runs]
-    return best
 
 
 def least_costs(runs: list[dict]) -> dict:

@@ -43,7 +43,6 @@ import os
 import platform
 import pstats
 import statistics
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -63,6 +62,8 @@ from minivllm.scheduler import SchedulerConfig
 from minivllm.sequence import SamplingParams
 from minivllm.tokenizer import PAD_ID, ByteTokenizer
 
+from _common import best_of, char_start, load_str, source_version
+
 RESULTS = Path(__file__).parent / "results" / "throughput.json"
 THREADS = 2
 BIG_BATCH_DECODES = 48  # "batch 64": steps with at least this many running decodes
@@ -77,9 +78,6 @@ class Request:
     max_tokens: int
 
 
-def _char_start(data: bytes, i: int) -> bool:
-    """Does a UTF-8 character start at byte i (or is i the end)?"""
-    return i >= len(data) or not 0x80 <= data[i] <= 0xBF
 
 
 def make_workload(num_requests: int, seed: int, prompt_bytes: tuple[int, int] = (16, 200),
@@ -92,12 +90,12 @@ def make_workload(num_requests: int, seed: int, prompt_bytes: tuple[int, int] = 
     for index in range(num_requests):
         length = int(rng.integers(lo, hi + 1))
         start = int(rng.integers(0, len(data) - hi - 8))
-        while not _char_start(data, start):
+        while not char_start(data, start):
             start += 1
         end = start + length
-        while not _char_start(data, end) and end > start:  # never cut a character in two
+        while not char_start(data, end) and end > start:  # never cut a character in two
             end -= 1
-        while end - start < lo or not _char_start(data, end):  # ... nor go under the minimum
+        while end - start < lo or not char_start(data, end):  # ... nor go under the minimum
             end += 1
         prompt = data[start:end].decode("utf-8")
         max_tokens = int(rng.integers(output_tokens[0], output_tokens[1] + 1))
@@ -117,20 +115,8 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def source_version() -> dict:
-    """The commit the numbers were measured at, and whether the working tree differed from it."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True,
-                                text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "src_modified": None}
-    return {"commit": commit.stdout.strip(), "src_modified": bool(status.stdout.strip())}
 
 
-def load_str() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def timed_run(label: str, requests: list[Request], work: Callable[[], list[list[int]]], **extra) -> dict:
@@ -385,14 +371,6 @@ def profile_decode(model: Transformer, requests: list[Request], budget: int, ste
 
 
 # -- report ----------------------------------------------------------------------------------------
-def best_of(runs: list[dict]) -> dict:
-    """The least disturbed run of a system, with the spread of all of them."""
-    best = dict(min(runs, key=lambda r: r["seconds"]))
-    best["repeats"] = len(runs)
-    best["median_seconds"] = statistics.median(r["seconds"] for r in runs)
-    best["runs"] = [{"seconds": round(r["seconds"], 4), "load_before": r["load_before"],
-                     "load_after": r["load_after"]} for r in runs]
-    return best
 
 
 def public(result: dict, reference_tps: float | None = None) -> dict:

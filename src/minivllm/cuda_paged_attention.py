@@ -70,46 +70,31 @@ if SIMULATOR:
 
 
 @cuda.jit(device=True)
-def warp_sum(value):
+def combine(a, b, take_max):
+    return max(a, b) if take_max else a + b
+
+
+@cuda.jit(device=True)
+def warp_reduce(value, take_max):
+    """The sum (or max) over the 32 lanes of a warp, by butterfly shuffles: every lane ends with it."""
     offset = WARP_SIZE // 2
     while offset > 0:
-        value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+        value = combine(value, cuda.shfl_xor_sync(FULL_MASK, value, offset), take_max)
         offset //= 2
     return value
 
 
 @cuda.jit(device=True)
-def warp_max(value):
-    offset = WARP_SIZE // 2
-    while offset > 0:
-        value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
-        offset //= 2
-    return value
-
-
-@cuda.jit(device=True)
-def block_max(value, scratch):
-    """The max over every thread of the block: warps reduce with shuffles, then through shared memory."""
-    value = warp_max(value)
+def block_reduce(value, scratch, take_max):
+    """The sum (or max) over every thread of the block: warps reduce with shuffles, then each thread
+    combines the warps' results from shared memory."""
+    value = warp_reduce(value, take_max)
     if cuda.threadIdx.x % WARP_SIZE == 0:
         scratch[cuda.threadIdx.x // WARP_SIZE] = value
     cuda.syncthreads()
     result = scratch[0]
     for w in range(1, cuda.blockDim.x // WARP_SIZE):
-        result = max(result, scratch[w])
-    cuda.syncthreads()
-    return result
-
-
-@cuda.jit(device=True)
-def block_sum(value, scratch):
-    value = warp_sum(value)
-    if cuda.threadIdx.x % WARP_SIZE == 0:
-        scratch[cuda.threadIdx.x // WARP_SIZE] = value
-    cuda.syncthreads()
-    result = scratch[0]
-    for w in range(1, cuda.blockDim.x // WARP_SIZE):
-        result += scratch[w]
+        result = combine(result, scratch[w], take_max)
     cuda.syncthreads()
     return result
 
@@ -148,20 +133,20 @@ def attend_range(out_row, q_row, key_cache, value_cache, table, kv_head, start, 
             block, offset = cache_slot(table, start + t, block_size)
             for d in range(lane, dim, WARP_SIZE):
                 partial += q_s[d] * float32(key_cache[block, offset, kv_head, d])
-        dot = warp_sum(partial)
+        dot = warp_reduce(partial, False)
         if t < length:
             if lane == 0:
                 scores[t] = dot
             local_max = max(local_max, dot)
     cuda.syncthreads()
-    m = block_max(local_max, scratch)
+    m = block_reduce(local_max, scratch, True)
     local_sum = float32(0.0)
     for t in range(tid, length, threads):
         e = math.exp(scores[t] - m)
         scores[t] = e
         local_sum += e
     cuda.syncthreads()
-    total = block_sum(local_sum, scratch)
+    total = block_reduce(local_sum, scratch, False)
     # Values: threads split head_dim; each walks the tokens (coalesced reads of the value rows).
     for d in range(tid, dim, threads):
         acc = float32(0.0)
