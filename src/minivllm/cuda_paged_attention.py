@@ -16,7 +16,7 @@ The same source runs natively on an NVIDIA GPU (on torch tensors, no copies: num
 `__cuda_array_interface__`) or on a CPU under numba's CUDA simulator, which this module switches on
 (NUMBA_ENABLE_CUDASIM=1, before numba is imported) when torch sees no GPU. The simulator runs every
 CUDA thread as a Python thread: slow, but it executes the very same kernel code. It lacks warp
-shuffles, so `_install_simulator_shuffle` adds `shfl_xor_sync` to it with two block barriers -- which
+shuffles, so `_install_simulator_shuffle` adds `shfl_xor_sync` to it with a block barrier -- which
 needs every thread of a block to call it together, as these kernels do.
 """
 
@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -47,20 +49,21 @@ FULL_MASK = 0xFFFFFFFF
 
 def _install_simulator_shuffle() -> None:
     """Give the simulator `cuda.shfl_xor_sync`: every thread posts its value, the block meets at a
-    barrier, each reads its partner's (lane ^ lane_mask, in its own warp), and the block meets again so
-    nobody overwrites a value still to be read. So the whole *block* must call it together (the real
-    instruction needs only the warp); these kernels always do."""
+    barrier, and each reads its partner's (lane ^ lane_mask, in its own warp). Consecutive shuffles
+    alternate between two exchange tables, so a thread that races ahead to the next shuffle cannot
+    overwrite a value still to be read: one barrier per shuffle. So the whole *block* must call it
+    together (the real instruction needs only the warp); these kernels always do."""
     from numba.cuda.simulator.kernelapi import FakeCUDAModule
 
     def shfl_xor_sync(self, mask, value, lane_mask):
         thread = threading.current_thread()
-        exchange = thread._manager.__dict__.setdefault("_shuffle_exchange", {})
+        calls = getattr(thread, "_shuffles", 0)
+        thread._shuffles = calls + 1
+        exchange = thread._manager.__dict__.setdefault("_shuffle_exchange", ({}, {}))[calls % 2]
         tid = thread.threadIdx.x
         exchange[tid] = value
         thread.syncthreads()
-        result = exchange[tid - tid % WARP_SIZE + (tid % WARP_SIZE ^ lane_mask)]
-        thread.syncthreads()
-        return result
+        return exchange[tid - tid % WARP_SIZE + (tid % WARP_SIZE ^ lane_mask)]
 
     FakeCUDAModule.shfl_xor_sync = shfl_xor_sync
 
@@ -210,8 +213,28 @@ def merge_partitions(out, partial_out, max_logits, exp_sums):
         ### END SOLUTION
 
 
+@contextmanager
+def _simulator_pace():
+    """The simulator's block manager polls its threads, holding the GIL, to see who waits at a barrier;
+    handing the GIL on every 0.5 ms instead of Python's default 5 ms makes a simulated launch about 3x
+    faster. Nothing changes on a GPU."""
+    interval = sys.getswitchinterval()
+    if SIMULATOR:
+        sys.setswitchinterval(5e-4)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+
+
 # -- launchers ------------------------------------------------------------------------------------------
 DEFAULT_THREADS = 128  # 4 warps per block
+
+
+def shared_bytes(head_dim: int, threads: int, tokens: int) -> int:
+    """Dynamic shared memory one thread block needs (float32): the scaled query, one reduction slot per
+    warp, and a score for each of the `tokens` it attends to."""
+    return (head_dim + threads // WARP_SIZE + tokens) * 4
 
 
 def _kernel_arg(tensor: torch.Tensor):
@@ -254,21 +277,23 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     scale = head_dim ** -0.5 if scale is None else scale
     out = torch.empty_like(q) if out is None else out
     tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
-    warps, longest = threads // WARP_SIZE, int(context_lens.max())
+    longest = int(context_lens.max())
     args = [_kernel_arg(t) for t in (q, key_cache, value_cache, tables, lens)]
     if partition_size is None:
-        shared = (head_dim + warps + longest) * 4  # q, reduction scratch, scores (float32)
-        paged_attention_v1[(num_seqs, num_heads), threads, 0, shared](_kernel_arg(out), *args, scale, group)
+        shared = shared_bytes(head_dim, threads, longest)
+        with _simulator_pace():
+            paged_attention_v1[(num_seqs, num_heads), threads, 0, shared](_kernel_arg(out), *args, scale, group)
         return out
     parts = -(-longest // partition_size)
     partial = torch.empty(num_seqs, num_heads, parts, head_dim, dtype=torch.float32, device=q.device)
     max_logits = torch.empty(num_seqs, num_heads, parts, dtype=torch.float32, device=q.device)
     exp_sums = torch.empty_like(max_logits)
-    shared = (head_dim + warps + partition_size) * 4
-    paged_attention_v2[(num_seqs, num_heads, parts), threads, 0, shared](
-        _kernel_arg(partial), _kernel_arg(max_logits), _kernel_arg(exp_sums), *args, scale, group, partition_size)
-    merge_partitions[(num_seqs, num_heads), min(threads, 128)](
-        _kernel_arg(out), _kernel_arg(partial), _kernel_arg(max_logits), _kernel_arg(exp_sums))
+    shared = shared_bytes(head_dim, threads, partition_size)
+    with _simulator_pace():
+        paged_attention_v2[(num_seqs, num_heads, parts), threads, 0, shared](
+            _kernel_arg(partial), _kernel_arg(max_logits), _kernel_arg(exp_sums), *args, scale, group, partition_size)
+        merge_partitions[(num_seqs, num_heads), min(threads, 128)](
+            _kernel_arg(out), _kernel_arg(partial), _kernel_arg(max_logits), _kernel_arg(exp_sums))
     return out
 
 
