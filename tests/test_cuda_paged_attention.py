@@ -134,3 +134,20 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_backend() -> None:
         outputs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
     assert engine.runner.backend is CudaPagedAttention
     assert outputs["cuda"] == outputs["torch"] and all(len(t) == 3 for t in outputs["torch"])
+
+
+@pytest.mark.skipif(not GPU, reason="no CUDA GPU: the real model's decodes on the native kernel need one (the "
+                                    "simulator test above runs a tiny model through the same backend)")
+def test_the_real_model_gives_the_same_greedy_tokens_on_the_gpu_kernel(target) -> None:
+    from minivllm.corpus import shipped_validation_text
+    from minivllm.engine import EngineConfig, LLMEngine
+    from minivllm.sequence import SamplingParams
+
+    text = shipped_validation_text()
+    prompts = [text[i * 500:i * 500 + 20 + 37 * i] for i in range(8)]  # uneven prompts, batched decodes
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    outputs = {}
+    for backend in ["torch", "cuda"]:
+        engine = LLMEngine(target, EngineConfig(device="cuda", attention_backend=backend))
+        outputs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outputs["cuda"] == outputs["torch"]
