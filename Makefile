@@ -11,7 +11,7 @@ STUDENT_FLAGS ?=
 export OMP_NUM_THREADS ?= 2
 export PYTHONHASHSEED := 0
 
-.PHONY: book test lab notebooks student bench check-notebooks clean help
+.PHONY: book test lab notebooks student bench serve check-notebooks clean help
 
 help:
 	@echo "make book       install, execute every chapter, build the HTML book (book/_build/html)"
@@ -20,6 +20,7 @@ help:
 	@echo "make notebooks  sync chapters/*.py -> .ipynb and execute in place"
 	@echo "make student DEST=dir [STUDENT_FLAGS=--force]   a student copy with the exercises stubbed out"
 	@echo "make bench      run the benchmarks (tables + JSON in benchmarks/results/)"
+	@echo "make serve      the OpenAI-compatible server on http://127.0.0.1:8000 (PORT=..., Ctrl-C to stop)"
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +56,10 @@ student: $(BOOK_STAMP)
 
 bench: $(DEV_STAMP)  # the dev extra brings transformers, for the Hugging Face rows of throughput.py
 	@for script in benchmarks/[!_]*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+PORT ?= 8000
+serve: $(BOOK_STAMP)
+	$(VENV)/bin/minivllm serve --model target --host 127.0.0.1 --port $(PORT)
 
 clean:
 	rm -rf book/_build book/chapters

@@ -1,11 +1,18 @@
-"""Helpers the benchmark scripts share (not a benchmark itself: `make bench` skips files starting with _)."""
+"""Helpers the benchmark scripts share (not a benchmark itself: `make bench` skips files starting with _):
+the seeded workload of validation-text prompts, machine and source records, best-of-N runs."""
 
 from __future__ import annotations
 
 import os
 import statistics
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+
+from minivllm.corpus import shipped_validation_text
+from minivllm.tokenizer import ByteTokenizer
 
 
 def char_start(data: bytes, i: int) -> bool:
@@ -37,3 +44,34 @@ def best_of(runs: list[dict]) -> dict:
     best["runs"] = [{"seconds": round(r["seconds"], 4), "load_before": r["load_before"],
                      "load_after": r["load_after"]} for r in runs]
     return best
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int
+    prompt: str
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+def make_workload(num_requests: int, seed: int, prompt_bytes: tuple[int, int] = (16, 200),
+                  output_tokens: tuple[int, int] = (32, 256)) -> list[Request]:
+    """Seeded requests: a random slice of the validation text as the prompt, a uniform output length."""
+    data = shipped_validation_text().encode("utf-8")
+    rng = np.random.default_rng(seed)
+    tokenizer, requests = ByteTokenizer(), []
+    lo, hi = prompt_bytes
+    for index in range(num_requests):
+        length = int(rng.integers(lo, hi + 1))
+        start = int(rng.integers(0, len(data) - hi - 8))
+        while not char_start(data, start):
+            start += 1
+        end = start + length
+        while not char_start(data, end) and end > start:  # never cut a character in two
+            end -= 1
+        while end - start < lo or not char_start(data, end):  # ... nor go under the minimum
+            end += 1
+        prompt = data[start:end].decode("utf-8")
+        max_tokens = int(rng.integers(output_tokens[0], output_tokens[1] + 1))
+        requests.append(Request(index, prompt, tokenizer.encode(prompt, add_bos=True), max_tokens))
+    return requests

@@ -46,7 +46,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -54,55 +54,21 @@ import torch
 
 import minivllm.engine as engine_module
 from minivllm.checkpoint import hf_config, load_model
-from minivllm.corpus import shipped_validation_text
 from minivllm.engine import EngineConfig, LLMEngine
 from minivllm.model import Transformer
 from minivllm.naive import generate_naive
 from minivllm.scheduler import SchedulerConfig
 from minivllm.sequence import SamplingParams
-from minivllm.tokenizer import PAD_ID, ByteTokenizer
+from minivllm.tokenizer import PAD_ID
 
-from _common import best_of, char_start, load_str, source_version
+from _common import Request, best_of, load_str, make_workload, source_version
 
 RESULTS = Path(__file__).parent / "results" / "throughput.json"
 THREADS = 2
 BIG_BATCH_DECODES = 48  # "batch 64": steps with at least this many running decodes
 
 
-# -- the workload ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Request:
-    index: int
-    prompt: str
-    prompt_ids: list[int]
-    max_tokens: int
-
-
-
-
-def make_workload(num_requests: int, seed: int, prompt_bytes: tuple[int, int] = (16, 200),
-                  output_tokens: tuple[int, int] = (32, 256)) -> list[Request]:
-    """Seeded requests: a random slice of the validation text as the prompt, a uniform output length."""
-    data = shipped_validation_text().encode("utf-8")
-    rng = np.random.default_rng(seed)
-    tokenizer, requests = ByteTokenizer(), []
-    lo, hi = prompt_bytes
-    for index in range(num_requests):
-        length = int(rng.integers(lo, hi + 1))
-        start = int(rng.integers(0, len(data) - hi - 8))
-        while not char_start(data, start):
-            start += 1
-        end = start + length
-        while not char_start(data, end) and end > start:  # never cut a character in two
-            end -= 1
-        while end - start < lo or not char_start(data, end):  # ... nor go under the minimum
-            end += 1
-        prompt = data[start:end].decode("utf-8")
-        max_tokens = int(rng.integers(output_tokens[0], output_tokens[1] + 1))
-        requests.append(Request(index, prompt, tokenizer.encode(prompt, add_bos=True), max_tokens))
-    return requests
-
-
+# -- the workload (make_workload is in _common.py) -----------------------------------------------------
 def subset(requests: list[Request], count: int, seed: int) -> list[Request]:
     """A seeded subset (the first `count` of one permutation, so subsets nest), in workload order."""
     if count >= len(requests):

@@ -1,11 +1,19 @@
-"""The `minivllm generate` command line: streams the continuation, exits 2 with a reason on bad input."""
+"""The `minivllm` command line: `generate` streams the continuation, `serve` answers over HTTP; both exit 2
+with a reason on bad input."""
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
 import pytest
 
 from minivllm.checkpoint import load_model
-from minivllm.cli import main
+from minivllm.cli import build_parser, build_serving_engine, main
 from minivllm.engine import LLMEngine
 from minivllm.sequence import SamplingParams
 
@@ -52,3 +60,45 @@ def test_speculative_greedy_prints_the_plain_text(capsys, method: str) -> None:
 def test_a_bad_speculative_setting_exits_2(capsys) -> None:
     assert main(["generate", "ROMEO:", "--speculative", "draft", "--num-speculative-tokens", "0"]) == 2
     assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+# -- serve ---------------------------------------------------------------------------------------------------------
+
+
+def test_serve_arguments_build_the_engine_they_name() -> None:
+    args = build_parser().parse_args(["serve", "--port", "9001", "--max-num-seqs", "16", "--num-blocks", "256",
+                                      "--speculative", "ngram", "--num-speculative-tokens", "3"])
+    assert (args.command, args.model, args.host, args.port) == ("serve", "target", "127.0.0.1", 9001)
+    engine = build_serving_engine(args)
+    assert engine.config.num_blocks == 256 and engine.config.speculative.num_speculative_tokens == 3
+    assert engine.config.scheduler.max_num_seqs == 16
+
+
+def test_serve_refuses_a_bad_setting_before_listening(capsys) -> None:
+    assert main(["serve", "--num-speculative-tokens", "0", "--speculative", "draft"]) == 2
+    assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_serve_answers_over_http_and_stops_on_ctrl_c() -> None:
+    with socket.socket() as probe:  # a free port (the server binds it a moment later)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port), "--threads", "1",
+               "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "target", "prompt": "ROMEO:\n", "max_tokens": 5, "temperature": 0}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).json()
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 5
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err

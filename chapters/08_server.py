@@ -1,0 +1,401 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 08 — Serving: an OpenAI-compatible HTTP server
+#
+# The engine of chapters 04–06 batches whatever requests it holds, but only a Python program in the
+# same process can hand it any. Real clients arrive over HTTP, one connection each, at moments of their
+# own choosing, and most of them speak one dialect: OpenAI's API. This chapter puts the engine behind
+# that API — `POST /v1/completions`, `POST /v1/chat/completions`, streaming as Server-Sent Events —
+# so that the official `openai` client works against it unchanged, and so that a thousand clients
+# share one continuously batched engine instead of queueing for it.
+
+# %%
+import asyncio
+import json
+import random
+import threading
+import time
+
+import httpx
+import matplotlib.pyplot as plt
+import numpy as np
+import openai
+import torch
+
+from minivllm import async_engine, openai_protocol, server as server_module
+from minivllm.book import show, use_book_style
+from minivllm.checkpoint import load_model
+from minivllm.client import StreamedCompletion, run_clients, stream_completion
+from minivllm.corpus import shipped_validation_text
+from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.openai_protocol import ChatMessage, render_chat, sse_event
+from minivllm.plots import draw_gantt
+from minivllm.sequence import SamplingParams
+from minivllm.server import ServerThread
+
+torch.manual_seed(0)
+torch.set_num_threads(2)
+use_book_style()
+target = load_model("target")
+speeches = [s for s in shipped_validation_text().split("\n\n") if s.isascii() and len(s) > 120]
+print(f"{len(speeches)} speeches from the held-out plays to use as prompts")
+
+# %% [markdown]
+# ## Why: one engine, reached one request at a time
+#
+# The simplest server is a handler that calls the engine: `engine.generate([prompt])`, return the
+# text. But `generate` runs until that request is done, so the handler serves one client at a time, and
+# the engine — built to batch — never sees more than one sequence. Eight clients that arrive together,
+# served that way, against the same eight handed to the engine at once. Latency is counted in engine
+# steps (each step is one forward pass), which is what wall-clock time follows:
+
+# %%
+prompts = [s[:40 + 20 * i] for i, s in enumerate(speeches[:8])]
+params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+one_at_a_time, steps_so_far = [], 0
+for prompt in prompts:
+    engine = LLMEngine(target)
+    engine.generate([prompt], params)
+    steps_so_far += len(engine.trace)
+    one_at_a_time.append(steps_so_far)  # this client waited for every client before it
+
+engine = LLMEngine(target)
+together = engine.generate(prompts, params)
+finished_at = {seq: record.step for record in engine.trace for seq, _ in record.finished}
+batched = [finished_at[o.request_id] for o in together]
+print(f"{'client':>6} {'one at a time':>14} {'batched':>8}   (engine steps until its answer is complete)")
+for i, (alone, shared) in enumerate(zip(one_at_a_time, batched)):
+    print(f"{i:6} {alone:14} {shared:8}")
+print(f"total forward passes: {one_at_a_time[-1]} one at a time, {len(engine.trace)} batched")
+
+# %% [markdown]
+# Served one at a time, the last client waits for everyone before it; batched, everyone is done in
+# roughly the time of the longest request. So the server's whole job is to get concurrent requests
+# *into one engine while it runs*, and their tokens back out as they appear — without ever blocking
+# the code that talks to the network.
+#
+# ## Build 1: the engine on a thread of its own
+#
+# A web server (FastAPI on uvicorn here) answers every client from one asyncio event loop. The engine's
+# `step()` is synchronous, computes for milliseconds, and is not thread-safe. `AsyncEngine` keeps the
+# two apart: one **engine thread** owns the engine; the event loop only sends it functions through an
+# **inbox**, and gets text back through one queue per request.
+
+# %%
+show(async_engine.AsyncEngine._run)
+
+# %% [markdown]
+# The loop sleeps on a condition variable when there is nothing to do, runs its whole inbox before
+# every step — so a request added or aborted between two steps takes effect at the next one — and
+# steps while anything is unfinished. A step's new text goes back to the event loop in one hand-over,
+# not one per token: a single `call_soon_threadsafe` wakes the loop, which puts each delta on the queue
+# of the request that waits for it. The text is chapter 01's streaming decoder at work: whole UTF-8
+# characters only, and never a piece of what might turn out to be a stop string.
+
+# %%
+show(async_engine.AsyncEngine._deliver)
+
+# %% [markdown]
+# On the event loop's side, a request is a `RequestStream`: iterate it for the deltas; leave its
+# `async with` early — an error, a cancelled task, a client that went away — and whatever is still
+# running is aborted, its blocks back in the pool before the next step.
+
+# %%
+show(async_engine.RequestStream.__aexit__)
+
+# %% [markdown]
+# ## Build 2: the wire format
+#
+# `openai_protocol.py` knows no engine and imports no torch: it is OpenAI's API as plain data. Request
+# bodies are pydantic models, checked field by field (strictly: `"5"` is not an integer), and turned
+# into the engine's `SamplingParams`:
+
+# %%
+show(openai_protocol.CompletionRequest.sampling_params)
+
+# %% [markdown]
+# A chat model is trained on conversations; ours was trained on plays. So a chat *is* a play:
+# each message a turn, `SPEAKER:` on its own line, the speech, a blank line — the only format the
+# model has ever read. A message's `name` is its speaker; without one, the user is ROMEO and the
+# assistant JULIET, and a system message is spoken by the Chorus, who sets the scene. The prompt ends
+# with the header of the speaker who answers, and the answer ends at the blank line that closes that
+# speech (exercise ch08.2):
+
+# %%
+show(render_chat)
+
+# %%
+chat = [ChatMessage(role="system", content="A street in Verona."),
+        ChatMessage(role="user", content="What light through yonder window breaks?"),
+        ChatMessage(role="assistant", content="It is the east.", name="JULIET"),
+        ChatMessage(role="user", content="Speak again, bright angel!")]
+print(render_chat(chat))
+
+# %% [markdown]
+# Streaming uses **Server-Sent Events**: the response stays open, each chunk is one `data: <json>` line
+# followed by a blank line, and the stream ends with `data: [DONE]` (exercise ch08.1):
+
+# %%
+show(sse_event)
+
+# %%
+print(repr(sse_event({"choices": [{"index": 0, "text": "O Romeo,\nRomeo"}]})) + "\n" + repr(sse_event("[DONE]")))
+
+# %% [markdown]
+# ## Build 3: the endpoints
+#
+# `server.py` joins the two. A handler validates the body, puts the request in the engine's inbox and
+# awaits the verdict — a prompt that can never fit the cache fails right there, inside `add_request`,
+# while the server can still answer 400 — then either collects the whole answer or streams it:
+
+# %%
+show(server_module.OpenAIServer.completions)
+
+# %%
+show(server_module.sse_stream)
+
+# %% [markdown]
+# ## Run it
+#
+# `ServerThread` runs uvicorn in a background thread on a free loopback port (the OS picks it), and on
+# exit shuts it down and stops the engine thread. First, plain HTTP with `httpx`. Ids and timestamps
+# differ on every run, so the cells print them masked:
+
+# %%
+def masked(body: dict) -> dict:
+    """A response body with its run-dependent fields (id, created) replaced by their shape."""
+    return {**body, "id": body["id"].split("-")[0] + "-…", "created": "<unix time>"}
+
+
+threads_before = {t.name for t in threading.enumerate()}
+server = ServerThread(LLMEngine(target)).start()
+print(f"serving on 127.0.0.1, port chosen by the OS: {server.url.startswith('http://127.0.0.1:')}")
+
+response = httpx.post(f"{server.url}/v1/completions",
+                      json={"model": "target", "prompt": "ROMEO:\n", "max_tokens": 24, "temperature": 0})
+print(response.status_code)
+print(json.dumps(masked(response.json()), indent=1))
+
+# %% [markdown]
+# The same request, streamed: each event is a chunk with the same id, carrying the text of one engine
+# step; the last names the finish reason; `[DONE]` closes the stream.
+
+# %%
+request = {"model": "target", "prompt": "ROMEO:\n", "max_tokens": 24, "temperature": 0, "stream": True}
+with httpx.stream("POST", f"{server.url}/v1/completions", json=request) as events:
+    lines = [line for line in events.iter_lines() if line]  # a blank line ends each event
+chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+for line, chunk in zip(lines[:3], chunks):
+    print("data:", json.dumps(masked(chunk), ensure_ascii=False))
+print(f"... {len(lines) - 5} more ...")
+for line, chunk in zip(lines[-2:-1], chunks[-1:]):
+    print("data:", json.dumps(masked(chunk), ensure_ascii=False))
+print(lines[-1])
+streamed = "".join(chunk["choices"][0]["text"] for chunk in chunks)
+print(f"{len(chunks)} chunks, all with the same id: {len({c['id'] for c in chunks}) == 1}; text {streamed!r}")
+assert streamed == response.json()["choices"][0]["text"]
+
+# %% [markdown]
+# Now the official client, pointed at our server with `base_url` and nothing else changed — a chat,
+# whole and streamed, sampled with a seed. The seed makes the sampled answer reproducible (chapter 04's
+# randomness is a pure function of seed and position), so the streamed text must equal the whole one:
+
+# %%
+client = openai.OpenAI(base_url=server.base_url, api_key="not needed", max_retries=0)
+messages = [m.model_dump(exclude_none=True) for m in chat]
+whole = client.chat.completions.create(model="target", messages=messages, temperature=0.8, seed=3, max_tokens=120)
+print(f"{whole.object}, finish_reason={whole.choices[0].finish_reason!r}, usage: {whole.usage.prompt_tokens} "
+      f"prompt + {whole.usage.completion_tokens} completion tokens")
+print(f"JULIET:\n{whole.choices[0].message.content}")
+
+chunks = list(client.chat.completions.create(model="target", messages=messages, temperature=0.8, seed=3,
+                                             max_tokens=120, stream=True))
+print(f"\n{len(chunks)} chunks: first delta {chunks[0].choices[0].delta.model_dump(exclude_none=True)}, "
+      f"last finish_reason {chunks[-1].choices[0].finish_reason!r}")
+assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+# %%
+print([m.id for m in client.models.list().data], httpx.get(f"{server.url}/health").json())
+metrics_text = httpx.get(f"{server.url}/metrics").text
+wanted = ("minivllm:num_requests_running ", "minivllm:generation_tokens_total ", "minivllm:request_success_total{")
+print("\n".join(line for line in metrics_text.splitlines() if line.startswith(wanted)))
+
+# %% [markdown]
+# ## Check: bad requests, and clients that leave
+#
+# Every mistake gets a 4xx with OpenAI's error body — the official client raises its usual exceptions
+# from it — and leaves the engine exactly as it was:
+
+# %%
+blocks_before = server.engine.blocks_in_use()
+bad_requests = {
+    "not JSON": b"{'prompt': 'ROMEO'",
+    "max_tokens 0": {"model": "target", "prompt": "ROMEO:", "max_tokens": 0},
+    "max_tokens a string": {"model": "target", "prompt": "ROMEO:", "max_tokens": "20"},
+    "unknown model": {"model": "gpt-4", "prompt": "ROMEO:"},
+    "no prompt": {"model": "target"},
+    "n = 2": {"model": "target", "prompt": "ROMEO:", "n": 2},
+    "a prompt that can never fit": {"model": "target", "prompt": "O" * 2000},
+}
+for name, body in bad_requests.items():
+    if isinstance(body, bytes):
+        reply = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        reply = httpx.post(f"{server.url}/v1/completions", json=body)
+    error = reply.json()["error"]
+    print(f"{name:>27}: {reply.status_code} {error['type']}: {error['message'][:100]}")
+assert server.engine.blocks_in_use() == blocks_before
+
+# %% [markdown]
+# A client that disconnects mid-stream must not keep a sequence — and its blocks — alive. Starlette
+# cancels a streaming response when its connection drops; leaving the `async with stream` aborts the
+# request; the engine thread frees its blocks before its next step:
+
+# %%
+request = {"model": "target", "prompt": "HAMLET:\n", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+           "stream": True}
+with httpx.stream("POST", f"{server.url}/v1/completions", json=request) as events:
+    lines = events.iter_lines()
+    for _ in range(4):
+        next(lines)  # a few chunks of a 400-token answer
+    during = server.engine.blocks_in_use()
+# leaving the `with` closed the connection
+deadline = time.monotonic() + 10
+while server.engine.blocks_in_use() and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(f"blocks in use while streaming: {during > 0}; after the client left: {server.engine.blocks_in_use()}")
+aborted = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+           if line.startswith('minivllm:request_success_total{finished_reason="abort"}')]
+print(aborted[0])
+
+# %% [markdown]
+# ## See: many clients, one batch
+#
+# Now 32 clients, each streaming its own request, arriving over about a second (seeded random gaps),
+# with prompts and answer lengths of all sizes. `minivllm.client.stream_completion` is one such client:
+# it sends a streaming request with `httpx` and notes when each piece of text arrives.
+
+# %%
+show(stream_completion)
+
+# %%
+async def arrive_later(http: httpx.AsyncClient, delay: float, body: dict) -> StreamedCompletion:
+    await asyncio.sleep(delay)
+    return await stream_completion(http, server.base_url, body)
+
+
+async def many_clients(bodies: list[dict], delays: list[float]) -> list[StreamedCompletion]:
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=len(bodies))) as http:
+        return await asyncio.gather(*(arrive_later(http, d, b) for d, b in zip(delays, bodies)))
+
+
+rng = random.Random(8)
+bodies = [{"model": "target", "prompt": speech[:rng.randint(10, 200)], "max_tokens": rng.randint(8, 64),
+           "temperature": 0} for speech in speeches[8:40]]
+delays = [rng.uniform(0, 1.0) for _ in bodies]
+steps_before = len(server.engine.trace())
+results = await many_clients(bodies, delays)  # a notebook cell may await: Jupyter runs an event loop
+trace = server.engine.trace()[steps_before:]
+
+offline = LLMEngine(target).generate([b["prompt"] for b in bodies],
+                                     [SamplingParams(max_tokens=b["max_tokens"], temperature=0) for b in bodies])
+assert [r.text for r in results] == [o.text for o in offline]
+print(f"{len(results)} clients served, every answer identical to the offline engine's; "
+      f"blocks in use afterwards: {server.engine.blocks_in_use()}")
+
+# %% [markdown]
+# Every client got exactly what the offline engine gives its request: batching with strangers, in
+# whatever order they arrived, changes nothing (greedy here; a seed does the same for sampling). The
+# trace shows them joining the running batch step by step — a request is admitted at the next step
+# after it arrives, not when a batch is "full":
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), height_ratios=[3, 1], sharex=True)
+first_step = trace[0].step - 1
+shifted = [type(r).from_dict({**r.to_dict(), "step": r.step - first_step}) for r in trace]
+draw_gantt(top, shifted, title="32 streaming clients: each row a request (hatched: prefill, solid: decode)",
+           label_every=4)
+bottom.bar([r.step - first_step for r in trace], [len(r.running) for r in trace], width=1.0, color="#1f77b4")
+bottom.set_ylabel("running")
+bottom.set_xlabel("engine step")
+plt.show()
+
+# %% [markdown]
+# What the clients felt: **time to first token** (TTFT: queueing, then the prefill) and **inter-token
+# latency** (ITL: the gaps between streamed pieces, one engine step each while the batch runs). Wall
+# clock, so these vary from run to run:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+ttft = np.array([r.ttft for r in results]) * 1e3
+itl = np.concatenate([r.itls for r in results]) * 1e3
+fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3))
+left.hist(ttft, bins=20, color="#ff7f0e")
+left.set_xlabel("time to first token (ms)")
+right.hist(itl, bins=40, color="#2ca02c")
+right.set_xlabel("inter-token latency (ms)")
+plt.show()
+print(f"TTFT p50 {np.percentile(ttft, 50):.0f} ms, p99 {np.percentile(ttft, 99):.0f} ms; "
+      f"ITL p50 {np.percentile(itl, 50):.1f} ms, p99 {np.percentile(itl, 99):.1f} ms")
+
+# %% [markdown]
+# ## Measure: what the server costs
+#
+# The same workload, all at once, through the server and straight through the offline engine:
+# the share of the offline throughput the server keeps is what HTTP, JSON and the thread hand-offs
+# cost. `benchmarks/serving.py` runs the full sweep (1 to 64 clients, p50 and p99 latencies).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+seconds, _ = await run_clients(server.base_url, bodies, concurrency=len(bodies))
+started = time.perf_counter()
+LLMEngine(target).generate([b["prompt"] for b in bodies],
+                           [SamplingParams(max_tokens=b["max_tokens"], temperature=0) for b in bodies])
+offline_s = time.perf_counter() - started
+tokens = sum(len(o.token_ids) for o in offline)
+print(f"{tokens} tokens: server {tokens / seconds:.0f} tok/s, offline engine {tokens / offline_s:.0f} tok/s "
+      f"-> the server keeps {offline_s / seconds:.0%}")
+
+# %% [markdown]
+# ## Shut down cleanly
+#
+# Leaving the server stops uvicorn, then the engine thread; nothing is left running:
+
+# %%
+client.close()
+server.stop()
+left_behind = {t.name for t in threading.enumerate()} - threads_before
+print(f"threads left behind: {sorted(left_behind) or 'none'}")
+assert not left_behind
+
+# %% [markdown]
+# From a shell the same server is `minivllm serve --model target --port 8000` (with `--speculative draft`
+# for chapter 06's speculative decoding).
+#
+# ## Exercises
+#
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/openai_protocol.py`;
+# run one exercise's tests with `pytest tests --exercise ch08.1`.
+#
+# 1. **ch08.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `, the
+#    payload as compact JSON (a string such as `[DONE]` as it is), and the blank line that ends the event.
+# 2. **ch08.2 — a chat as a play.** In `render_chat`, render each message as `SPEAKER:` (its name, or
+#    the default for its role), a newline, its speech with blank lines squeezed out, and a blank line;
+#    end with the header of the speaker who answers.
+# 3. *(Explore, no test.)* Back-pressure: make the server answer 429 (OpenAI's "rate limit" status,
+#    with a `retry-after` header) when the engine already has more than N requests waiting. Where
+#    should the check live so that it never races with the engine thread?
+# 4. *(Explore, no test.)* Re-run the "many clients" cell with a long prompt (400 tokens) arriving in
+#    the middle. What happens to the other clients' inter-token latency during its prefill, and how
+#    does `SchedulerConfig.max_num_batched_tokens` (chunked prefill, chapter 04) change it?
