@@ -32,6 +32,19 @@ def source_version() -> dict:
     return {"commit": commit.stdout.strip(), "src_modified": bool(status.stdout.strip())}
 
 
+def machine_record(note: str, **extra) -> dict:
+    """Where the numbers were measured: the platform, cores, torch and its threads, the load average at
+    the end and the source commit; `extra` adds or overrides fields (a benchmark's own versions, say)."""
+    import platform
+
+    import torch
+
+    return {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), **extra, "load_average_at_end": load_str(),
+            "source": source_version(), "note": note}
+
+
 def load_str() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 

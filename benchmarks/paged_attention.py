@@ -30,22 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.cuda_paged_attention import SIMULATOR, paged_attention
-from minivllm.model import attention_reference
+from minivllm.kernel_check import kernel_error, random_inputs
 
 RESULTS = Path(__file__).parent / "results" / "paged_attention.json"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, PARTITION = 32, 8, 128, 16, 512
 
 
 def make_inputs(batch: int, context: int, device: str, dtype=torch.float16, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=generator).to(device, dtype)
-    key_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(device, dtype)
-    value_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(device, dtype)
-    tables = torch.randperm(num_blocks, generator=generator).view(batch, blocks_per_seq).to(device, torch.int32)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return q, key_cache, value_cache, tables, lens
+    """`batch` sequences of `context` tokens, their blocks scattered over a pool with no spare blocks."""
+    return random_inputs([context] * batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype, seed, spare_blocks=0,
+                         device=device)
 
 
 def torch_paged(q, key_cache, value_cache, tables, lens):
@@ -90,23 +84,8 @@ def copy_bandwidth(repeats: int) -> float:
 
 def check_small_case() -> float:
     """The kernels against the reference on a small float32 case: the max relative error of v1 and v2."""
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 16, generator=generator)
-    key_cache = torch.randn(8, 4, 2, 16, generator=generator)
-    value_cache = torch.randn(8, 4, 2, 16, generator=generator)
-    tables = torch.tensor([[3, 1, 6], [0, 5, 2]], dtype=torch.int32)
-    lens = torch.tensor([9, 5], dtype=torch.int32)
-    errors = []
-    for partition_size in (None, 4):
-        out = paged_attention(q, key_cache, value_cache, tables, lens, partition_size=partition_size, threads=32)
-        for seq, length in enumerate(lens.tolist()):
-            positions = torch.arange(length)
-            blocks = tables[seq].long()[positions // 4]
-            expected = attention_reference(q[seq][None], key_cache[blocks, positions % 4],
-                                           value_cache[blocks, positions % 4],
-                                           torch.ones(1, length, dtype=torch.bool))[0]
-            errors.append(float((out[seq] - expected).abs().max() / expected.abs().max()))
-    return max(errors)
+    inputs = random_inputs([9, 5], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    return max(kernel_error(inputs, partition_size=p, threads=32) for p in (None, 4))
 
 
 def measure(batches, contexts, repeats: int) -> dict:

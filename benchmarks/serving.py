@@ -51,8 +51,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -72,7 +70,7 @@ from minivllm.model import Transformer
 from minivllm.scheduler import SchedulerConfig
 from minivllm.sequence import SamplingParams
 
-from _common import Request, best_of, load_str, make_workload, source_version
+from _common import Request, best_of, load_str, machine_record, make_workload
 
 RESULTS = Path(__file__).parent / "results" / "serving.json"
 FULL_BATCH = 64  # the server's max_num_seqs, and the offline engine's at full batch
@@ -247,12 +245,9 @@ def write_json(args: argparse.Namespace, levels: dict, rows: list[dict], goal: d
     args.out_path.parent.mkdir(parents=True, exist_ok=True)
     args.out_path.write_text(json.dumps({
         "benchmark": "serving",
-        "machine": {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": args.threads,
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "load_average_at_end": load_str(),
-                    "source": source_version(),
-                    "note": "wall clock on a shared machine; the server, its clients and the offline engine share "
-                            "the same cores (server and clients in two processes, over loopback)"},
+        "machine": machine_record("wall clock on a shared machine; the server, its clients and the offline engine "
+                                  "share the same cores (server and clients in two processes, over loopback)",
+                                  torch_threads=args.threads),
         "workload": {"seed": args.seed, "quick": args.quick,
                      "requests_per_level": {str(c): len(r) for c, r in levels.items()},
                      "prompt_source": "byte slices of minivllm.corpus.shipped_validation_text() (16-200 bytes), cut "

@@ -70,7 +70,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from collections import defaultdict
@@ -89,7 +88,7 @@ from minivllm.sequence import SamplingParams
 from minivllm.speculative import SpeculativeConfig
 from minivllm.tokenizer import ByteTokenizer
 
-from _common import best_of, char_start, load_str, source_version
+from _common import best_of, char_start, load_str, machine_record
 
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 BUDGET = 512  # max_num_batched_tokens: holds 16 x (8 + 1) verify tokens and a prompt or more
@@ -445,11 +444,8 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({
         "benchmark": "speculative",
-        "machine": {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "load_average_at_start": load_at_start,
-                    "load_average_at_end": load_str(), "source": source_version(),
-                    "note": "wall clock on a shared machine: each run keeps its load average; best of repeats"},
+        "machine": machine_record("wall clock on a shared machine: each run keeps its load average; best of repeats",
+                                  load_average_at_start=load_at_start),
         "workload": {"seed": args.seed, "quick": args.quick, "prompts": prompts, "batch1_prompts": len(batch1),
                      "prompt_source": "first 40-120 bytes of distinct seeded speeches of "
                                       "minivllm.corpus.shipped_validation_text(), cut at a UTF-8 character "

@@ -39,8 +39,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
-import platform
 import pstats
 import statistics
 import time
@@ -61,7 +59,7 @@ from minivllm.scheduler import SchedulerConfig
 from minivllm.sequence import SamplingParams
 from minivllm.tokenizer import PAD_ID
 
-from _common import Request, best_of, load_str, make_workload, source_version
+from _common import Request, best_of, load_str, machine_record, make_workload
 
 RESULTS = Path(__file__).parent / "results" / "throughput.json"
 THREADS = 2
@@ -532,11 +530,8 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({
         "benchmark": "throughput",
-        "machine": {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": hf_version,
-                    "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                    "load_average_at_end": load_str(), "source": source_version(),
-                    "note": "wall clock on a shared machine: each result keeps its runs' load averages"},
+        "machine": machine_record("wall clock on a shared machine: each result keeps its runs' load averages",
+                                  transformers=hf_version),
         "workload": {"seed": args.seed, "requests": n, "quick": args.quick,
                      "prompt_source": "byte slices of minivllm.corpus.shipped_validation_text(), cut at UTF-8 "
                                       "character boundaries; ByteTokenizer with BOS",

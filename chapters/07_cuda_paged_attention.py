@@ -31,15 +31,15 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from minivllm import cuda_paged_attention as kernels
+from minivllm import cuda_paged_attention as kernels, kernel_check
 from minivllm.book import show, use_book_style
 from minivllm.checkpoint import load_model
 from minivllm.corpus import shipped_validation_text
 from minivllm.cuda_paged_attention import (SIMULATOR, WARP_SIZE, CudaPagedAttention, paged_attention,
                                            paged_attention_v1, shared_bytes)
 from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.kernel_check import kernel_error, random_inputs, reference_attention
 from minivllm.kernel_trace import recorded, reads_by_thread
-from minivllm.model import attention_reference
 from minivllm.plots import draw_cache_reads, draw_execution_model
 from minivllm.sequence import SamplingParams
 from minivllm.varlen_attention import TorchPagedAttention
@@ -172,50 +172,31 @@ show(kernels.paged_attention, lines=(1, 6))
 #
 # Fresh random inputs (never zeros — a kernel that reads the wrong slot of a zero cache still looks
 # right), physical blocks in shuffled order, an output **poisoned with NaN** before the launch so an
-# element the kernel forgets to write cannot pass, and the target model's shapes: 8 query heads on 2
-# K/V heads. The contexts include one token, one ending mid-block and one ending on a block boundary.
+# element the kernel forgets to write cannot pass. The target model's head_dim and block size, and its
+# grouped-query attention in small: 2 query heads on 1 K/V head (the model has 8 on 2; the simulator
+# pays for every head). The contexts include one token, one ending mid-block and one on a block boundary.
 
 # %%
-def random_case(context_lens, num_heads=config.n_heads, num_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-                block_size=16, dtype=torch.float32, seed=0):
-    """q, caches, block tables and context lengths; every sequence's blocks scattered over the pool."""
-    generator = torch.Generator().manual_seed(seed)
-    blocks_each = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(blocks_each) + 2  # two blocks nobody owns: reading one would be a bug
-    order = torch.randperm(num_blocks, generator=generator)
-    tables = torch.zeros(len(context_lens), max(blocks_each), dtype=torch.int32)
-    start = 0
-    for seq, count in enumerate(blocks_each):
-        tables[seq, :count] = order[start:start + count]
-        start += count
-    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator)
-    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
-                        for _ in range(2))
-    return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tables, torch.tensor(context_lens, dtype=torch.int32)
+show(kernel_check.random_inputs)
 
+# %% [markdown]
+# The reference gathers each sequence's K/V through its table and runs the model's own softmax
+# attention; `kernel_error` launches the kernel into a poisoned output and compares:
 
-def softmax_attention(q, k_cache, v_cache, tables, lens):
-    """The reference: gather each sequence's K/V through its table, then model.py's attention."""
-    block_size, out = k_cache.shape[1], torch.empty(q.shape)
-    for seq, length in enumerate(lens.tolist()):
-        where = torch.arange(length)
-        blocks, slots = tables[seq].long()[where // block_size], where % block_size
-        out[seq] = attention_reference(q[seq].float()[None], k_cache[blocks, slots].float(),
-                                       v_cache[blocks, slots].float(), torch.ones(1, length, dtype=torch.bool))[0]
-    return out
+# %%
+show(kernel_check.kernel_error)
 
-
-def relative_error(case, **launch) -> float:
-    out = torch.full_like(case[0], float("nan"))
-    paged_attention(*case, out=out, threads=WARP_SIZE, **launch)
-    assert not out.isnan().any(), "the kernel left an output element unwritten"
-    expected = softmax_attention(*case)
-    return float((out.float() - expected).abs().max() / expected.abs().max())
+# %%
+def random_case(context_lens, num_heads=config.n_heads, num_kv_heads=config.n_kv_heads, dtype=torch.float32,
+                seed=0):
+    """Random inputs in the target model's head_dim and block size."""
+    return random_inputs(context_lens, num_heads, num_kv_heads, config.head_dim, 16, dtype, seed)
 
 
 checks = {"float32": (torch.float32, 1e-5), "float16": (torch.float16, 2e-3)}
 for name, (dtype, tolerance) in checks.items():
-    error = relative_error(random_case([1, 21, 32], num_heads=2, num_kv_heads=1, dtype=dtype, seed=1))
+    case = random_case([1, 21, 32], num_heads=2, num_kv_heads=1, dtype=dtype, seed=1)
+    error = kernel_error(case, threads=WARP_SIZE)
     print(f"v1, {name}: max relative error {error:.1e} (allowed {tolerance:.0e})")
     assert error <= tolerance
 
@@ -238,7 +219,7 @@ threads = 2 * WARP_SIZE
 paged_attention_v1[(1, 1), threads, 0, shared_bytes(config.head_dim, threads, 40)](
     out.numpy(), q.numpy(), recorded(k_cache.numpy(), key_reads), recorded(v_cache.numpy(), value_reads),
     table.numpy(), lens.numpy(), config.head_dim ** -0.5, 1)
-assert torch.allclose(out, softmax_attention(q, k_cache, v_cache, table, lens), rtol=1e-5, atol=1e-6)
+assert torch.allclose(out, reference_attention(q, k_cache, v_cache, table, lens), rtol=1e-5, atol=1e-6)
 print(f"{len(key_reads)} key reads = 40 tokens x {config.head_dim} elements; {len(value_reads)} value reads")
 
 # %%
@@ -293,7 +274,7 @@ show(kernels.merge_partitions)
 # %%
 case = random_case([1, 24, 40], num_heads=2, num_kv_heads=1, seed=6)
 for partition in (16, 24):
-    error = relative_error(case, partition_size=partition)
+    error = kernel_error(case, partition_size=partition, threads=WARP_SIZE)
     print(f"v2, partitions of {partition} tokens: max relative error {error:.1e}")
     assert error <= 1e-5
 

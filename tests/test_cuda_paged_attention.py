@@ -15,52 +15,22 @@ import pytest
 import torch
 
 from minivllm.cuda_paged_attention import SIMULATOR, paged_attention
-from minivllm.model import attention_reference
+from minivllm.kernel_check import kernel_error, random_inputs
 
 GPU = torch.cuda.is_available()
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
-def make_case(num_seqs_heads_kv_dim, block_size, context_lens, dtype, seed, device="cpu"):
-    """Random q and caches; each sequence gets its own shuffled physical blocks."""
-    num_heads, num_kv_heads, head_dim = num_seqs_heads_kv_dim
-    generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(blocks_per_seq) + 3  # spare blocks nobody owns: reading one would be a bug
-    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator)
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
-    order = torch.randperm(num_blocks, generator=generator)
-    tables = torch.zeros(len(context_lens), max(blocks_per_seq), dtype=torch.int32)
-    used = 0
-    for seq, count in enumerate(blocks_per_seq):
-        tables[seq, :count] = order[used:used + count]
-        used += count
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    return [t.to(device) for t in (q.to(dtype), key_cache.to(dtype), value_cache.to(dtype), tables, lens)]
-
-
-def reference(q, key_cache, value_cache, tables, lens) -> torch.Tensor:
-    """Gather each sequence's K/V through its table, then plain softmax attention (model.py's)."""
-    block_size = key_cache.shape[1]
-    out = torch.empty(q.shape, dtype=torch.float32)
-    for seq, length in enumerate(lens.tolist()):
-        positions = torch.arange(length)
-        blocks = tables[seq].cpu().long()[positions // block_size]
-        keys = key_cache.cpu().float()[blocks, positions % block_size]
-        values = value_cache.cpu().float()[blocks, positions % block_size]
-        out[seq] = attention_reference(q[seq].cpu().float()[None], keys, values,
-                                       torch.ones(1, length, dtype=torch.bool))[0]
-    return out
+def make_case(num_heads_kv_dim, block_size, context_lens, dtype, seed, device="cpu"):
+    """Random inputs with each sequence's blocks scattered, three spare blocks nobody owns."""
+    num_heads, num_kv_heads, head_dim = num_heads_kv_dim
+    return random_inputs(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, spare_blocks=3,
+                         device=device)
 
 
 def relative_error(case, partition_size=None, threads=32) -> float:
-    q = case[0]
-    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    paged_attention(*case, partition_size=partition_size, threads=threads, out=out)
-    expected = reference(*case)
-    assert not torch.isnan(out).any(), "the kernel left elements unwritten"
-    return float((out.cpu().float() - expected).abs().max() / expected.abs().max())
+    """One warp per block by default: a simulated thread is a Python thread, so fewer is faster."""
+    return kernel_error(case, partition_size=partition_size, threads=threads)
 
 
 def test_the_simulator_runs_when_there_is_no_gpu() -> None:
