@@ -1,5 +1,5 @@
-"""Helpers the benchmark scripts share (not a benchmark itself: `make bench` skips files starting with _):
-the seeded workload of validation-text prompts, machine and source records, best-of-N runs."""
+"""Helpers the benchmark scripts share (not a benchmark itself: `make bench` skips files starting
+with _): the seeded workload of validation-text prompts, machine and source records, best-of-N runs."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minivllm.corpus import shipped_validation_text
-from minivllm.tokenizer import ByteTokenizer
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.training.corpus import shipped_validation_text
 
 
 def char_start(data: bytes, i: int) -> bool:
@@ -24,25 +24,41 @@ def source_version() -> dict:
     """The commit the numbers were measured at, and whether the working tree differed from it."""
     root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True,
-                                text=True, check=True)
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        )
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "src_modified": None}
     return {"commit": commit.stdout.strip(), "src_modified": bool(status.stdout.strip())}
 
 
 def machine_record(note: str, **extra) -> dict:
-    """Where the numbers were measured: the platform, cores, torch and its threads, the load average at
-    the end and the source commit; `extra` adds or overrides fields (a benchmark's own versions, say)."""
+    """Where the numbers were measured: the platform, cores, torch and its threads, the load average
+    at the end and the source commit; `extra` adds or overrides fields (a benchmark's own versions, say)."""
     import platform
 
     import torch
 
-    return {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), **extra, "load_average_at_end": load_str(),
-            "source": source_version(), "note": note}
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        **extra,
+        "load_average_at_end": load_str(),
+        "source": source_version(),
+        "note": note,
+    }
 
 
 def load_str() -> str:
@@ -54,8 +70,14 @@ def best_of(runs: list[dict]) -> dict:
     best = dict(min(runs, key=lambda r: r["seconds"]))
     best["repeats"] = len(runs)
     best["median_seconds"] = statistics.median(r["seconds"] for r in runs)
-    best["runs"] = [{"seconds": round(r["seconds"], 4), "load_before": r["load_before"],
-                     "load_after": r["load_after"]} for r in runs]
+    best["runs"] = [
+        {
+            "seconds": round(r["seconds"], 4),
+            "load_before": r["load_before"],
+            "load_after": r["load_after"],
+        }
+        for r in runs
+    ]
     return best
 
 
@@ -67,8 +89,12 @@ class Request:
     max_tokens: int
 
 
-def make_workload(num_requests: int, seed: int, prompt_bytes: tuple[int, int] = (16, 200),
-                  output_tokens: tuple[int, int] = (32, 256)) -> list[Request]:
+def make_workload(
+    num_requests: int,
+    seed: int,
+    prompt_bytes: tuple[int, int] = (16, 200),
+    output_tokens: tuple[int, int] = (32, 256),
+) -> list[Request]:
     """Seeded requests: a random slice of the validation text as the prompt, a uniform output length."""
     data = shipped_validation_text().encode("utf-8")
     rng = np.random.default_rng(seed)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from minivllm.checkpoint import load_model
-from minivllm.naive import next_token_logits
-from minivllm.tokenizer import ByteTokenizer
+from minivllm.model.checkpoint import load_model
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.stages.naive import next_token_logits
 
 RESULTS = Path(__file__).parent / "results" / "naive_generation.json"
 
@@ -48,14 +48,28 @@ def main() -> None:
     for p in checkpoints:
         print(f"{len(prompt) + p:>8} {median_ms[p - 1]:>9.2f}")
     total_s = sum(median_ms) / 1000
-    print(f"{args.tokens} tokens in {total_s:.2f} s ({args.tokens / total_s:.1f} tokens/s), median of {args.repeats} runs")
+    print(
+        f"{args.tokens} tokens in {total_s:.2f} s ({args.tokens / total_s:.1f} tokens/s), median "
+        f"of {args.repeats} runs"
+    )
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "naive_generation", "machine": platform.machine(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "prompt_tokens": len(prompt), "tokens": args.tokens,
-        "repeats": args.repeats, "median_ms_per_token": [round(m, 3) for m in median_ms],
-        "tokens_per_second": args.tokens / total_s,
-    }, indent=2) + "\n")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "benchmark": "naive_generation",
+                "machine": platform.machine(),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "prompt_tokens": len(prompt),
+                "tokens": args.tokens,
+                "repeats": args.repeats,
+                "median_ms_per_token": [round(m, 3) for m in median_ms],
+                "tokens_per_second": args.tokens / total_s,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {RESULTS}")
 
 

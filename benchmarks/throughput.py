@@ -1,6 +1,7 @@
 """Throughput: minivllm's engine against naive generation and Hugging Face `generate` (chapter 04).
 
-    python benchmarks/throughput.py [--requests 64] [--seed 0] [--repeats 3] [--quick] [--skip-hf] [--skip-naive]
+    python benchmarks/throughput.py [--requests 64] [--seed 0] [--repeats 3] [--quick] [--skip-hf]
+    [--skip-naive]
 
 One seeded workload -- prompts are 16-200-byte slices of the shipped validation text (cut at UTF-8
 character boundaries, BOS first), outputs 32-256 tokens, greedy, `ignore_eos` -- run on the shipped
@@ -49,24 +50,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-import minivllm.engine as engine_module
-from minivllm.checkpoint import hf_config, load_model
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.model import Transformer
-from minivllm.naive import generate_naive
-from minivllm.scheduler import SchedulerConfig
-from minivllm.sequence import SamplingParams
-from minivllm.tokenizer import PAD_ID
-
 from _common import Request, best_of, load_str, machine_record, make_workload
+
+import minivllm.engine.llm_engine as engine_module
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.checkpoint import hf_config, load_model
+from minivllm.model.tokenizer import PAD_ID
+from minivllm.model.transformer import Transformer
+from minivllm.sched.scheduler import SchedulerConfig
+from minivllm.sched.sequence import SamplingParams
+from minivllm.stages.naive import generate_naive
 
 RESULTS = Path(__file__).parent / "results" / "throughput.json"
 THREADS = 2
 BIG_BATCH_DECODES = 48  # "batch 64": steps with at least this many running decodes
 
 
-# -- the workload (make_workload is in _common.py) -----------------------------------------------------
+# -- the workload (make_workload is in _common.py)
+# -----------------------------------------------------
 def subset(requests: list[Request], count: int, seed: int) -> list[Request]:
     """A seeded subset (the first `count` of one permutation, so subsets nest), in workload order."""
     if count >= len(requests):
@@ -79,19 +81,25 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-
-
-
-
-def timed_run(label: str, requests: list[Request], work: Callable[[], list[list[int]]], **extra) -> dict:
+def timed_run(
+    label: str, requests: list[Request], work: Callable[[], list[list[int]]], **extra
+) -> dict:
     """Run `work` (returning each request's generated ids) under the wall clock."""
     load_before, cpu = load_str(), time.process_time()
     started = time.perf_counter()
     tokens = work()
     seconds = time.perf_counter() - started
-    return {"system": label, "requests": len(requests), "tokens": sum(map(len, tokens)), "seconds": seconds,
-            "cpu_seconds": time.process_time() - cpu, "load_before": load_before, "load_after": load_str(),
-            **extra, "_tokens": tokens}
+    return {
+        "system": label,
+        "requests": len(requests),
+        "tokens": sum(map(len, tokens)),
+        "seconds": seconds,
+        "cpu_seconds": time.process_time() - cpu,
+        "load_before": load_before,
+        "load_after": load_str(),
+        **extra,
+        "_tokens": tokens,
+    }
 
 
 # -- minivllm --------------------------------------------------------------------------------------
@@ -109,27 +117,42 @@ def run_engine(model: Transformer, requests: list[Request], label: str, **schedu
     engine = make_engine(model, requests, **scheduler)
 
     def work() -> list[list[int]]:
-        outputs = engine.generate([r.prompt_ids for r in requests], [greedy(r.max_tokens) for r in requests])
+        outputs = engine.generate(
+            [r.prompt_ids for r in requests], [greedy(r.max_tokens) for r in requests]
+        )
         return [list(o.token_ids) for o in outputs]
 
-    result = timed_run(label, requests, work, scheduler=dict(scheduler), num_blocks=engine.config.num_blocks)
-    result.update(steps=len(engine.trace), overhead=overhead(engine.trace, result["seconds"]), _trace=engine.trace)
+    result = timed_run(
+        label, requests, work, scheduler=dict(scheduler), num_blocks=engine.config.num_blocks
+    )
+    result.update(
+        steps=len(engine.trace),
+        overhead=overhead(engine.trace, result["seconds"]),
+        _trace=engine.trace,
+    )
     return result
 
 
 def overhead(trace, wall_s: float) -> dict:
     """Share of step time outside the model forward, from the engine's own trace."""
+
     def share(records) -> dict:
         records = list(records)
         if not records:
             return {"steps": 0, "overhead": None}
         forward, step = sum(r.forward_s for r in records), sum(r.step_s for r in records)
-        return {"steps": len(records), "forward_s": round(forward, 4), "step_s": round(step, 4),
-                "overhead": round(1 - forward / step, 4),
-                # per-step ratios: one step slowed down by another process weighs no more than any other
-                "overhead_median_step": round(statistics.median(1 - r.forward_s / r.step_s for r in records), 4),
-                "ms_per_step": round(1000 * step / len(records), 3),
-                "ms_per_step_median": round(1000 * statistics.median(r.step_s for r in records), 3)}
+        return {
+            "steps": len(records),
+            "forward_s": round(forward, 4),
+            "step_s": round(step, 4),
+            "overhead": round(1 - forward / step, 4),
+            # per-step ratios: one step slowed down by another process weighs no more than any other
+            "overhead_median_step": round(
+                statistics.median(1 - r.forward_s / r.step_s for r in records), 4
+            ),
+            "ms_per_step": round(1000 * step / len(records), 3),
+            "ms_per_step_median": round(1000 * statistics.median(r.step_s for r in records), 3),
+        }
 
     big = [r for r in trace if len(r.decoded) >= BIG_BATCH_DECODES]
     forward = sum(r.forward_s for r in trace)
@@ -139,15 +162,25 @@ def overhead(trace, wall_s: float) -> dict:
         f"decode_only_ge_{BIG_BATCH_DECODES}": share(r for r in big if not r.prefilled),
         # The wall clock also counts what the trace's step_s leaves out: the RequestOutputs that
         # step() builds after its timer stops, generate()'s loop, add_request.
-        "wall": {"forward_s": round(forward, 4), "wall_s": round(wall_s, 4), "overhead": round(1 - forward / wall_s, 4)},
+        "wall": {
+            "forward_s": round(forward, 4),
+            "wall_s": round(wall_s, 4),
+            "overhead": round(1 - forward / wall_s, 4),
+        },
     }
 
 
 # -- naive -----------------------------------------------------------------------------------------
 def run_naive(model: Transformer, requests: list[Request], total: int) -> dict:
-    return timed_run("naive sequential (recompute, no KV cache)", requests,
-                     lambda: [generate_naive(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests],
-                     subset_of=total, indices=[r.index for r in requests])
+    return timed_run(
+        "naive sequential (recompute, no KV cache)",
+        requests,
+        lambda: [
+            generate_naive(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests
+        ],
+        subset_of=total,
+        indices=[r.index for r in requests],
+    )
 
 
 # -- Hugging Face ----------------------------------------------------------------------------------
@@ -161,7 +194,11 @@ def build_hf(model: Transformer):
     hf = hf.to(torch.float32).eval()
     # Greedy, no EOS: every request runs exactly max_new_tokens (what ignore_eos does in minivllm).
     hf.generation_config = transformers.GenerationConfig(
-        do_sample=False, eos_token_id=None, pad_token_id=PAD_ID, bos_token_id=model.config.bos_token_id)
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=PAD_ID,
+        bos_token_id=model.config.bos_token_id,
+    )
     return hf, transformers.__version__
 
 
@@ -172,12 +209,20 @@ def hf_generate(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[
     ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                      eos_token_id=None, pad_token_id=PAD_ID)
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=PAD_ID,
+    )
     if out.shape[1] != width + max_new_tokens:
-        raise RuntimeError(f"HF generated {out.shape[1] - width} tokens, asked for {max_new_tokens}")
+        raise RuntimeError(
+            f"HF generated {out.shape[1] - width} tokens, asked for {max_new_tokens}"
+        )
     return out[:, width:].tolist()
 
 
@@ -188,10 +233,12 @@ def run_hf(hf, requests: list[Request], batch_size: int, label: str, total: int)
         nonlocal padded
         tokens = []
         for i in range(0, len(requests), batch_size):
-            batch = requests[i:i + batch_size]
+            batch = requests[i : i + batch_size]
             longest = max(r.max_tokens for r in batch)
             rows = hf_generate(hf, [r.prompt_ids for r in batch], longest)
-            tokens += [row[:r.max_tokens] for row, r in zip(rows, batch)]  # only a request's own tokens count
+            tokens += [
+                row[: r.max_tokens] for row, r in zip(rows, batch)
+            ]  # only a request's own tokens count
             padded += longest * len(batch)
         return tokens
 
@@ -210,20 +257,34 @@ def compare(reference: dict, other: dict, requests: list[Request]) -> dict:
     first = {}
     for i, toks in zip(indices, other["_tokens"]):
         if toks != ref[i]:
-            first[i] = next((k for k, (a, b) in enumerate(zip(toks, ref[i])) if a != b), min(len(toks), len(ref[i])))
-    return {"system": other["system"], "against": reference["system"], "requests_compared": len(indices),
-            "requests_differing": len(first), "first_differing_token": {str(k): v for k, v in sorted(first.items())}}
+            first[i] = next(
+                (k for k, (a, b) in enumerate(zip(toks, ref[i])) if a != b),
+                min(len(toks), len(ref[i])),
+            )
+    return {
+        "system": other["system"],
+        "against": reference["system"],
+        "requests_compared": len(indices),
+        "requests_differing": len(first),
+        "first_differing_token": {str(k): v for k, v in sorted(first.items())},
+    }
 
 
 # -- where the engine's step time goes -------------------------------------------------------------
 def decode_stretch_engine(model: Transformer, requests: list[Request], budget: int) -> LLMEngine:
-    """The workload with every request asked for 256 tokens, stepped until every prompt is prefilled:
+    """The workload with every request asked for 256 tokens, stepped until every prompt is
+    prefilled:
     what follows is pure decoding at batch 64 (or the workload's size)."""
-    longest = [replace(r, max_tokens=min(256, model.config.max_seq_len - len(r.prompt_ids))) for r in requests]
+    longest = [
+        replace(r, max_tokens=min(256, model.config.max_seq_len - len(r.prompt_ids)))
+        for r in requests
+    ]
     engine = make_engine(model, longest, max_num_seqs=64, max_num_batched_tokens=budget)
     for r in longest:
         engine.add_request(r.prompt_ids, greedy(r.max_tokens))
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+    while engine.scheduler.waiting or any(
+        s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
+    ):
         engine.step()
     engine.step()
     return engine
@@ -241,6 +302,7 @@ def component_times(model: Transformer, requests: list[Request], budget: int, st
                 return fn(*args, **kwargs)
             finally:
                 acc[key] += time.perf_counter() - t
+
         return wrapper
 
     engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")
@@ -248,7 +310,9 @@ def component_times(model: Transformer, requests: list[Request], budget: int, st
     engine.runner.forward = timed(engine.runner.forward, "forward")
     engine.runner.sample = timed(engine.runner.sample, "sample")
     engine._record = timed(engine._record, "record")
-    engine._output = timed(engine._output, "outputs")  # built after step_s stops: not in the trace's overhead
+    engine._output = timed(
+        engine._output, "outputs"
+    )  # built after step_s stops: not in the trace's overhead
     original_build = engine_module.build_batch
     engine_module.build_batch = timed(original_build, "build_batch")
     try:
@@ -262,11 +326,15 @@ def component_times(model: Transformer, requests: list[Request], budget: int, st
     parts = dict(acc)
     parts["other"] = total - sum(parts.values())
     ordered = sorted(parts.items(), key=lambda kv: -kv[1])
-    return {"batch": batch, "steps": steps, "ms_per_step": round(1000 * total / steps, 3),
-            "overhead": round(1 - parts["forward"] / total, 4),
-            "overhead_excluding_outputs": round(1 - parts["forward"] / (total - parts["outputs"]), 4),
-            "ms_per_step_by_part": {k: round(1000 * v / steps, 3) for k, v in ordered},
-            "share_by_part": {k: round(v / total, 4) for k, v in ordered}}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "ms_per_step": round(1000 * total / steps, 3),
+        "overhead": round(1 - parts["forward"] / total, 4),
+        "overhead_excluding_outputs": round(1 - parts["forward"] / (total - parts["outputs"]), 4),
+        "ms_per_step_by_part": {k: round(1000 * v / steps, 3) for k, v in ordered},
+        "share_by_part": {k: round(v / total, 4) for k, v in ordered},
+    }
 
 
 def _where(key) -> str:
@@ -274,10 +342,13 @@ def _where(key) -> str:
     return f"{Path(file).name}:{line}({name})" if line else name
 
 
-def profile_decode(model: Transformer, requests: list[Request], budget: int, steps: int, top: int = 12) -> dict:
+def profile_decode(
+    model: Transformer, requests: list[Request], budget: int, steps: int, top: int = 12
+) -> dict:
     """cProfile over a decode stretch. The engine's own functions are those `LLMEngine.step` reaches
     without going through `ModelRunner.forward` (calls from inside the forward are not counted for
-    them); the forward's are listed apart. cProfile inflates Python-heavy code, so read the shares from
+    them); the forward's are listed apart. cProfile inflates Python-heavy code, so read the shares
+    from
     `component_times`; this says *where*."""
     engine = decode_stretch_engine(model, requests, budget)
     profiler = cProfile.Profile()
@@ -285,15 +356,22 @@ def profile_decode(model: Transformer, requests: list[Request], budget: int, ste
     for _ in range(steps):
         engine.step()
     profiler.disable()
-    stats = pstats.Stats(profiler).stats  # key -> (calls, primitive calls, tottime, cumtime, callers)
+    stats = pstats.Stats(
+        profiler
+    ).stats  # key -> (calls, primitive calls, tottime, cumtime, callers)
     total = sum(v[2] for v in stats.values())
-    # The engine's side: everything reachable from LLMEngine.step without passing ModelRunner.forward.
-    forward = {k for k in stats if (k[0].endswith("model_runner.py") and k[2] == "forward")
-               or k[2] == "decorate_context"}  # ... and the torch.no_grad wrapper around it
+    # The engine's side: everything reachable from LLMEngine.step without passing
+    # ModelRunner.forward.
+    forward = {
+        k
+        for k in stats
+        if (k[0].endswith("model_runner.py") and k[2] == "forward") or k[2] == "decorate_context"
+    }  # ... and the torch.no_grad wrapper around it
     callees = defaultdict(set)
     for key, value in stats.items():
         for caller in value[4]:
             callees[caller].add(key)
+
     def reach(starts, barrier) -> set:
         seen, frontier = set(starts), list(starts)
         while frontier:
@@ -312,7 +390,9 @@ def profile_decode(model: Transformer, requests: list[Request], budget: int, ste
     engine_side = []
     for key in reached:
         calls, _, self_s, cum_s, callers = stats[key]
-        if key not in roots:  # a function called from both sides: count only the calls from the engine's
+        if (
+            key not in roots
+        ):  # a function called from both sides: count only the calls from the engine's
             calls = sum(c[0] for caller, c in callers.items() if caller in reached)
             self_s = sum(c[2] for caller, c in callers.items() if caller in reached)
             cum_s = sum(c[3] for caller, c in callers.items() if caller in reached)
@@ -321,17 +401,28 @@ def profile_decode(model: Transformer, requests: list[Request], budget: int, ste
     engine_side.sort(key=lambda e: -e[2])
 
     def row(key, calls, self_s, cum_s) -> dict:
-        return {"function": _where(key), "calls_per_step": round(calls / steps, 1),
-                "self_ms_per_step": round(1000 * self_s / steps, 4), "cum_ms_per_step": round(1000 * cum_s / steps, 4)}
+        return {
+            "function": _where(key),
+            "calls_per_step": round(calls / steps, 1),
+            "self_ms_per_step": round(1000 * self_s / steps, 4),
+            "cum_ms_per_step": round(1000 * cum_s / steps, 4),
+        }
 
-    forward_side = sorted(((k, v) for k, v in stats.items() if k not in reached), key=lambda kv: -kv[1][2])[:top]
-    return {"steps": steps, "batch": len(engine.scheduler.running),
-            "profiled_ms_per_step": round(1000 * total / steps, 3),
-            "engine_side_ms_per_step": round(1000 * engine_total / steps, 3),
-            "engine_side_share": round(engine_total / total, 4),
-            "engine_side_by_self_time": [row(*e) for e in engine_side[:top]],
-            "engine_side_by_cumulative_time": [row(*e) for e in sorted(engine_side, key=lambda e: -e[3])[:top]],
-            "forward_by_self_time": [row(k, v[1], v[2], v[3]) for k, v in forward_side]}
+    forward_side = sorted(
+        ((k, v) for k, v in stats.items() if k not in reached), key=lambda kv: -kv[1][2]
+    )[:top]
+    return {
+        "steps": steps,
+        "batch": len(engine.scheduler.running),
+        "profiled_ms_per_step": round(1000 * total / steps, 3),
+        "engine_side_ms_per_step": round(1000 * engine_total / steps, 3),
+        "engine_side_share": round(engine_total / total, 4),
+        "engine_side_by_self_time": [row(*e) for e in engine_side[:top]],
+        "engine_side_by_cumulative_time": [
+            row(*e) for e in sorted(engine_side, key=lambda e: -e[3])[:top]
+        ],
+        "forward_by_self_time": [row(k, v[1], v[2], v[3]) for k, v in forward_side],
+    }
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -346,43 +437,82 @@ def public(result: dict, reference_tps: float | None = None) -> dict:
         if key in out:
             out[key] = round(out[key], 4)
     if reference_tps is not None:
-        out["continuous_over_this"] = round(reference_tps / (result["tokens"] / result["seconds"]), 4)
+        out["continuous_over_this"] = round(
+            reference_tps / (result["tokens"] / result["seconds"]), 4
+        )
     return out
 
 
 def print_table(results: list[dict], reference: dict) -> None:
     ref_tps = reference["tokens"] / reference["seconds"]
-    print(f"\n| {'system':<52} | {'requests':>8} | {'tokens':>6} | {'seconds':>7} | {'median s':>8} | "
-          f"{'tokens/s':>8} | {'continuous / this':>17} |")
+    print(
+        f"\n| {'system':<52} | {'requests':>8} | {'tokens':>6} | {'seconds':>7} | {'median s':>8} "
+        "| "
+        f"{'tokens/s':>8} | {'continuous / this':>17} |"
+    )
     print(f"|{'-' * 54}|{'-' * 10}|{'-' * 8}|{'-' * 9}|{'-' * 10}|{'-' * 10}|{'-' * 19}|")
     for r in results:
         tps = r["tokens"] / r["seconds"]
         reqs = f"{r['requests']}/{r['subset_of']}" if "subset_of" in r else str(r["requests"])
         median = f"{r['median_seconds']:.2f}" if r.get("repeats", 1) > 1 else "-"
-        print(f"| {r['system']:<52} | {reqs:>8} | {r['tokens']:>6} | {r['seconds']:>7.2f} | {median:>8} | "
-              f"{tps:>8.1f} | {ref_tps / tps:>16.2f}x |")
+        print(
+            f"| {r['system']:<52} | {reqs:>8} | {r['tokens']:>6} | {r['seconds']:>7.2f} | "
+            f"{median:>8} | "
+            f"{tps:>8.1f} | {ref_tps / tps:>16.2f}x |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--budget", type=int, nargs="+", default=[512, 256, 2048],
-                        help="max_num_batched_tokens for continuous batching: the first is the headline, "
-                             "the rest a sweep")
-    parser.add_argument("--small-batch", type=int, default=16,
-                        help="the static batch size that shows idle slots (run next to continuous with "
-                             "as many slots); the workload as one static batch always runs")
-    parser.add_argument("--hf-batch", type=int, default=64, help="HF generate batch size (left padding)")
-    parser.add_argument("--sequential-requests", type=int, default=8,
-                        help="seeded subset that naive sequential and HF one-by-one run")
-    parser.add_argument("--repeats", type=int, default=3, help="round-robin runs of the batched systems; best reported")
-    parser.add_argument("--profile-steps", type=int, default=30, help="decode steps timed and profiled at batch 64")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 8 requests, 8-32 output tokens, one run each")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        nargs="+",
+        default=[512, 256, 2048],
+        help="max_num_batched_tokens for continuous batching: the first is the headline, "
+        "the rest a sweep",
+    )
+    parser.add_argument(
+        "--small-batch",
+        type=int,
+        default=16,
+        help="the static batch size that shows idle slots (run next to continuous with "
+        "as many slots); the workload as one static batch always runs",
+    )
+    parser.add_argument(
+        "--hf-batch", type=int, default=64, help="HF generate batch size (left padding)"
+    )
+    parser.add_argument(
+        "--sequential-requests",
+        type=int,
+        default=8,
+        help="seeded subset that naive sequential and HF one-by-one run",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="round-robin runs of the batched systems; best reported",
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=30, help="decode steps timed and profiled at batch 64"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 8 requests, 8-32 output tokens, one run each",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-naive", action="store_true")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON path (default benchmarks/results/throughput.json; --quick writes nothing unless given)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/throughput.json; --quick writes nothing unless "
+        "given)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(THREADS)
@@ -397,29 +527,53 @@ def main() -> None:
     requests = make_workload(num_requests, args.seed, output_tokens=output_range)
     prompt_lens = [len(r.prompt_ids) for r in requests]
     out_lens = [r.max_tokens for r in requests]
-    print(f"workload: {len(requests)} requests (seed {args.seed}), prompts {min(prompt_lens)}-{max(prompt_lens)} "
-          f"tokens (mean {statistics.mean(prompt_lens):.0f}), outputs {min(out_lens)}-{max(out_lens)} tokens "
-          f"(mean {statistics.mean(out_lens):.0f}, total {sum(out_lens)}); torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, load average {load_str()}")
+    print(
+        f"workload: {len(requests)} requests (seed {args.seed}), prompts "
+        f"{min(prompt_lens)}-{max(prompt_lens)} "
+        f"tokens (mean {statistics.mean(prompt_lens):.0f}), outputs "
+        f"{min(out_lens)}-{max(out_lens)} tokens "
+        f"(mean {statistics.mean(out_lens):.0f}, total {sum(out_lens)}); torch "
+        f"{torch.__version__}, "
+        f"{torch.get_num_threads()} threads, load average {load_str()}"
+    )
 
     # The batched systems, run round-robin `repeats` times (best run reported).
     n, small, longest_prompt = len(requests), min(args.small_batch, len(requests)), max(prompt_lens)
     systems: dict[str, Callable[[], dict]] = {}
     for budget in args.budget:
-        systems[f"continuous/{budget}"] = (
-            lambda b=budget: run_engine(model, requests, f"minivllm continuous (64 slots, budget {b})",
-                                        max_num_seqs=64, max_num_batched_tokens=b))
-    # Static admits a batch only into an empty engine, so its budget must hold the whole batch's prompts.
-    systems["static/all"] = lambda: run_engine(model, requests, f"minivllm static (batch {min(64, n)})",
-                                               max_num_seqs=min(64, n), max_num_batched_tokens=min(64, n) * longest_prompt,
-                                               batching="static")
+        systems[f"continuous/{budget}"] = lambda b=budget: run_engine(
+            model,
+            requests,
+            f"minivllm continuous (64 slots, budget {b})",
+            max_num_seqs=64,
+            max_num_batched_tokens=b,
+        )
+    # Static admits a batch only into an empty engine, so its budget must hold the whole batch's
+    # prompts.
+    systems["static/all"] = lambda: run_engine(
+        model,
+        requests,
+        f"minivllm static (batch {min(64, n)})",
+        max_num_seqs=min(64, n),
+        max_num_batched_tokens=min(64, n) * longest_prompt,
+        batching="static",
+    )
     if small < min(64, n):
         systems["continuous/small"] = lambda: run_engine(
-            model, requests, f"minivllm continuous ({small} slots, budget {args.budget[0]})",
-            max_num_seqs=small, max_num_batched_tokens=max(args.budget[0], small))
+            model,
+            requests,
+            f"minivllm continuous ({small} slots, budget {args.budget[0]})",
+            max_num_seqs=small,
+            max_num_batched_tokens=max(args.budget[0], small),
+        )
         systems["static/small"] = lambda: run_engine(
-            model, requests, f"minivllm static (batch {small})", max_num_seqs=small,
-            max_num_batched_tokens=small * longest_prompt, batching="static")
+            model,
+            requests,
+            f"minivllm static (batch {small})",
+            max_num_seqs=small,
+            max_num_batched_tokens=small * longest_prompt,
+            batching="static",
+        )
     hf, hf_version, notes = None, None, []
     if not args.skip_hf:
         try:
@@ -429,8 +583,9 @@ def main() -> None:
             print(f"  {notes[-1]}")
         else:
             hf_batch = min(args.hf_batch, n)
-            systems["hf/batched"] = lambda: run_hf(hf, requests, hf_batch,
-                                                   f"HF generate, batched ({hf_batch}, left padding)", n)
+            systems["hf/batched"] = lambda: run_hf(
+                hf, requests, hf_batch, f"HF generate, batched ({hf_batch}, left padding)", n
+            )
 
     # Warm-up: a process's first forward pays for thread pools and allocator growth.
     warm = requests[:2]
@@ -444,11 +599,21 @@ def main() -> None:
         for key, run in systems.items():
             r = run()
             runs[key].append(r)
-            print(f"  [{repeat + 1}/{args.repeats}] {r['system']:<48} {r['tokens'] / r['seconds']:8.1f} tokens/s "
-                  f"({r['seconds']:6.2f} s, load {r['load_before']} -> {r['load_after']})", flush=True)
+            print(
+                f"  [{repeat + 1}/{args.repeats}] {r['system']:<48} "
+                f"{r['tokens'] / r['seconds']:8.1f} tokens/s "
+                f"({r['seconds']:6.2f} s, load {r['load_before']} -> {r['load_after']})",
+                flush=True,
+            )
     best = {key: best_of(rs) for key, rs in runs.items()}
     continuous = best[f"continuous/{args.budget[0]}"]
-    order = [f"continuous/{args.budget[0]}", "static/all", "continuous/small", "static/small", "hf/batched"]
+    order = [
+        f"continuous/{args.budget[0]}",
+        "static/all",
+        "continuous/small",
+        "static/small",
+        "hf/batched",
+    ]
     results = [best[k] for k in order if k in best]
 
     # The sequential systems, once each, on the same seeded subset.
@@ -459,15 +624,26 @@ def main() -> None:
     if hf is not None:
         sequential.append(run_hf(hf, chosen, 1, "HF generate, one by one", n))
     for r in sequential:
-        print(f"  {r['system']:<54} {r['tokens'] / r['seconds']:8.1f} tokens/s ({r['requests']} requests, "
-              f"{r['seconds']:6.2f} s, load {r['load_before']} -> {r['load_after']})", flush=True)
+        print(
+            f"  {r['system']:<54} {r['tokens'] / r['seconds']:8.1f} tokens/s ({r['requests']} "
+            "requests, "
+            f"{r['seconds']:6.2f} s, load {r['load_before']} -> {r['load_after']})",
+            flush=True,
+        )
     results += sequential
-    comparisons = [compare(continuous, r, requests)
-                   for r in results[1:] + [best[f"continuous/{b}"] for b in args.budget[1:]]]
+    comparisons = [
+        compare(continuous, r, requests)
+        for r in results[1:] + [best[f"continuous/{b}"] for b in args.budget[1:]]
+    ]
 
     # Where a decode step's time goes, at batch 64 (the least disturbed of `repeats` timings).
-    parts = min((component_times(model, requests, args.budget[0], args.profile_steps) for _ in range(max(1, args.repeats))),
-                key=lambda p: p["ms_per_step"])
+    parts = min(
+        (
+            component_times(model, requests, args.budget[0], args.profile_steps)
+            for _ in range(max(1, args.repeats))
+        ),
+        key=lambda p: p["ms_per_step"],
+    )
     profile = profile_decode(model, requests, args.budget[0], args.profile_steps)
 
     # -- the report --
@@ -475,12 +651,16 @@ def main() -> None:
     cont_tps = continuous["tokens"] / continuous["seconds"]
     tps = {r["system"]: r["tokens"] / r["seconds"] for r in results}
     if len(args.budget) > 1:
-        print("\ncontinuous batching, token budget (max_num_batched_tokens) sweep, best of "
-              f"{args.repeats}:")
+        print(
+            "\ncontinuous batching, token budget (max_num_batched_tokens) sweep, best of "
+            f"{args.repeats}:"
+        )
         for budget in args.budget:
             r = best[f"continuous/{budget}"]
-            print(f"  {budget:>5}: {r['tokens'] / r['seconds']:7.1f} tokens/s (median run "
-                  f"{r['tokens'] / r['median_seconds']:7.1f}), {r['steps']} steps")
+            print(
+                f"  {budget:>5}: {r['tokens'] / r['seconds']:7.1f} tokens/s (median run "
+                f"{r['tokens'] / r['median_seconds']:7.1f}), {r['steps']} steps"
+            )
 
     def ratio_goal(prefix: str, goal: float) -> dict | None:
         match = next((r for r in results if r["system"].startswith(prefix)), None)
@@ -495,65 +675,124 @@ def main() -> None:
         "continuous_over_hf_batched": ratio_goal("HF generate, batched", 2.0),
         "continuous_over_naive_sequential": ratio_goal("naive sequential", 15.0),
         f"overhead_at_decodes_ge_{BIG_BATCH_DECODES}": (
-            {"goal": 0.10, "value": big, "met": big <= 0.10} if big is not None else None),
+            {"goal": 0.10, "value": big, "met": big <= 0.10} if big is not None else None
+        ),
     }
     print("\ngoals:")
     for name, g in goals.items():
         if g is None:
             print(f"  {name}: not measured (skipped, or no such steps in this run)")
         elif name.startswith("overhead"):
-            print(f"  {name}: {100 * g['value']:.1f} % (goal <= 10 %): {'met' if g['met'] else 'NOT met'}")
+            print(
+                f"  {name}: {100 * g['value']:.1f} % (goal <= 10 %): "
+                f"{'met' if g['met'] else 'NOT met'}"
+            )
         else:
-            print(f"  {name}: {g['value']:.2f}x (goal >= {g['goal']:.0f}x): {'met' if g['met'] else 'NOT met'}")
+            print(
+                f"  {name}: {g['value']:.2f}x (goal >= {g['goal']:.0f}x): "
+                f"{'met' if g['met'] else 'NOT met'}"
+            )
 
     print("\nengine overhead, 1 - forward / step (trace of the headline continuous run):")
     for key, val in ov.items():
         if key == "wall":
             print(f"  {'wall clock (+ outputs, generate loop)':<40} {100 * val['overhead']:5.1f} %")
         elif val["steps"]:
-            print(f"  {key:<40} {100 * val['overhead']:5.1f} %  (median step {100 * val['overhead_median_step']:.1f} %; "
-                  f"{val['steps']} steps, {val['ms_per_step']:.1f} ms/step)")
-    print(f"  decode stretch at batch {parts['batch']} ({parts['steps']} steps, {parts['ms_per_step']:.1f} ms/step): "
-          f"overhead {100 * parts['overhead']:.1f} % ({100 * parts['overhead_excluding_outputs']:.1f} % without the "
-          f"RequestOutputs)\n    ms/step by part: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in parts["ms_per_step_by_part"].items()))
-    print(f"  cProfile ({profile['steps']} steps at batch {profile['batch']}), engine side by self time, ms/step: "
-          + ", ".join(f"{e['function']} {e['self_ms_per_step']:.2f}" for e in profile["engine_side_by_self_time"][:8]))
+            print(
+                f"  {key:<40} {100 * val['overhead']:5.1f} %  (median step "
+                f"{100 * val['overhead_median_step']:.1f} %; "
+                f"{val['steps']} steps, {val['ms_per_step']:.1f} ms/step)"
+            )
+    print(
+        f"  decode stretch at batch {parts['batch']} ({parts['steps']} steps, "
+        f"{parts['ms_per_step']:.1f} ms/step): "
+        f"overhead {100 * parts['overhead']:.1f} % "
+        f"({100 * parts['overhead_excluding_outputs']:.1f} % without the "
+        f"RequestOutputs)\n    ms/step by part: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in parts["ms_per_step_by_part"].items())
+    )
+    print(
+        f"  cProfile ({profile['steps']} steps at batch {profile['batch']}), engine side by self "
+        "time, ms/step: "
+        + ", ".join(
+            f"{e['function']} {e['self_ms_per_step']:.2f}"
+            for e in profile["engine_side_by_self_time"][:8]
+        )
+    )
 
     print("\ngreedy tokens against minivllm continuous (reported, not asserted):")
     for c in comparisons:
-        print(f"  {c['system']:<54} {c['requests_differing']}/{c['requests_compared']} requests differ")
+        print(
+            f"  {c['system']:<54} {c['requests_differing']}/{c['requests_compared']} requests "
+            "differ"
+        )
 
     if out_path is None:
         print("\nquick run: no JSON written (give --out to write one)")
         return
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({
-        "benchmark": "throughput",
-        "machine": machine_record("wall clock on a shared machine: each result keeps its runs' load averages",
-                                  transformers=hf_version),
-        "workload": {"seed": args.seed, "requests": n, "quick": args.quick,
-                     "prompt_source": "byte slices of minivllm.corpus.shipped_validation_text(), cut at UTF-8 "
-                                      "character boundaries; ByteTokenizer with BOS",
-                     "prompt_bytes": [16, 200], "output_tokens": list(output_range),
-                     "prompt_tokens": {"min": min(prompt_lens), "max": max(prompt_lens), "total": sum(prompt_lens)},
-                     "output_tokens_total": sum(out_lens), "sampling": "greedy (temperature 0), ignore_eos",
-                     "sequential_subset": [r.index for r in chosen],
-                     "requests_list": [[p, o] for p, o in zip(prompt_lens, out_lens)],
-                     "requests_list_columns": ["prompt_tokens", "max_tokens"]},
-        "config": {"continuous": {"max_num_seqs": 64, "max_num_batched_tokens": args.budget[0],
-                                  "budget_sweep": args.budget[1:]},
-                   "static": {"batch_sizes": sorted({min(64, n), small}, reverse=True),
-                              "max_num_batched_tokens": "batch size x longest prompt (a batch is admitted whole)"},
-                   "hf_batch": min(args.hf_batch, n), "sequential_requests": len(chosen), "repeats": args.repeats,
-                   "threads": THREADS, "throughput": "useful generated tokens / wall seconds (best of repeats)"},
-        "results": [public(r, cont_tps) for r in results],
-        "budget_sweep": [public(best[f"continuous/{b}"], cont_tps) for b in args.budget] if len(args.budget) > 1 else None,
-        "goals": goals,
-        "correctness": comparisons,
-        "overhead": {"continuous_trace": ov, "decode_stretch_components": parts, "cprofile": profile},
-        "notes": notes,
-    }, indent=2) + "\n")
+    out_path.write_text(
+        json.dumps(
+            {
+                "benchmark": "throughput",
+                "machine": machine_record(
+                    "wall clock on a shared machine: each result keeps its runs' load averages",
+                    transformers=hf_version,
+                ),
+                "workload": {
+                    "seed": args.seed,
+                    "requests": n,
+                    "quick": args.quick,
+                    "prompt_source": "byte slices of minivllm.training.corpus.shipped_validation_text(), "
+                    "cut at UTF-8 "
+                    "character boundaries; ByteTokenizer with BOS",
+                    "prompt_bytes": [16, 200],
+                    "output_tokens": list(output_range),
+                    "prompt_tokens": {
+                        "min": min(prompt_lens),
+                        "max": max(prompt_lens),
+                        "total": sum(prompt_lens),
+                    },
+                    "output_tokens_total": sum(out_lens),
+                    "sampling": "greedy (temperature 0), ignore_eos",
+                    "sequential_subset": [r.index for r in chosen],
+                    "requests_list": [[p, o] for p, o in zip(prompt_lens, out_lens)],
+                    "requests_list_columns": ["prompt_tokens", "max_tokens"],
+                },
+                "config": {
+                    "continuous": {
+                        "max_num_seqs": 64,
+                        "max_num_batched_tokens": args.budget[0],
+                        "budget_sweep": args.budget[1:],
+                    },
+                    "static": {
+                        "batch_sizes": sorted({min(64, n), small}, reverse=True),
+                        "max_num_batched_tokens": "batch size x longest prompt (a batch is "
+                        "admitted whole)",
+                    },
+                    "hf_batch": min(args.hf_batch, n),
+                    "sequential_requests": len(chosen),
+                    "repeats": args.repeats,
+                    "threads": THREADS,
+                    "throughput": "useful generated tokens / wall seconds (best of repeats)",
+                },
+                "results": [public(r, cont_tps) for r in results],
+                "budget_sweep": [public(best[f"continuous/{b}"], cont_tps) for b in args.budget]
+                if len(args.budget) > 1
+                else None,
+                "goals": goals,
+                "correctness": comparisons,
+                "overhead": {
+                    "continuous_trace": ov,
+                    "decode_stretch_components": parts,
+                    "cprofile": profile,
+                },
+                "notes": notes,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {out_path}")
 
 

@@ -27,8 +27,8 @@ import matplotlib.pyplot as plt
 import torch
 
 from minivllm.book import sequence_color, show, use_book_style
-from minivllm.checkpoint import WEIGHTS_DIR, load_model
-from minivllm.tokenizer import ByteTokenizer
+from minivllm.model.checkpoint import WEIGHTS_DIR, load_model
+from minivllm.model.tokenizer import ByteTokenizer
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -50,7 +50,7 @@ model.config
 # position's vector into logits.
 
 # %%
-from minivllm.model import Transformer
+from minivllm.model.transformer import Transformer
 
 show(Transformer.forward)
 
@@ -60,7 +60,7 @@ show(Transformer.forward)
 # result back.
 
 # %%
-from minivllm.model import DecoderLayer
+from minivllm.model.transformer import DecoderLayer
 
 show(DecoderLayer.forward)
 
@@ -72,7 +72,7 @@ show(DecoderLayer.forward)
 # You will write this function yourself in exercise ch00.1.
 
 # %%
-from minivllm.model import RMSNorm
+from minivllm.model.transformer import RMSNorm
 
 show(RMSNorm.forward)
 
@@ -92,7 +92,7 @@ show(RMSNorm.forward)
 # serves a whole batch at once. The model never changes.
 
 # %%
-from minivllm.model import SelfAttention
+from minivllm.model.transformer import SelfAttention
 
 show(SelfAttention.forward)
 
@@ -100,7 +100,7 @@ show(SelfAttention.forward)
 # With no cache at all, the attention object is plain causal attention over the tokens it was given:
 
 # %%
-from minivllm.model import CausalAttention, attention_reference
+from minivllm.model.transformer import CausalAttention, attention_reference
 
 show(CausalAttention)
 
@@ -113,7 +113,9 @@ show(CausalAttention)
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(5, h, 32, generator=g) for h in (8, 2, 2))
 causal_mask = torch.ones(5, 5, dtype=torch.bool).tril()
-max_diff = (CausalAttention()(0, q, k, v) - attention_reference(q, k, v, causal_mask)).abs().max().item()
+max_diff = (
+    (CausalAttention()(0, q, k, v) - attention_reference(q, k, v, causal_mask)).abs().max().item()
+)
 print(f"max |fused - reference| = {max_diff:.1e}")
 assert max_diff < 1e-5
 
@@ -126,7 +128,7 @@ assert max_diff < 1e-5
 # two tokens are. Exercise ch00.2 asks you to write `apply_rope`.
 
 # %%
-from minivllm.model import apply_rope, rope_cos_sin
+from minivllm.model.transformer import apply_rope, rope_cos_sin
 
 show(apply_rope)
 
@@ -141,7 +143,9 @@ def rotated_score(pos_q: int, pos_k: int) -> float:
 
 
 for pos_q, pos_k in [(3, 0), (103, 100), (403, 400), (3, 2)]:
-    print(f"query at {pos_q:3d}, key at {pos_k:3d}, distance {pos_q - pos_k}: score {rotated_score(pos_q, pos_k):+.4f}")
+    print(
+        f"query at {pos_q:3d}, key at {pos_k:3d}, distance {pos_q - pos_k}: score {rotated_score(pos_q, pos_k):+.4f}"
+    )
 
 # %% [markdown]
 # The same distance gives the same score wherever the pair sits; a different distance gives a
@@ -154,7 +158,7 @@ for pos_q, pos_k in [(3, 0), (103, 100), (403, 400), (3, 2)]:
 # back down.
 
 # %%
-from minivllm.model import SwiGLU
+from minivllm.model.transformer import SwiGLU
 
 show(SwiGLU)
 
@@ -162,6 +166,7 @@ show(SwiGLU)
 # ## Where the parameters are
 #
 # Count every weight by the component it belongs to.
+
 
 # %%
 def component(name: str) -> str:
@@ -189,7 +194,9 @@ print(f"{'total':16s} {total:>10,d}")
 # %%
 fig, ax = plt.subplots(figsize=(7.5, 2.8))
 parts = sorted(counts, key=counts.get)
-ax.barh(parts, [counts[p] / 1e6 for p in parts], color=[sequence_color(i) for i in range(len(parts))])
+ax.barh(
+    parts, [counts[p] / 1e6 for p in parts], color=[sequence_color(i) for i in range(len(parts))]
+)
 ax.set_xlabel("parameters (millions)")
 ax.set_title(f"minivllm target: {total / 1e6:.2f} M parameters")
 plt.show()
@@ -202,9 +209,13 @@ plt.show()
 # %%
 c = model.config
 kv_bytes_per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
-print(f"KV cache per token: {c.n_layers} layers x 2 (k, v) x {c.n_kv_heads} heads x {c.head_dim} dims x 4 bytes "
-      f"= {kv_bytes_per_token:,} bytes")
-print(f"with 8 kv heads (no grouping) it would be {kv_bytes_per_token * c.n_heads // c.n_kv_heads:,} bytes")
+print(
+    f"KV cache per token: {c.n_layers} layers x 2 (k, v) x {c.n_kv_heads} heads x {c.head_dim} dims x 4 bytes "
+    f"= {kv_bytes_per_token:,} bytes"
+)
+print(
+    f"with 8 kv heads (no grouping) it would be {kv_bytes_per_token * c.n_heads // c.n_kv_heads:,} bytes"
+)
 
 # %% [markdown]
 # ## The weights on disk
@@ -232,7 +243,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from minivllm.checkpoint import CheckpointError
+from minivllm.model.checkpoint import CheckpointError
 
 with tempfile.TemporaryDirectory() as tmp:
     broken = Path(tmp) / "broken"
@@ -248,7 +259,7 @@ with tempfile.TemporaryDirectory() as tmp:
 # %% [markdown]
 # ## How it was trained
 #
-# `python -m minivllm.train --preset target` trains this model from a fixed seed on the plays in the
+# `python -m minivllm.training.train --preset target` trains this model from a fixed seed on the plays in the
 # corpus except *Macbeth* and *Twelfth Night*, and scores it on those two, which it never saw. The
 # folder's model card records the result.
 
@@ -256,15 +267,26 @@ with tempfile.TemporaryDirectory() as tmp:
 card = json.loads((WEIGHTS_DIR / "target" / "training.json").read_text())
 draft_card = json.loads((WEIGHTS_DIR / "draft" / "training.json").read_text())
 for name, info in [("target", card), ("draft", draft_card)]:
-    print(f"{name:6s}: {info['parameters']:>9,d} parameters, {info['train_config']['steps']} steps, "
-          f"validation {info['validation_bits_per_byte']:.3f} bits per byte")
+    print(
+        f"{name:6s}: {info['parameters']:>9,d} parameters, {info['train_config']['steps']} steps, "
+        f"validation {info['validation_bits_per_byte']:.3f} bits per byte"
+    )
 print(f"held out: {card['validation_bytes']:,} bytes of Macbeth and Twelfth Night")
 
 # %%
 fig, ax = plt.subplots()
-for name, info, color in [("target", card, sequence_color(0)), ("draft", draft_card, sequence_color(1))]:
+for name, info, color in [
+    ("target", card, sequence_color(0)),
+    ("draft", draft_card, sequence_color(1)),
+]:
     steps = [h["step"] for h in info["history"]]
-    ax.plot(steps, [h["val_bpb_sample"] for h in info["history"]], "o-", color=color, label=f"{name} (validation sample)")
+    ax.plot(
+        steps,
+        [h["val_bpb_sample"] for h in info["history"]],
+        "o-",
+        color=color,
+        label=f"{name} (validation sample)",
+    )
 ax.set_xlabel("training step")
 ax.set_ylabel("bits per byte")
 ax.legend()
@@ -283,7 +305,7 @@ plt.show()
 # repeat. The simplest version recomputes the whole sequence every step.
 
 # %%
-from minivllm.naive import generate_naive, stream_naive
+from minivllm.stages.naive import generate_naive, stream_naive
 
 show(stream_naive)
 
@@ -298,8 +320,13 @@ print(prompt + tokenizer.decode(greedy))
 # below 1 is livelier; the seed makes it repeatable.
 
 # %%
-sampled = generate_naive(model, tokenizer.encode("KING HENRY V:\n", add_bos=True), max_new_tokens=300,
-                         temperature=0.8, seed=7)
+sampled = generate_naive(
+    model,
+    tokenizer.encode("KING HENRY V:\n", add_bos=True),
+    max_new_tokens=300,
+    temperature=0.8,
+    seed=7,
+)
 print("KING HENRY V:\n" + tokenizer.decode(sampled))
 
 # %% [markdown]
@@ -309,6 +336,7 @@ print("KING HENRY V:\n" + tokenizer.decode(sampled))
 # logits. Step *t* pushes *t* tokens through every layer, so the work per token grows with the
 # position, and the whole generation costs a sum that grows with the square of its length. Count it
 # with an attention object that records how many tokens cross the seam:
+
 
 # %%
 class CountingAttention(CausalAttention):
@@ -332,7 +360,9 @@ def tokens_through_model(prompt_len: int, new_tokens: int) -> int:
 
 
 for n in (50, 100, 200):
-    print(f"{n:3d} new tokens after an 8-token prompt: {tokens_through_model(8, n):6,d} token-passes")
+    print(
+        f"{n:3d} new tokens after an 8-token prompt: {tokens_through_model(8, n):6,d} token-passes"
+    )
 
 # %% [markdown]
 # Doubling the output roughly quadruples the work. Now time it: generate 300 tokens and record how
@@ -342,7 +372,7 @@ for n in (50, 100, 200):
 # NBVAL_IGNORE_OUTPUT
 import time
 
-from minivllm.naive import next_token_logits
+from minivllm.stages.naive import next_token_logits
 
 ids = tokenizer.encode("ROMEO:\n", add_bos=True)
 step_seconds = []
@@ -350,13 +380,22 @@ for _ in range(300):
     started = time.perf_counter()
     ids.append(int(next_token_logits(model, ids).argmax()))
     step_seconds.append(time.perf_counter() - started)
-print(f"first 10 steps: {1000 * sum(step_seconds[:10]) / 10:.1f} ms per token; "
-      f"last 10 steps: {1000 * sum(step_seconds[-10:]) / 10:.1f} ms per token")
+print(
+    f"first 10 steps: {1000 * sum(step_seconds[:10]) / 10:.1f} ms per token; "
+    f"last 10 steps: {1000 * sum(step_seconds[-10:]) / 10:.1f} ms per token"
+)
 
 # %%
 fig, ax = plt.subplots()
 positions = range(len(tokenizer.encode("ROMEO:\n", add_bos=True)), len(ids))
-ax.plot(positions, [1000 * s for s in step_seconds], ".", ms=3, color=sequence_color(0), label="measured")
+ax.plot(
+    positions,
+    [1000 * s for s in step_seconds],
+    ".",
+    ms=3,
+    color=sequence_color(0),
+    label="measured",
+)
 ax.set_xlabel("position of the generated token")
 ax.set_ylabel("time for that token (ms)")
 ax.set_title("Naive generation: every token costs more than the last")

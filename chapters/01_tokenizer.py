@@ -30,8 +30,7 @@ from collections import Counter
 import matplotlib.pyplot as plt
 
 from minivllm.book import sequence_color, show, use_book_style
-from minivllm.corpus import shipped_validation_text
-from minivllm.tokenizer import (
+from minivllm.model.tokenizer import (
     BOS_ID,
     EOS_ID,
     SECOND_BYTE_RANGE,
@@ -42,6 +41,7 @@ from minivllm.tokenizer import (
     incomplete_utf8_tail,
     utf8_length,
 )
+from minivllm.training.corpus import shipped_validation_text
 
 SEED = 0  # the only randomness in this chapter: the random byte strings of the check below
 random.seed(SEED)
@@ -131,12 +131,21 @@ print(repr(tok.decode([BOS_ID, *tok.encode("Hi!"), EOS_ID])), "<- decode skips t
 # invisible *zero-width joiners* (ZWJ, U+200D).
 
 # %%
-examples = {"e": "e", "é": "é", "€": "€", "🙂": "🙂", "e + combining acute": "e\u0301",
-            "flag of France": "🇫🇷", "family (ZWJ)": "👩\u200d👩\u200d👧"}
+examples = {
+    "e": "e",
+    "é": "é",
+    "€": "€",
+    "🙂": "🙂",
+    "e + combining acute": "e\u0301",
+    "flag of France": "🇫🇷",
+    "family (ZWJ)": "👩\u200d👩\u200d👧",
+}
 for name, text in examples.items():
     ids = tok.encode(text)
     points = " ".join(f"U+{ord(c):04X}" for c in text)
-    print(f"{name:20} {len(text)} code point(s) {points:34} {len(ids):2} bytes: {bytes(ids).hex(' ')}")
+    print(
+        f"{name:20} {len(text)} code point(s) {points:34} {len(ids):2} bytes: {bytes(ids).hex(' ')}"
+    )
 
 # %% [markdown]
 # The first byte of a character says how long it is, and every other byte is a *continuation byte*
@@ -156,12 +165,16 @@ for name, text in examples.items():
 # and anything past U+10FFFF. The package keeps these facts in one small function and one table:
 
 # %%
-print("second byte after", {f"{lead:02X}": f"{low:02X}-{high:02X}" for lead, (low, high) in SECOND_BYTE_RANGE.items()})
+print(
+    "second byte after",
+    {f"{lead:02X}": f"{low:02X}-{high:02X}" for lead, (low, high) in SECOND_BYTE_RANGE.items()},
+)
 show(utf8_length)
 
 # %% [markdown]
 # The picture below colours each byte by the character it belongs to. Count the cells: the ASCII
 # characters are one cell each, the emoji four.
+
 
 # %%
 def byte_map(ax, text: str) -> None:
@@ -170,10 +183,28 @@ def byte_map(ax, text: str) -> None:
     for index, char in enumerate(text):
         data = char.encode("utf-8")
         for offset, byte in enumerate(data):
-            ax.add_patch(plt.Rectangle((x + offset, 0), 0.95, 0.95, color=sequence_color(index), alpha=0.85))
-            ax.text(x + offset + 0.475, 0.47, f"{byte:02X}", ha="center", va="center", fontsize=8, color="white")
-        label = char if char.isascii() and char.isprintable() or char in "é€" else f"U+{ord(char):04X}"
-        ax.text(x + len(data) / 2 - 0.025, 1.15, label if char != " " else "space", ha="center", fontsize=8)
+            ax.add_patch(
+                plt.Rectangle((x + offset, 0), 0.95, 0.95, color=sequence_color(index), alpha=0.85)
+            )
+            ax.text(
+                x + offset + 0.475,
+                0.47,
+                f"{byte:02X}",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white",
+            )
+        label = (
+            char if char.isascii() and char.isprintable() or char in "é€" else f"U+{ord(char):04X}"
+        )
+        ax.text(
+            x + len(data) / 2 - 0.025,
+            1.15,
+            label if char != " " else "space",
+            ha="center",
+            fontsize=8,
+        )
         x += len(data)
     ax.set_xlim(-0.2, x + 0.2)
     ax.set_ylim(-0.1, 1.5)
@@ -192,10 +223,18 @@ plt.show()
 
 # %%
 phrases = {
-    "English": "Hello, world", "German": "Grüß Gott, schöne Grüße", "Greek": "Καλημέρα κόσμε",
-    "Russian": "Привет, мир", "Hebrew": "שלום עולם", "Arabic": "مرحبا بالعالم",
-    "Hindi": "नमस्ते दुनिया", "Thai": "สวัสดีชาวโลก", "Chinese": "你好，世界", "Japanese": "こんにちは世界",
-    "Korean": "안녕하세요 세계", "Emoji": "🙂👍🏽🎉",
+    "English": "Hello, world",
+    "German": "Grüß Gott, schöne Grüße",
+    "Greek": "Καλημέρα κόσμε",
+    "Russian": "Привет, мир",
+    "Hebrew": "שלום עולם",
+    "Arabic": "مرحبا بالعالم",
+    "Hindi": "नमस्ते दुनिया",
+    "Thai": "สวัสดีชาวโลก",
+    "Chinese": "你好，世界",
+    "Japanese": "こんにちは世界",
+    "Korean": "안녕하세요 세계",
+    "Emoji": "🙂👍🏽🎉",
 }
 bytes_per_char = {name: len(tok.encode(text)) / len(text) for name, text in phrases.items()}
 for name, ratio in bytes_per_char.items():
@@ -227,8 +266,10 @@ ids = tok.encode(reply)
 decoder = StreamingDecoder()
 print(f"{'step':>4}  {'token':10} {'per token':10} {'decode(all so far)':22} {'streaming':10}")
 for step, token in enumerate(ids, start=1):
-    print(f"{step:>4}  {tok.token_repr(token)!r:10} {tok.decode([token])!r:10} "
-          f"{tok.decode(ids[:step])!r:22} {decoder.push(token)!r:10}")
+    print(
+        f"{step:>4}  {tok.token_repr(token)!r:10} {tok.decode([token])!r:10} "
+        f"{tok.decode(ids[:step])!r:22} {decoder.push(token)!r:10}"
+    )
 print(f"{'end':>4}  {'':10} {'':10} {'':22} {decoder.flush()!r:10}  <- flush")
 
 # %% [markdown]
@@ -263,8 +304,17 @@ show(StreamingDecoder)
 # Here is what `incomplete_utf8_tail` says about some endings:
 
 # %%
-for data in [b"caf", b"caf\xc3", b"caf\xc3\xa9", b"\xf0\x9f", b"\xf0\x9f\x99", b"\xf0\x9f\x99\x82",
-             b"\xe0\x80", b"\xed\xa0", b"\xf5"]:
+for data in [
+    b"caf",
+    b"caf\xc3",
+    b"caf\xc3\xa9",
+    b"\xf0\x9f",
+    b"\xf0\x9f\x99",
+    b"\xf0\x9f\x99\x82",
+    b"\xe0\x80",
+    b"\xed\xa0",
+    b"\xf5",
+]:
     print(f"{data.hex(' '):15} -> hold back {incomplete_utf8_tail(data)}")
 
 # %% [markdown]
@@ -286,6 +336,7 @@ print([" ".join(f"U+{ord(c):04X}" for c in piece) for piece in pieces if piece])
 # The tests pin these invariants with property-based tests: `hypothesis` generates many strings and
 # byte sequences, and shrinks any failure to the smallest one. The same checks, small and visible:
 
+
 # %%
 def stream(ids: list[int]) -> tuple[list[str], str]:
     decoder = StreamingDecoder()
@@ -303,8 +354,10 @@ assert "".join(pieces) == validation and rest == ""
 # 3. Any bytes at all -- mostly invalid UTF-8 -- stream to exactly what Python's decoder makes of them,
 #    and every piece, once sent, stays the start of the final text.
 for _ in range(2000):
-    data = bytes(random.choice([0x41, 0x80, 0xBF, 0xC3, 0xE2, 0xED, 0xF0, 0xF4, 0xFF, random.randrange(256)])
-                 for _ in range(random.randrange(12)))
+    data = bytes(
+        random.choice([0x41, 0x80, 0xBF, 0xC3, 0xE2, 0xED, 0xF0, 0xF4, 0xFF, random.randrange(256)])
+        for _ in range(random.randrange(12))
+    )
     pieces, rest = stream(list(data))
     final = data.decode("utf-8", errors="replace")
     assert "".join(pieces) + rest == final
@@ -336,7 +389,7 @@ print(f"word-level tokens {n_words:>8,}   {n_bytes / n_words:.2f} byte tokens pe
 # %%
 ratio = n_bytes / n_words
 print(f"generation steps per word-level token: {ratio:.1f}")
-print(f"naive generation (cost grows with length squared): {ratio ** 2:.0f}x the work")
+print(f"naive generation (cost grows with length squared): {ratio**2:.0f}x the work")
 
 # %% [markdown]
 # That quadratic bill is what the KV cache of chapter 02 removes. Now what bytes buy. A word-level
@@ -369,13 +422,17 @@ macbeth_vocab = set(words(macbeth))
 tn_words = words(twelfth_night)
 unknown = [w for w in tn_words if w not in macbeth_vocab]
 print(f"word vocabulary built on Macbeth:  {len(macbeth_vocab):,} entries")
-print(f"Twelfth Night word-level tokens:   {len(tn_words):,}, of which {len(unknown):,} unknown "
-      f"({len(unknown) / len(tn_words):.1%})")
+print(
+    f"Twelfth Night word-level tokens:   {len(tn_words):,}, of which {len(unknown):,} unknown "
+    f"({len(unknown) / len(tn_words):.1%})"
+)
 print(f"distinct unknown words:            {len(set(unknown)):,} of {len(set(tn_words)):,}")
 print("most frequent unknowns:", ", ".join(w for w, _ in Counter(unknown).most_common(8)))
 tn_ids = tok.encode(twelfth_night)
-print(f"byte tokenizer on Twelfth Night:   {sum(i >= 256 for i in tn_ids)} unknown, "
-      f"round trip exact: {tok.decode(tn_ids) == twelfth_night}")
+print(
+    f"byte tokenizer on Twelfth Night:   {sum(i >= 256 for i in tn_ids)} unknown, "
+    f"round trip exact: {tok.decode(tn_ids) == twelfth_night}"
+)
 
 # %% [markdown]
 # Read the last lines as the case for bytes: a word vocabulary built on one play does not know the
@@ -386,7 +443,9 @@ print(f"byte tokenizer on Twelfth Night:   {sum(i >= 256 for i in tn_ids)} unkno
 # %%
 full_vocab = len(set(words(validation)))
 print(f"embedding rows, byte tokenizer:          {VOCAB_SIZE}")
-print(f"embedding rows, words of these two plays: {full_vocab:,} ({full_vocab / VOCAB_SIZE:.0f}x more)")
+print(
+    f"embedding rows, words of these two plays: {full_vocab:,} ({full_vocab / VOCAB_SIZE:.0f}x more)"
+)
 
 # %% [markdown]
 # Each row is one vector of the model's width, and the output layer has one row per token too, so

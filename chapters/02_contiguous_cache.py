@@ -24,10 +24,15 @@ import matplotlib.pyplot as plt
 import torch
 
 from minivllm.book import sequence_color, show, use_book_style
-from minivllm.checkpoint import load_model
-from minivllm.kv_cache import ContiguousKVCache, cached_causal_mask, generate_cached, stream_cached
-from minivllm.naive import generate_naive, next_token_logits
-from minivllm.tokenizer import ByteTokenizer
+from minivllm.model.checkpoint import load_model
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.stages.contiguous import (
+    ContiguousKVCache,
+    cached_causal_mask,
+    generate_cached,
+    stream_cached,
+)
+from minivllm.stages.naive import generate_naive, next_token_logits
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -43,6 +48,7 @@ config = model.config
 # So when step *t* of naive generation recomputes the keys and values of tokens 0..*t*-1, it gets
 # exactly the numbers step *t*-1 already had. Check it: the keys layer 0 hands to the seam for a
 # prefix are the first rows of the keys it hands over for a longer sequence.
+
 
 # %%
 class KeepKeys:
@@ -64,7 +70,9 @@ short, full = KeepKeys(), KeepKeys()
 with torch.no_grad():
     model(torch.tensor(ids[:20]), attention=short)
     model(torch.tensor(ids), attention=full)
-print(f"max |difference| between the first 20 keys of both passes: {(short.k0 - full.k0[:20]).abs().max():.1e}")
+print(
+    f"max |difference| between the first 20 keys of both passes: {(short.k0 - full.k0[:20]).abs().max():.1e}"
+)
 
 # %% [markdown]
 # Identical. The fix is to compute each token's keys and values once, keep them, and feed the model
@@ -153,6 +161,7 @@ assert worst < 1e-4
 #
 # Generate 300 tokens both ways and time every step.
 
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 def time_steps(step_fn, n: int) -> list[float]:
@@ -166,7 +175,9 @@ def time_steps(step_fn, n: int) -> list[float]:
 
 start_ids = tokenizer.encode("ROMEO:\n", add_bos=True)
 naive_ids = list(start_ids)
-naive_times = time_steps(lambda: naive_ids.append(int(next_token_logits(model, naive_ids).argmax())), 300)
+naive_times = time_steps(
+    lambda: naive_ids.append(int(next_token_logits(model, naive_ids).argmax())), 300
+)
 
 cache = ContiguousKVCache(config, "preallocate")
 cached_ids = list(start_ids)
@@ -183,14 +194,30 @@ def cached_step() -> None:
 cached_times = time_steps(cached_step, 300)
 assert cached_ids == naive_ids
 for name, times in [("naive", naive_times), ("cached", cached_times)]:
-    print(f"{name:6}: first 10 steps {1000 * sum(times[:10]) / 10:5.1f} ms/token, "
-          f"last 10 steps {1000 * sum(times[-10:]) / 10:5.1f} ms/token, total {sum(times):5.2f} s")
+    print(
+        f"{name:6}: first 10 steps {1000 * sum(times[:10]) / 10:5.1f} ms/token, "
+        f"last 10 steps {1000 * sum(times[-10:]) / 10:5.1f} ms/token, total {sum(times):5.2f} s"
+    )
 
 # %%
 fig, ax = plt.subplots()
 positions = range(len(start_ids), len(start_ids) + 300)
-ax.plot(positions, [1000 * t for t in naive_times], ".", ms=3, color=sequence_color(3), label="naive (chapter 00)")
-ax.plot(positions, [1000 * t for t in cached_times], ".", ms=3, color=sequence_color(0), label="KV cache")
+ax.plot(
+    positions,
+    [1000 * t for t in naive_times],
+    ".",
+    ms=3,
+    color=sequence_color(3),
+    label="naive (chapter 00)",
+)
+ax.plot(
+    positions,
+    [1000 * t for t in cached_times],
+    ".",
+    ms=3,
+    color=sequence_color(0),
+    label="KV cache",
+)
 ax.set_xlabel("position of the generated token")
 ax.set_ylabel("time for that token (ms)")
 ax.set_ylim(bottom=0)
@@ -208,6 +235,7 @@ plt.show()
 # Each cached token holds a key and a value per layer. Follow both strategies through a 300-token
 # generation: how many bytes they hold, and how many bytes concatenation copies.
 
+
 # %%
 def follow(strategy: str, tokens: int) -> list[tuple[int, int, int, int]]:
     """(length, used, reserved, copied) bytes after each step of a generation."""
@@ -222,20 +250,39 @@ cache = ContiguousKVCache(config, "concat")
 print(f"one token's K and V in all {config.n_layers} layers: {cache.per_token_bytes:,} bytes")
 for name, rows in [("concat", concat_rows), ("preallocate", prealloc_rows)]:
     length, used, reserved, copied = rows[-1]
-    print(f"{name:11}: {length} tokens cached, {used / 1024:6.0f} KiB used, {reserved / 1024:6.0f} KiB reserved, "
-          f"{copied / 2**20:6.1f} MiB copied")
+    print(
+        f"{name:11}: {length} tokens cached, {used / 1024:6.0f} KiB used, {reserved / 1024:6.0f} KiB reserved, "
+        f"{copied / 2**20:6.1f} MiB copied"
+    )
 
 # %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
 lengths = [r[0] for r in concat_rows]
-left.plot(lengths, [r[3] / 2**20 for r in concat_rows], color=sequence_color(1), label="concat: bytes copied")
-left.plot(lengths, [r[3] / 2**20 for r in prealloc_rows], color=sequence_color(0), label="preallocate: bytes copied")
+left.plot(
+    lengths,
+    [r[3] / 2**20 for r in concat_rows],
+    color=sequence_color(1),
+    label="concat: bytes copied",
+)
+left.plot(
+    lengths,
+    [r[3] / 2**20 for r in prealloc_rows],
+    color=sequence_color(0),
+    label="preallocate: bytes copied",
+)
 left.set_xlabel("tokens cached")
 left.set_ylabel("MiB")
 left.set_title("Concatenation copies the history every step")
 left.legend()
-right.plot(lengths, [r[2] / 1024 for r in prealloc_rows], color=sequence_color(0), label="preallocate: reserved")
-right.plot(lengths, [r[1] / 1024 for r in prealloc_rows], color=sequence_color(2), label="used (both)")
+right.plot(
+    lengths,
+    [r[2] / 1024 for r in prealloc_rows],
+    color=sequence_color(0),
+    label="preallocate: reserved",
+)
+right.plot(
+    lengths, [r[1] / 1024 for r in prealloc_rows], color=sequence_color(2), label="used (both)"
+)
 right.set_xlabel("tokens cached")
 right.set_ylabel("KiB")
 right.set_title("Preallocation reserves the maximum up front")
@@ -254,13 +301,13 @@ plt.show()
 # cache, each request needs one unbroken range of slots, and since nobody knows in advance how long
 # a reply will be, the range must cover the request's *maximum* length: prompt plus `max_tokens`.
 #
-# `minivllm.arena` simulates exactly that, with no model in the loop: a seeded stream of requests
+# `minivllm.book.arena` simulates exactly that, with no model in the loop: a seeded stream of requests
 # with mixed prompt and reply lengths arrives over time; each decode step every running request
 # grows by one token and finishes when its reply is done; waiting requests are admitted first come,
 # first served, into the first free range large enough (*first fit*).
 
 # %%
-from minivllm.arena import make_workload, simulate_contiguous
+from minivllm.book.arena import make_workload, simulate_contiguous
 
 workload = make_workload(num_requests=200, seed=0)
 prompts = [r.prompt_len for r in workload]
@@ -269,7 +316,9 @@ reserved = [r.max_len for r in workload]
 print(f"{len(workload)} requests arriving over {workload[-1].arrival} steps")
 print(f"prompt tokens: mean {sum(prompts) / len(prompts):.0f}, max {max(prompts)}")
 print(f"reply tokens:  mean {sum(outputs) / len(outputs):.0f}, max {max(outputs)}")
-print(f"slots a contiguous cache must reserve (prompt + max_tokens): mean {sum(reserved) / len(reserved):.0f}")
+print(
+    f"slots a contiguous cache must reserve (prompt + max_tokens): mean {sum(reserved) / len(reserved):.0f}"
+)
 
 # %%
 show(simulate_contiguous)
@@ -277,12 +326,16 @@ show(simulate_contiguous)
 # %%
 ARENA_SLOTS = 8192
 contiguous = simulate_contiguous(workload, arena_slots=ARENA_SLOTS)
-print(f"arena: {ARENA_SLOTS:,} token slots = {ARENA_SLOTS * cache.per_token_bytes / 2**20:.0f} MiB of KV for this model")
+print(
+    f"arena: {ARENA_SLOTS:,} token slots = {ARENA_SLOTS * cache.per_token_bytes / 2**20:.0f} MiB of KV for this model"
+)
 print(f"finished all {len(contiguous.completed)} requests in {contiguous.num_steps} steps")
 print(f"KV utilisation (used / reserved, mean over steps): {contiguous.kv_utilisation:.1%}")
 print(f"internal waste (reserved but unused):              {contiguous.internal_waste:.1%}")
-print(f"external fragmentation: {contiguous.fragmentation_refusals} steps in which the next request was refused "
-      f"although enough memory was free in total ({contiguous.fragmented_requests} distinct requests)")
+print(
+    f"external fragmentation: {contiguous.fragmentation_refusals} steps in which the next request was refused "
+    f"although enough memory was free in total ({contiguous.fragmented_requests} distinct requests)"
+)
 print(f"running sequences: mean {contiguous.mean_running:.1f}, peak {contiguous.peak_running}")
 
 # %% [markdown]
@@ -309,7 +362,10 @@ def memory_map_image(result, steps: int, bin_slots: int = 16) -> np.ndarray:
     for column, record in enumerate(result.steps[:steps]):
         for extent in record.memory_map:
             color = np.array(to_rgb(sequence_color(extent.seq_id)))
-            first, reserved_end = extent.start // bin_slots, (extent.start + extent.reserved) // bin_slots
+            first, reserved_end = (
+                extent.start // bin_slots,
+                (extent.start + extent.reserved) // bin_slots,
+            )
             used_end = (extent.start + extent.used) // bin_slots
             image[first:reserved_end, column] = 0.3 * color + 0.7
             image[first:used_end, column] = color
@@ -318,8 +374,13 @@ def memory_map_image(result, steps: int, bin_slots: int = 16) -> np.ndarray:
 
 fig, ax = plt.subplots(figsize=(9, 4))
 shown_steps = 600
-ax.imshow(memory_map_image(contiguous, shown_steps), aspect="auto", origin="lower", interpolation="nearest",
-          extent=(0, shown_steps, 0, ARENA_SLOTS))
+ax.imshow(
+    memory_map_image(contiguous, shown_steps),
+    aspect="auto",
+    origin="lower",
+    interpolation="nearest",
+    extent=(0, shown_steps, 0, ARENA_SLOTS),
+)
 ax.set_xlabel("decode step")
 ax.set_ylabel("arena slot")
 ax.set_title("Contiguous arena: solid = tokens held, pale = reserved but empty, grey = free")
@@ -333,8 +394,18 @@ plt.show()
 # %%
 fig, ax = plt.subplots()
 steps = [r.step for r in contiguous.steps]
-ax.plot(steps, [r.reserved / ARENA_SLOTS for r in contiguous.steps], color=sequence_color(1), label="reserved")
-ax.plot(steps, [r.used / ARENA_SLOTS for r in contiguous.steps], color=sequence_color(0), label="holding tokens")
+ax.plot(
+    steps,
+    [r.reserved / ARENA_SLOTS for r in contiguous.steps],
+    color=sequence_color(1),
+    label="reserved",
+)
+ax.plot(
+    steps,
+    [r.used / ARENA_SLOTS for r in contiguous.steps],
+    color=sequence_color(0),
+    label="holding tokens",
+)
 ax.set_xlabel("decode step")
 ax.set_ylabel("share of the arena")
 ax.set_ylim(0, 1)

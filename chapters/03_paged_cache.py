@@ -26,14 +26,19 @@ import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import torch
 
-from minivllm.arena import make_workload, simulate_contiguous, simulate_paged
-from minivllm.block_allocator import BlockManager, OutOfBlocks, block_hash
+from minivllm.attention.storage import PagedKVStorage
 from minivllm.book import sequence_color, show, use_book_style
-from minivllm.checkpoint import load_model
-from minivllm.kv_cache import ContiguousKVCache, generate_cached
-from minivllm.paged_cache import PagedAttention, PagedKVStorage, generate_paged, paged_attention_reference
-from minivllm.plots import draw_block_pool, draw_block_tables
-from minivllm.tokenizer import ByteTokenizer
+from minivllm.book.arena import make_workload, simulate_contiguous, simulate_paged
+from minivllm.book.figures.blocks import draw_block_pool, draw_block_tables
+from minivllm.kv.block_manager import BlockManager, OutOfBlocks, block_hash
+from minivllm.model.checkpoint import load_model
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.stages.contiguous import ContiguousKVCache, generate_cached
+from minivllm.stages.paged import (
+    PagedAttention,
+    generate_paged,
+    paged_attention_reference,
+)
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -50,9 +55,11 @@ config = model.config
 workload = make_workload(num_requests=200, seed=0)
 ARENA_SLOTS, BLOCK_SIZE = 8192, 16
 contiguous = simulate_contiguous(workload, arena_slots=ARENA_SLOTS)
-print(f"contiguous: KV utilisation {contiguous.kv_utilisation:.1%}, "
-      f"{contiguous.fragmentation_refusals} steps refused with enough memory free, "
-      f"{contiguous.mean_running_saturated:.1f} sequences running on average while requests queued")
+print(
+    f"contiguous: KV utilisation {contiguous.kv_utilisation:.1%}, "
+    f"{contiguous.fragmentation_refusals} steps refused with enough memory free, "
+    f"{contiguous.mean_running_saturated:.1f} sequences running on average while requests queued"
+)
 
 # %% [markdown]
 # ## Build: the policy — blocks, block tables, reference counts
@@ -71,7 +78,9 @@ show(BlockManager.blocks_needed)
 # %%
 manager = BlockManager(num_blocks=12, block_size=4)
 for held, extra in [(0, 1), (0, 4), (0, 5), (5, 3), (5, 4), (8, 1)]:
-    print(f"holding {held} tokens, {extra} more -> {manager.blocks_needed(held, extra)} new block(s)")
+    print(
+        f"holding {held} tokens, {extra} more -> {manager.blocks_needed(held, extra)} new block(s)"
+    )
 
 # %% [markdown]
 # Growing is **transactional**: `append` checks that every block it needs is free *before* it takes
@@ -102,9 +111,12 @@ print("state unchanged:", before == after)
 # (left) points into the pool (right); the blocks of one sequence need not be next to each other,
 # which is exactly why there is no external fragmentation: any free block will do.
 
+
 # %%
 def show_state(manager: BlockManager, title: str) -> None:
-    fig, (tables_ax, pool_ax) = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [1, 1.2]})
+    fig, (tables_ax, pool_ax) = plt.subplots(
+        1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [1, 1.2]}
+    )
     centres = draw_block_pool(pool_ax, manager, columns=8)
     draw_block_tables(tables_ax, manager, pool_ax, centres)
     fig.suptitle(title, fontsize=10)
@@ -157,7 +169,9 @@ for prompt in prompts:
     for block_size in (1, 4, 16):
         manager = BlockManager(num_blocks=512 // block_size + 8, block_size=block_size)
         storage = PagedKVStorage(config, manager.allocator.num_blocks, block_size)
-        assert generate_paged(model, prompt_ids, 60, manager, storage, seq_id=0) == contiguous_tokens
+        assert (
+            generate_paged(model, prompt_ids, 60, manager, storage, seq_id=0) == contiguous_tokens
+        )
         assert manager.num_free == manager.allocator.num_blocks  # every block returned
     print(f"{prompt!r:45} identical at block sizes 1, 4 and 16")
 print(tokenizer.decode(contiguous_tokens))
@@ -176,7 +190,10 @@ show(block_hash)
 
 # %%
 system = "SYSTEM:\nYou are a player in a company of actors. Answer in verse.\n\n"
-questions = ["ROMEO:\nWhat light is this?\n\nJULIET:\n", "KING LEAR:\nWho is it that can tell me who I am?\n\nFOOL:\n"]
+questions = [
+    "ROMEO:\nWhat light is this?\n\nJULIET:\n",
+    "KING LEAR:\nWho is it that can tell me who I am?\n\nFOOL:\n",
+]
 manager = BlockManager(num_blocks=32, block_size=16)
 storage = PagedKVStorage(config, 32, 16)
 prompt_a, prompt_b = (tokenizer.encode(system + q, add_bos=True) for q in questions)
@@ -194,9 +211,13 @@ print("B: cached prefix tokens:", hit, "of", len(prompt_b))
 with torch.no_grad():
     logits_hit = attention_b.forward(model, prompt_b[hit:], hit)[-1]
     logits_scratch = model(torch.tensor(prompt_b))[-1]
-print(f"max |logits with the prefix hit - logits from scratch| = {(logits_hit - logits_scratch).abs().max():.1e}")
+print(
+    f"max |logits with the prefix hit - logits from scratch| = {(logits_hit - logits_scratch).abs().max():.1e}"
+)
 assert torch.allclose(logits_hit, logits_scratch, atol=1e-4)
-show_state(manager, "the system prompt's blocks are shared (hatched, ×2); each sequence owns its tail")
+show_state(
+    manager, "the system prompt's blocks are shared (hatched, ×2); each sequence owns its tail"
+)
 
 # %% [markdown]
 # Shared blocks are reference-counted. A freed block keeps its name and contents until it is handed
@@ -216,10 +237,14 @@ show_state(manager, "the system prompt's blocks are shared (hatched, ×2); each 
 show(BlockManager.write)
 
 # %%
-manager.fork(1, 2)  # sequence 2 shares every block of sequence 1 (e.g. a second sample of the same prompt)
+manager.fork(
+    1, 2
+)  # sequence 2 shares every block of sequence 1 (e.g. a second sample of the same prompt)
 last = manager.tables[2].num_tokens - 1
 block, copied_from = manager.write(2, last)
-print(f"sequence 2 writes position {last}: block {copied_from} is shared, so it is copied to block {block} first")
+print(
+    f"sequence 2 writes position {last}: block {copied_from} is shared, so it is copied to block {block} first"
+)
 show_state(manager, "after fork and one copy-on-write: sequence 2's tail block is its own")
 
 # %% [markdown]
@@ -237,7 +262,7 @@ def pool_grid(record, columns: int = 32):
     owner = [-1] * (ARENA_SLOTS // BLOCK_SIZE)
     for extent in record.memory_map:
         owner[extent.start // BLOCK_SIZE] = extent.seq_id
-    return [owner[r * columns:(r + 1) * columns] for r in range(len(owner) // columns)]
+    return [owner[r * columns : (r + 1) * columns] for r in range(len(owner) // columns)]
 
 
 def draw_pool_step(ax, record) -> None:
@@ -245,10 +270,18 @@ def draw_pool_step(ax, record) -> None:
 
     grid = pool_grid(record)
     colors = ListedColormap([to_rgb("#f0f0f0")] + [to_rgb(sequence_color(i)) for i in range(20)])
-    ax.imshow([[0 if s < 0 else 1 + s % 20 for s in row] for row in grid], cmap=colors, vmin=0, vmax=20,
-              interpolation="nearest")
-    ax.set_title(f"step {record.step}: {len(record.running)} running, {record.waiting} waiting\n"
-                 f"{record.used / max(record.reserved, 1):.0%} of held slots used", fontsize=8)
+    ax.imshow(
+        [[0 if s < 0 else 1 + s % 20 for s in row] for row in grid],
+        cmap=colors,
+        vmin=0,
+        vmax=20,
+        interpolation="nearest",
+    )
+    ax.set_title(
+        f"step {record.step}: {len(record.running)} running, {record.waiting} waiting\n"
+        f"{record.used / max(record.reserved, 1):.0%} of held slots used",
+        fontsize=8,
+    )
     ax.axis("off")
 
 
@@ -285,11 +318,27 @@ plt.show()
 
 # %%
 rows = [
-    ("KV utilisation (used / held, mean over steps)", f"{contiguous.kv_utilisation:.1%}", f"{paged.kv_utilisation:.1%}"),
+    (
+        "KV utilisation (used / held, mean over steps)",
+        f"{contiguous.kv_utilisation:.1%}",
+        f"{paged.kv_utilisation:.1%}",
+    ),
     ("internal waste", f"{contiguous.internal_waste:.1%}", f"{paged.internal_waste:.1%}"),
-    ("steps refused with enough memory free", contiguous.fragmentation_refusals, paged.fragmentation_refusals),
-    ("mean running sequences while requests queue", f"{contiguous.mean_running_saturated:.1f}", f"{paged.mean_running_saturated:.1f}"),
-    ("mean running sequences, whole run", f"{contiguous.mean_running:.1f}", f"{paged.mean_running:.1f}"),
+    (
+        "steps refused with enough memory free",
+        contiguous.fragmentation_refusals,
+        paged.fragmentation_refusals,
+    ),
+    (
+        "mean running sequences while requests queue",
+        f"{contiguous.mean_running_saturated:.1f}",
+        f"{paged.mean_running_saturated:.1f}",
+    ),
+    (
+        "mean running sequences, whole run",
+        f"{contiguous.mean_running:.1f}",
+        f"{paged.mean_running:.1f}",
+    ),
     ("peak running sequences", contiguous.peak_running, paged.peak_running),
     ("steps to serve all requests", contiguous.num_steps, paged.num_steps),
     ("preemptions (all running sequences stalled)", contiguous.preemptions, paged.preemptions),
@@ -297,8 +346,10 @@ rows = [
 print(f"{'':48} {'contiguous':>11} {'paged':>8}")
 for name, a, b in rows:
     print(f"{name:48} {a!s:>11} {b!s:>8}")
-print(f"\nconcurrency while requests queue: {paged.mean_running_saturated / contiguous.mean_running_saturated:.2f}x; "
-      f"peak: {paged.peak_running / contiguous.peak_running:.2f}x")
+print(
+    f"\nconcurrency while requests queue: {paged.mean_running_saturated / contiguous.mean_running_saturated:.2f}x; "
+    f"peak: {paged.peak_running / contiguous.peak_running:.2f}x"
+)
 
 # %% [markdown]
 # Paging holds almost only tokens: the waste left is the unused tail of each sequence's last block.
@@ -310,8 +361,13 @@ print(f"\nconcurrency while requests queue: {paged.mean_running_saturated / cont
 # %%
 fig, ax = plt.subplots()
 for result, color in [(contiguous, sequence_color(1)), (paged, sequence_color(0))]:
-    ax.plot([r.step for r in result.steps], [r.used / max(r.reserved, 1) for r in result.steps],
-            color=color, lw=1, label=f"{result.kind}: tokens / slots held")
+    ax.plot(
+        [r.step for r in result.steps],
+        [r.used / max(r.reserved, 1) for r in result.steps],
+        color=color,
+        lw=1,
+        label=f"{result.kind}: tokens / slots held",
+    )
 ax.set_xlabel("decode step")
 ax.set_ylabel("KV utilisation")
 ax.set_ylim(0, 1.02)
@@ -327,7 +383,20 @@ plt.show()
 import random
 
 rng = random.Random(0)
-words = ["Speak", "What", "thou", "love", "night", "lord", "blood", "crown", "sweet", "death", "fair", "king"]
+words = [
+    "Speak",
+    "What",
+    "thou",
+    "love",
+    "night",
+    "lord",
+    "blood",
+    "crown",
+    "sweet",
+    "death",
+    "fair",
+    "king",
+]
 manager = BlockManager(num_blocks=512, block_size=16)
 cached = total = 0
 for seq_id in range(32):
@@ -335,9 +404,11 @@ for seq_id in range(32):
     ids = tokenizer.encode(system + f"HAMLET:\n{question}?\n\nHORATIO:\n", add_bos=True)
     cached += manager.allocate_cached(seq_id, ids)
     total += len(ids)
-print(f"prefix-cache hit rate: {cached / total:.1%} of prompt tokens "
-      f"({cached:,} of {total:,}); blocks in use: {manager.allocator.num_used} instead of "
-      f"{sum(len(t.blocks) for t in manager.tables.values())} without sharing")
+print(
+    f"prefix-cache hit rate: {cached / total:.1%} of prompt tokens "
+    f"({cached:,} of {total:,}); blocks in use: {manager.allocator.num_used} instead of "
+    f"{sum(len(t.blocks) for t in manager.tables.values())} without sharing"
+)
 
 # %% [markdown]
 # Every request after the first finds the system prompt's full blocks in the pool and computes only

@@ -25,19 +25,24 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.book import sequence_color, show, use_book_style
-from minivllm.checkpoint import load_model
-from minivllm.corpus import shipped_validation_text
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.kv_cache import ContiguousKVCache, generate_cached
-from minivllm.model_runner import build_batch, pack_batch
-from minivllm.plots import draw_batch_places, draw_flat_batch, draw_gantt
-from minivllm.sampler import position_uniforms, sample_from_probs, token_probs
-from minivllm.scheduler import Scheduler, SchedulerConfig
-from minivllm.sequence import SamplingParams, Sequence
-from minivllm.tokenizer import ByteTokenizer
-from minivllm.trace import read_jsonl, write_jsonl
-from minivllm.varlen_attention import TorchPagedAttention
+from minivllm.book.figures.timelines import (
+    draw_batch_places,
+    draw_flat_batch,
+    draw_gantt,
+)
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.trace import read_jsonl, write_jsonl
+from minivllm.model.checkpoint import load_model
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.runner.batch import build_batch, pack_batch
+from minivllm.runner.sampler import position_uniforms, token_probs
+from minivllm.sched.scheduler import Scheduler, SchedulerConfig
+from minivllm.sched.sequence import SamplingParams, Sequence
+from minivllm.stages.contiguous import ContiguousKVCache, generate_cached
+from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -60,7 +65,7 @@ EOS = model.config.eos_token_id
 rng = np.random.default_rng(0)
 text = shipped_validation_text()
 starts = rng.integers(0, len(text) - 200, size=16)
-prompts = [text[s:s + int(n)] for s, n in zip(starts, rng.integers(16, 80, size=16))]
+prompts = [text[s : s + int(n)] for s, n in zip(starts, rng.integers(16, 80, size=16))]
 lengths = [int(n) for n in rng.integers(8, 121, size=16)]
 params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
 print("tokens wanted per request:", lengths)
@@ -78,7 +83,9 @@ def slot_use(trace, slots):
 
 
 static, static_out = run(prompts, params, max_num_seqs=4, batching="static")
-print(f"static batching: {len(static.trace)} steps, {slot_use(static.trace, 4):.0%} of the 4 batch places busy")
+print(
+    f"static batching: {len(static.trace)} steps, {slot_use(static.trace, 4):.0%} of the 4 batch places busy"
+)
 
 # %% [markdown]
 # The rest of the batch did nothing. Each row below is one batch place; each colour a request.
@@ -144,19 +151,28 @@ show(Scheduler._admit)
 # steps of prefill; watch request 1 and 2 get the budget it leaves.
 
 # %%
-from minivllm.block_allocator import BlockManager
+from minivllm.kv.block_manager import BlockManager
 
 manager = BlockManager(num_blocks=16, block_size=4)
 toy = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), manager)
 for seq_id, (prompt_len, max_tokens) in enumerate([(12, 3), (3, 2), (5, 2)]):
-    toy.add(Sequence(seq_id, list(range(65, 65 + prompt_len)), SamplingParams(max_tokens=max_tokens), 0, EOS))
+    toy.add(
+        Sequence(
+            seq_id, list(range(65, 65 + prompt_len)), SamplingParams(max_tokens=max_tokens), 0, EOS
+        )
+    )
 while toy.has_unfinished():
     plan = toy.schedule()
-    chunks = ", ".join(f"{'P' if c.is_prefill else 'D'}{c.seq_id}[{c.start}:{c.start + c.num_tokens}]"
-                       + ("*" if c.samples else "") for c in plan.chunks)
+    chunks = ", ".join(
+        f"{'P' if c.is_prefill else 'D'}{c.seq_id}[{c.start}:{c.start + c.num_tokens}]"
+        + ("*" if c.samples else "")
+        for c in plan.chunks
+    )
     finished = toy.update(plan, {s: ord("a") for s in plan.sampling_seq_ids})
-    print(f"step {plan.step}: {plan.num_batched_tokens} tokens  {chunks:44s} admitted {list(plan.admitted)}"
-          f"  finished {[s.seq_id for s in finished]}  free blocks {manager.num_free}")
+    print(
+        f"step {plan.step}: {plan.num_batched_tokens} tokens  {chunks:44s} admitted {list(plan.admitted)}"
+        f"  finished {[s.seq_id for s in finished]}  free blocks {manager.num_free}"
+    )
 
 # %% [markdown]
 # `P0[0:8]` is a prefill chunk of sequence 0 covering positions 0–7; `D1[3:4]` a decode; a `*` marks a
@@ -193,7 +209,9 @@ for _ in range(3):
 engine.add_request("MACBETH:\n", SamplingParams(max_tokens=20, temperature=0))
 plan = engine.scheduler.schedule()
 batch = build_batch(plan, engine.scheduler.sequences, engine.manager)
-token_text = [tokenizer.token_repr(int(t)).replace("<0x0A>", "↵").replace(" ", "␣") for t in batch.input_ids]
+token_text = [
+    tokenizer.token_repr(int(t)).replace("<0x0A>", "↵").replace(" ", "␣") for t in batch.input_ids
+]
 fig, ax = plt.subplots(figsize=(8, 1.6))
 draw_flat_batch(ax, batch, token_text, [c.seq_id for c in plan.chunks])
 plt.show()
@@ -238,7 +256,13 @@ fig, ax = plt.subplots(figsize=(7.5, 2.6))
 for (t, k, p), color in zip([(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 0, 0.8), (1.0, 5, 1.0)], range(4)):
     probs = token_probs(logits, torch.tensor([t]), torch.tensor([k]), torch.tensor([p]))[0]
     top = probs.argsort(descending=True)[:12]
-    ax.plot(range(12), probs[top].numpy(), "o-", color=sequence_color(color), label=f"T={t}, top_k={k}, top_p={p}")
+    ax.plot(
+        range(12),
+        probs[top].numpy(),
+        "o-",
+        color=sequence_color(color),
+        label=f"T={t}, top_k={k}, top_p={p}",
+    )
 ax.set_xticks(range(12), [tokenizer.token_repr(int(i)) for i in top])
 ax.set_ylabel("probability")
 ax.set_title("the next token after 'ROMEO:\\nI', by sampling parameters")
@@ -266,12 +290,16 @@ engine = LLMEngine(model)
 greedy = SamplingParams(max_tokens=40, temperature=0)
 for prompt, out in zip(prompts[:4], engine.generate(prompts[:4], greedy)):
     ids = tokenizer.encode(prompt, add_bos=True)
-    expected = generate_cached(model, ids, 40, ContiguousKVCache(model.config, "preallocate", 512), eos_id=EOS)
+    expected = generate_cached(
+        model, ids, 40, ContiguousKVCache(model.config, "preallocate", 512), eos_id=EOS
+    )
     assert out.token_ids == expected
 print("engine == chapter 02's cache, token for token")
 
 sampled = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=i) for i in range(16)]
-together = LLMEngine(model, EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=64))).generate(prompts, sampled)
+together = LLMEngine(
+    model, EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=64))
+).generate(prompts, sampled)
 for i in [0, 7, 15]:
     alone = LLMEngine(model).generate([prompts[i]], sampled[i])[0]
     assert alone.token_ids == together[i].token_ids
@@ -286,11 +314,15 @@ print(repr(together[0].text))
 # %%
 engine = LLMEngine(model)
 pieces = {}
-for delta in engine.stream(["ROMEO:\n", "JULIET:\n"], SamplingParams(max_tokens=60, temperature=0.8, seed=1, stop="\n\n")):
+for delta in engine.stream(
+    ["ROMEO:\n", "JULIET:\n"], SamplingParams(max_tokens=60, temperature=0.8, seed=1, stop="\n\n")
+):
     pieces.setdefault(delta.request_id, []).append(delta.text)
     if delta.finish_reason:
-        print(f"request {delta.request_id}: {len(pieces[delta.request_id])} deltas, finish_reason "
-              f"{delta.finish_reason!r}, text {''.join(pieces[delta.request_id])!r}")
+        print(
+            f"request {delta.request_id}: {len(pieces[delta.request_id])} deltas, finish_reason "
+            f"{delta.finish_reason!r}, text {''.join(pieces[delta.request_id])!r}"
+        )
 
 # %% [markdown]
 # ## See: continuous against static
@@ -306,8 +338,10 @@ draw_gantt(axes[0], static.trace, f"static batching: {len(static.trace)} steps")
 draw_gantt(axes[1], continuous.trace, f"continuous batching: {len(continuous.trace)} steps")
 plt.tight_layout()
 plt.show()
-print(f"same tokens; static {len(static.trace)} steps, continuous {len(continuous.trace)} steps "
-      f"({len(static.trace) / len(continuous.trace):.2f}x fewer)")
+print(
+    f"same tokens; static {len(static.trace)} steps, continuous {len(continuous.trace)} steps "
+    f"({len(static.trace) / len(continuous.trace):.2f}x fewer)"
+)
 
 # %% [markdown]
 # Under static batching a request waits until a whole batch has drained; under continuous batching
@@ -317,8 +351,13 @@ print(f"same tokens; static {len(static.trace)} steps, continuous {len(continuou
 fig, ax = plt.subplots(figsize=(7.5, 2.8))
 for engine_run, name, color in [(static, "static", 1), (continuous, "continuous", 0)]:
     busy = [len(r.decoded) + len(r.prefilled) for r in engine_run.trace]
-    ax.step(range(1, len(busy) + 1), busy, where="mid", color=sequence_color(color),
-            label=f"{name}: {slot_use(engine_run.trace, 4):.0%} of places busy")
+    ax.step(
+        range(1, len(busy) + 1),
+        busy,
+        where="mid",
+        color=sequence_color(color),
+        label=f"{name}: {slot_use(engine_run.trace, 4):.0%} of places busy",
+    )
 ax.set_xlabel("engine step")
 ax.set_ylabel("sequences in the step")
 ax.set_ylim(0, 4.5)
@@ -342,7 +381,9 @@ print(record.to_dict(timings=False))
 with tempfile.TemporaryDirectory() as folder:
     path = Path(folder) / "trace.jsonl"
     write_jsonl(continuous.trace, path)
-    assert [r.to_dict(False) for r in read_jsonl(path)] == [r.to_dict(False) for r in continuous.trace]
+    assert [r.to_dict(False) for r in read_jsonl(path)] == [
+        r.to_dict(False) for r in continuous.trace
+    ]
 print(f"{len(continuous.trace)} records written and read back")
 
 # %% [markdown]
@@ -353,7 +394,7 @@ print(f"{len(continuous.trace)} records written and read back")
 # dominated by reading the weights, not by the number of rows.
 
 # %%
-bench_prompts = [text[s:s + 48] for s in rng.integers(0, len(text) - 48, size=16)]
+bench_prompts = [text[s : s + 48] for s in rng.integers(0, len(text) - 48, size=16)]
 bench_params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 results = {}
 for concurrency in [1, 2, 4, 8, 16]:
@@ -369,7 +410,9 @@ for concurrency, (steps, tokens, _) in results.items():
 # %%
 # NBVAL_IGNORE_OUTPUT
 for concurrency, (steps, tokens, seconds) in results.items():
-    print(f"concurrency {concurrency:2d}: {tokens / seconds:7.0f} tokens/s, {1000 * seconds / steps:5.1f} ms per step")
+    print(
+        f"concurrency {concurrency:2d}: {tokens / seconds:7.0f} tokens/s, {1000 * seconds / steps:5.1f} ms per step"
+    )
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.plot(list(results), [t / s for _, t, s in results.values()], "o-", color=sequence_color(0))
 ax.set_xscale("log", base=2)

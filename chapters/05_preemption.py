@@ -28,13 +28,15 @@ import numpy as np
 import torch
 
 from minivllm.book import sequence_color, show, use_book_style
-from minivllm.checkpoint import load_model
-from minivllm.corpus import shipped_validation_text
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.plots import draw_block_pool, draw_block_tables, draw_gantt
-from minivllm.preemption import CountingPolicy, least_progressed, newest_first
-from minivllm.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
-from minivllm.sequence import SamplingParams
+from minivllm.book.figures.blocks import draw_block_pool, draw_block_tables
+from minivllm.book.figures.timelines import draw_gantt
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.checkpoint import load_model
+from minivllm.sched.preemption import CountingPolicy, least_progressed, newest_first
+from minivllm.sched.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
+from minivllm.sched.sequence import SamplingParams
+from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -51,14 +53,16 @@ text = shipped_validation_text()
 
 # %%
 rng = np.random.default_rng(0)
-burst = [text[s:s + 40] for s in rng.integers(0, len(text) - 40, size=12)]
+burst = [text[s : s + 40] for s in rng.integers(0, len(text) - 40, size=12)]
 long_answers = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
 
 
 def small_engine(preemption, num_blocks=24, block_size=16, **scheduler):
     scheduler.setdefault("max_num_seqs", 16)
     config = SchedulerConfig(preemption=preemption, **scheduler)
-    return LLMEngine(model, EngineConfig(num_blocks=num_blocks, block_size=block_size, scheduler=config))
+    return LLMEngine(
+        model, EngineConfig(num_blocks=num_blocks, block_size=block_size, scheduler=config)
+    )
 
 
 stuck = small_engine(preemption=None)
@@ -73,7 +77,9 @@ except SchedulerStalled as error:
 # done and stuck:
 
 # %%
-fig, (pool_ax, table_ax) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1, 1.4]})
+fig, (pool_ax, table_ax) = plt.subplots(
+    1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1, 1.4]}
+)
 centres = draw_block_pool(pool_ax, stuck.manager, columns=6, title="the pool, deadlocked")
 draw_block_tables(table_ax, stuck.manager)
 plt.show()
@@ -131,10 +137,12 @@ for policy in ["newest", "least_progressed"]:
     engine = small_engine(policy)
     outs = engine.generate(burst, long_answers)
     preemptions = sum(len(r.preempted) for r in engine.trace)
-    print(f"{policy:>16}: {sum(o.finish_reason == 'length' for o in outs)} of 12 finished in "
-          f"{len(engine.trace)} steps, {preemptions} preemptions, "
-          f"{sum(r.recomputed_tokens for r in engine.trace)} tokens recomputed, "
-          f"{engine.manager.num_free} of 24 blocks free at the end")
+    print(
+        f"{policy:>16}: {sum(o.finish_reason == 'length' for o in outs)} of 12 finished in "
+        f"{len(engine.trace)} steps, {preemptions} preemptions, "
+        f"{sum(r.recomputed_tokens for r in engine.trace)} tokens recomputed, "
+        f"{engine.manager.num_free} of 24 blocks free at the end"
+    )
 
 # %% [markdown]
 # ## A worked example, step by step
@@ -154,7 +162,9 @@ WORKED = {  # request id: (name, arrival step, prompt ids, max_tokens)
 
 def run_worked(policy):
     """Run the worked example; return one snapshot per step (the pool and queues after it)."""
-    engine = small_engine(policy, num_blocks=6, block_size=1, max_num_batched_tokens=4, max_num_seqs=4)
+    engine = small_engine(
+        policy, num_blocks=6, block_size=1, max_num_batched_tokens=4, max_num_seqs=4
+    )
     names, snapshots = {i: name for i, (name, *_) in WORKED.items()}, []
     for step in range(40):
         for request_id, (name, arrival, ids, max_tokens) in WORKED.items():
@@ -182,8 +192,10 @@ for policy in ["newest", "least_progressed"]:
     for manager, record in snapshots:
         running = " ".join(names[i] for i in record.running) or "-"
         waiting = " ".join(names[i] for i in record.waiting) or "-"
-        print(f"  step {record.step}: {describe(names, record):34s} running [{running}] waiting [{waiting}] "
-              f"free {record.blocks_free}")
+        print(
+            f"  step {record.step}: {describe(names, record):34s} running [{running}] waiting [{waiting}] "
+            f"free {record.blocks_free}"
+        )
 
 # %% [markdown]
 # Read the two logs side by side. Until the pool is full they are the same run. Then two running
@@ -205,8 +217,9 @@ def draw_worked_step(axes, manager, record):
     table_ax.set_title(describe(names, record), fontsize=8)
 
 
-fig, axes = plt.subplots(2, len(snapshots), figsize=(1.6 * len(snapshots), 3.2),
-                         gridspec_kw={"height_ratios": [1, 2]})
+fig, axes = plt.subplots(
+    2, len(snapshots), figsize=(1.6 * len(snapshots), 3.2), gridspec_kw={"height_ratios": [1, 2]}
+)
 for column, (manager, record) in enumerate(snapshots):
     draw_worked_step(axes[:, column], manager, record)
 plt.show()
@@ -247,7 +260,9 @@ def burst_png(step: int) -> bytes:
 
 
 first_preemption = next(r.step for _, r in burst_snapshots if r.preempted)
-slider = widgets.IntSlider(min=1, max=len(burst_snapshots), value=first_preemption, description="step")
+slider = widgets.IntSlider(
+    min=1, max=len(burst_snapshots), value=first_preemption, description="step"
+)
 image = widgets.Image(value=burst_png(slider.value), format="png")
 slider.observe(lambda change: setattr(image, "value", burst_png(change["new"])), names="value")
 widgets.VBox([slider, image])
@@ -272,8 +287,10 @@ plt.show()
 # and in one small enough that many are:
 
 # %%
-mixed = [SamplingParams(max_tokens=int(n), temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
-         for i, n in enumerate(rng.integers(40, 120, size=12))]
+mixed = [
+    SamplingParams(max_tokens=int(n), temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
+    for i, n in enumerate(rng.integers(40, 120, size=12))
+]
 roomy = small_engine("newest", num_blocks=512)
 reference = [o.token_ids for o in roomy.generate(burst, mixed)]
 assert not any(r.preempted for r in roomy.trace)
@@ -288,8 +305,13 @@ for policy in ["newest", "least_progressed"]:
 
 # %%
 engine = small_engine("newest", num_blocks=8)
-too_long, normal = engine.generate(["ROMEO:\n", "JULIET:\n"], [
-    SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), SamplingParams(max_tokens=30, temperature=0)])
+too_long, normal = engine.generate(
+    ["ROMEO:\n", "JULIET:\n"],
+    [
+        SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0),
+    ],
+)
 print(too_long.finish_reason, "-", too_long.finish_message)
 print(normal.finish_reason, repr(normal.text))
 
@@ -310,7 +332,10 @@ for ax, policy in zip(axes, ["newest", "least_progressed"]):
     draw_gantt(ax, engine.trace, f"{policy}: {len(engine.trace)} steps, {preemptions} preemptions")
 plt.tight_layout()
 plt.show()
-print("the two policies produced the same schedule:", timelines["newest"] == timelines["least_progressed"])
+print(
+    "the two policies produced the same schedule:",
+    timelines["newest"] == timelines["least_progressed"],
+)
 
 # %% [markdown]
 # Preempted requests are the late ones: they lose their blocks, wait at the front of the queue while
@@ -327,9 +352,13 @@ print("the two policies produced the same schedule:", timelines["newest"] == tim
 
 # %%
 prompt_bytes = rng.integers(16, 241, size=16)
-workload = [text[s:s + int(n)] for s, n in zip(rng.integers(0, len(text) - 300, size=16), prompt_bytes)]
-workload_params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
-                   for n in rng.integers(30, 91, size=16)]
+workload = [
+    text[s : s + int(n)] for s, n in zip(rng.integers(0, len(text) - 300, size=16), prompt_bytes)
+]
+workload_params = [
+    SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
+    for n in rng.integers(30, 91, size=16)
+]
 measured = {}
 for num_blocks in [20, 28, 40]:
     for name, policy in [("newest", newest_first), ("least_progressed", least_progressed)]:
@@ -340,14 +369,22 @@ for num_blocks in [20, 28, 40]:
         seconds = time.perf_counter() - started
         useful = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
         measured[num_blocks, name] = dict(
-            steps=len(engine.trace), preemptions=counter.calls, disagreements=counter.disagreements,
+            steps=len(engine.trace),
+            preemptions=counter.calls,
+            disagreements=counter.disagreements,
             overhead=sum(r.recomputed_tokens for r in engine.trace) / useful,
-            tokens=sum(len(o.token_ids) for o in outs), seconds=seconds)
-print(f"{'blocks':>6} {'policy':>16} {'steps':>6} {'preemptions':>11} {'other would differ':>18} "
-      f"{'recompute overhead':>18}")
+            tokens=sum(len(o.token_ids) for o in outs),
+            seconds=seconds,
+        )
+print(
+    f"{'blocks':>6} {'policy':>16} {'steps':>6} {'preemptions':>11} {'other would differ':>18} "
+    f"{'recompute overhead':>18}"
+)
 for (num_blocks, name), m in measured.items():
-    print(f"{num_blocks:6d} {name:>16} {m['steps']:6d} {m['preemptions']:11d} {m['disagreements']:18d} "
-          f"{m['overhead']:18.1%}")
+    print(
+        f"{num_blocks:6d} {name:>16} {m['steps']:6d} {m['preemptions']:11d} {m['disagreements']:18d} "
+        f"{m['overhead']:18.1%}"
+    )
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -356,9 +393,20 @@ for (num_blocks, policy), m in measured.items():
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
 for color, policy in enumerate(["newest", "least_progressed"]):
     sizes = sorted({b for b, _ in measured})
-    ax1.plot(sizes, [measured[b, policy]["overhead"] for b in sizes], "o-", color=sequence_color(color), label=policy)
-    ax2.plot(sizes, [measured[b, policy]["tokens"] / measured[b, policy]["seconds"] for b in sizes], "o-",
-             color=sequence_color(color), label=policy)
+    ax1.plot(
+        sizes,
+        [measured[b, policy]["overhead"] for b in sizes],
+        "o-",
+        color=sequence_color(color),
+        label=policy,
+    )
+    ax2.plot(
+        sizes,
+        [measured[b, policy]["tokens"] / measured[b, policy]["seconds"] for b in sizes],
+        "o-",
+        color=sequence_color(color),
+        label=policy,
+    )
 ax1.set_xlabel("cache blocks (16 tokens each)")
 ax1.set_ylabel("recomputed / useful tokens")
 ax2.set_xlabel("cache blocks (16 tokens each)")

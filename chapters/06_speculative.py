@@ -25,20 +25,33 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from minivllm.block_allocator import BlockManager
+from minivllm.attention.storage import PagedKVStorage
 from minivllm.book import sequence_color, show, use_book_style
-from minivllm.checkpoint import load_model
-from minivllm.corpus import shipped_validation_text
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.model_runner import BatchPiece, build_batch, pack_batch, run_model
-from minivllm.paged_cache import PagedKVStorage
-from minivllm.plots import draw_acceptance_map, draw_block_tables, draw_speculative_round
-from minivllm.sampler import position_uniforms, sample_from_probs, token_probs
-from minivllm.scheduler import Scheduler, SchedulerConfig
-from minivllm.sequence import SamplingParams
-from minivllm.speculative import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, ModelDrafter, NgramDrafter,
-                                  SpeculativeConfig, accept_or_resample, verify)
-from minivllm.stats import chi_square
+from minivllm.book.figures.blocks import draw_block_tables
+from minivllm.book.figures.speculative import (
+    draw_acceptance_map,
+    draw_speculative_round,
+)
+from minivllm.book.stats import chi_square
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.kv.block_manager import BlockManager
+from minivllm.model.checkpoint import load_model
+from minivllm.runner.batch import BatchPiece, build_batch, pack_batch
+from minivllm.runner.model_runner import run_model
+from minivllm.runner.sampler import position_uniforms, sample_from_probs, token_probs
+from minivllm.runner.speculative import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_RESIDUAL,
+    ModelDrafter,
+    NgramDrafter,
+    SpeculativeConfig,
+    accept_or_resample,
+)
+from minivllm.sched.scheduler import Scheduler, SchedulerConfig
+from minivllm.sched.sequence import SamplingParams
+from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -65,6 +78,7 @@ print(repr(out.text))
 # What does a pass cost as a function of how many tokens it runs? Time the target over T new tokens
 # of one sequence, at the end of a 100-token context, with the engine's own `run_model`:
 
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 def time_pass(model, num_new, repeats=30):
@@ -80,13 +94,22 @@ def time_pass(model, num_new, repeats=30):
 
 
 sizes = [1, 2, 3, 5, 9, 17]
-pass_ms = {name: [1e3 * time_pass(m, n) for n in sizes] for name, m in [("target", target), ("draft", draft)]}
+pass_ms = {
+    name: [1e3 * time_pass(m, n) for n in sizes]
+    for name, m in [("target", target), ("draft", draft)]
+}
 for name, times in pass_ms.items():
     print(name, " ".join(f"{n} tok: {ms:.1f} ms" for n, ms in zip(sizes, times)))
 fig, ax = plt.subplots(figsize=(6.5, 3))
 for color, (name, times) in enumerate(pass_ms.items()):
     ax.plot(sizes, times, "o-", color=sequence_color(color), label=f"{name}: one pass")
-ax.plot(sizes, [pass_ms["target"][0] * n for n in sizes], ":", color="grey", label="target: one pass per token")
+ax.plot(
+    sizes,
+    [pass_ms["target"][0] * n for n in sizes],
+    ":",
+    color="grey",
+    label="target: one pass per token",
+)
 ax.set_xlabel("new tokens in the pass (one sequence)")
 ax.set_ylabel("ms")
 ax.legend()
@@ -140,10 +163,14 @@ print(f"acceptance rate alpha = sum min(p, q) = {accepted_mass.sum():.2f}")
 # tempting shortcut **"accept when p(d) > q(d), else resample"** — it has no randomness in the test.
 # A chi-square test compares each histogram with p (a p-value near 0 means "not drawn from p").
 
+
 # %%
 def tempting_rule(p, q, drafted, u_accept, u_residual):
     """Accept whenever the target likes the token more than the draft does. Wrong (see below)."""
-    p_draft, q_draft = p.gather(1, drafted.view(-1, 1)).view(-1), q.gather(1, drafted.view(-1, 1)).view(-1)
+    p_draft, q_draft = (
+        p.gather(1, drafted.view(-1, 1)).view(-1),
+        q.gather(1, drafted.view(-1, 1)).view(-1),
+    )
     return p_draft > q_draft, sample_from_probs((p - q).clamp(min=0), u_residual)
 
 
@@ -159,8 +186,10 @@ for name, rule in [("min(1, p/q)", accept_or_resample), ("accept if p > q", temp
     emitted_tokens = torch.where(accepted, drafted, resampled)
     histograms[name] = torch.bincount(emitted_tokens, minlength=len(vocab)).numpy()
     statistic, dof, p_value = chi_square(histograms[name], p_toy)
-    print(f"{name:>17}: acceptance {accepted.double().mean():.3f}, chi-square {statistic:9.1f} "
-          f"({dof} dof), p-value {p_value:.3g}")
+    print(
+        f"{name:>17}: acceptance {accepted.double().mean():.3f}, chi-square {statistic:9.1f} "
+        f"({dof} dof), p-value {p_value:.3g}"
+    )
 
 # %%
 fig, ax = plt.subplots(figsize=(7.5, 3))
@@ -168,7 +197,13 @@ x = np.arange(len(vocab))
 ax.bar(x - 0.3, p_toy, 0.2, color="#1f77b4", label="p (target)")
 ax.bar(x - 0.1, q_toy, 0.2, color="#ff7f0e", label="q (draft)")
 for offset, (name, counts) in zip([0.1, 0.3], histograms.items()):
-    ax.bar(x + offset, counts / trials, 0.2, color="#2ca02c" if "min" in name else "#d62728", label=f"emitted: {name}")
+    ax.bar(
+        x + offset,
+        counts / trials,
+        0.2,
+        color="#2ca02c" if "min" in name else "#d62728",
+        label=f"emitted: {name}",
+    )
 ax.set_xticks(x, vocab)
 ax.set_ylabel("probability")
 ax.legend(fontsize=8)
@@ -189,10 +224,17 @@ plt.show()
 # %%
 one_hot = torch.eye(len(vocab), dtype=torch.float64)
 for draft_token in [0, 3]:
-    accepted, resampled = accept_or_resample(one_hot[[0]], one_hot[[draft_token]], torch.tensor([draft_token]),
-                                             torch.tensor([0.999]), torch.tensor([0.5]))
-    print(f"target argmax 'a', draft {vocab[draft_token]!r}: accepted={bool(accepted)}, "
-          f"replacement={vocab[int(resampled)]!r}")
+    accepted, resampled = accept_or_resample(
+        one_hot[[0]],
+        one_hot[[draft_token]],
+        torch.tensor([draft_token]),
+        torch.tensor([0.999]),
+        torch.tensor([0.5]),
+    )
+    print(
+        f"target argmax 'a', draft {vocab[draft_token]!r}: accepted={bool(accepted)}, "
+        f"replacement={vocab[int(resampled)]!r}"
+    )
 
 # %% [markdown]
 # **Whose randomness?** The three uniform numbers a position uses — the draft's draw, the accept test,
@@ -258,11 +300,16 @@ show(BlockManager.truncate)
 # it reaches a round where the draft model gets some tokens right and then one wrong; that round is
 # then run by hand with the engine's own parts — the four lines of `LLMEngine.step`.
 
+
 # %%
 def round_engine():
-    config = EngineConfig(num_blocks=64, block_size=4, speculative=SpeculativeConfig(draft_model=draft))
+    config = EngineConfig(
+        num_blocks=64, block_size=4, speculative=SpeculativeConfig(draft_model=draft)
+    )
     engine = LLMEngine(target, config)
-    engine.add_request("ROMEO:\nBut soft, what light", SamplingParams(max_tokens=60, temperature=0.8, seed=11))
+    engine.add_request(
+        "ROMEO:\nBut soft, what light", SamplingParams(max_tokens=60, temperature=0.8, seed=11)
+    )
     return engine
 
 
@@ -288,29 +335,49 @@ tables_before = copy.deepcopy(engine.manager)
 [(seq_id, proposal)] = proposals.items()
 seq = sequences[seq_id]
 params = seq.params
-p_rows = token_probs(logits, torch.full((len(logits),), params.temperature, dtype=torch.float64),
-                     torch.zeros(len(logits), dtype=torch.long), torch.ones(len(logits), dtype=torch.float64))
+p_rows = token_probs(
+    logits,
+    torch.full((len(logits),), params.temperature, dtype=torch.float64),
+    torch.zeros(len(logits), dtype=torch.long),
+    torch.ones(len(logits), dtype=torch.float64),
+)
 drafted_ids = list(proposal.tokens)
 p_of_draft = [float(p_rows[i, t]) for i, t in enumerate(drafted_ids)]
 q_of_draft = [float(proposal.probs[i, t]) for i, t in enumerate(drafted_ids)]
 run = runs[seq_id]
 engine.scheduler.update(plan, runs)
-print(f"step {plan.step}: context ends {bytes(t for t in seq.token_ids[-len(run) - 12:-len(run)]).decode()!r}")
-print(f"drafted  {bytes(drafted_ids).decode(errors='replace')!r}, p(d) {[round(v, 3) for v in p_of_draft]}, "
-      f"q(d) {[round(v, 3) for v in q_of_draft]}")
-print(f"emitted  {bytes(run).decode(errors='replace')!r}: {len(run) - 1} drafts accepted + 1 from the target")
+print(
+    f"step {plan.step}: context ends {bytes(t for t in seq.token_ids[-len(run) - 12 : -len(run)]).decode()!r}"
+)
+print(
+    f"drafted  {bytes(drafted_ids).decode(errors='replace')!r}, p(d) {[round(v, 3) for v in p_of_draft]}, "
+    f"q(d) {[round(v, 3) for v in q_of_draft]}"
+)
+print(
+    f"emitted  {bytes(run).decode(errors='replace')!r}: {len(run) - 1} drafts accepted + 1 from the target"
+)
 
 # %%
 accepted_count = len(run) - 1
 final_kind = "bonus" if accepted_count == len(drafted_ids) else "resampled"
 fig = plt.figure(figsize=(10, 4.4))
 top, bottom = fig.subfigures(2, 1, height_ratios=[2.6, 1])
-draw_speculative_round(top.subplots(), [chr(t) for t in drafted_ids], p_of_draft, q_of_draft, accepted_count,
-                       chr(run[-1]), final_kind)
+draw_speculative_round(
+    top.subplots(),
+    [chr(t) for t in drafted_ids],
+    p_of_draft,
+    q_of_draft,
+    accepted_count,
+    chr(run[-1]),
+    final_kind,
+)
 before_ax, after_ax = bottom.subplots(1, 2)
 draw_block_tables(before_ax, tables_before)
-before_ax.set_title(f"before the verify: {tables_before.num_tokens(seq_id)} slots "
-                    f"({plan.chunks[0].num_lookahead} reserved for drafts)", fontsize=9)
+before_ax.set_title(
+    f"before the verify: {tables_before.num_tokens(seq_id)} slots "
+    f"({plan.chunks[0].num_lookahead} reserved for drafts)",
+    fontsize=9,
+)
 draw_block_tables(after_ax, engine.manager)
 after_ax.set_title(f"after the rollback: {engine.manager.num_tokens(seq_id)} slots", fontsize=9)
 plt.show()
@@ -329,7 +396,7 @@ plt.show()
 # %%
 rng = np.random.default_rng(6)
 starts = rng.integers(0, len(text) - 200, size=8)
-prompts = [text[s:s + int(n)] for s, n in zip(starts, rng.integers(20, 120, size=8))]
+prompts = [text[s : s + int(n)] for s, n in zip(starts, rng.integers(20, 120, size=8))]
 check_params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 reference = [o.token_ids for o in LLMEngine(target).generate(prompts, check_params)]
 
@@ -338,8 +405,10 @@ torch.nn.init.normal_(useless.lm_head.weight, std=0.02, generator=torch.Generato
 
 
 def speculative_engine(config, max_num_seqs=16, **engine):
-    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_seqs * (config.num_speculative_tokens + 1))
+    scheduler = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_seqs * (config.num_speculative_tokens + 1),
+    )
     return LLMEngine(target, EngineConfig(speculative=config, scheduler=scheduler, **engine))
 
 
@@ -348,8 +417,11 @@ def tokens_per_pass(trace):
     return sum(verifies) / len(verifies)
 
 
-drafters = {"draft model": {"draft_model": draft}, "useless draft": {"draft_model": useless},
-            "n-gram": {"method": "ngram"}}
+drafters = {
+    "draft model": {"draft_model": draft},
+    "useless draft": {"draft_model": useless},
+    "n-gram": {"method": "ngram"},
+}
 for name, settings in drafters.items():
     row = []
     for k in [1, 2, 4, 8]:
@@ -363,15 +435,21 @@ for name, settings in drafters.items():
 # batch, and when a tiny cache forces preemptions in the middle of its speculation.
 
 # %%
-sampled = [SamplingParams(max_tokens=48, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(8)]
+sampled = [
+    SamplingParams(max_tokens=48, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(8)
+]
 spec = SpeculativeConfig(draft_model=draft)
 batched = [o.token_ids for o in speculative_engine(spec).generate(prompts, sampled)]
-alone = [speculative_engine(spec).generate([p], s)[0].token_ids for p, s in zip(prompts[:3], sampled[:3])]
+alone = [
+    speculative_engine(spec).generate([p], s)[0].token_ids for p, s in zip(prompts[:3], sampled[:3])
+]
 tight = speculative_engine(spec, num_blocks=14)
 squeezed = [o.token_ids for o in tight.generate(prompts, sampled)]
 assert alone == batched[:3] and squeezed == batched
-print(f"alone == batched for 3 requests; {sum(len(r.preempted) for r in tight.trace)} preemptions in the tight "
-      f"cache, all 8 outputs identical; {tight.manager.num_free} of 14 blocks free at the end")
+print(
+    f"alone == batched for 3 requests; {sum(len(r.preempted) for r in tight.trace)} preemptions in the tight "
+    f"cache, all 8 outputs identical; {tight.manager.num_free} of 14 blocks free at the end"
+)
 
 # %% [markdown]
 # ## See: drafts being accepted
@@ -389,8 +467,13 @@ for name, settings in [("draft model", {"draft_model": draft}), ("n-gram", {"met
     maps[name] = engine.trace
 fig, axes = plt.subplots(2, 1, figsize=(10, 4.2), sharex=True)
 for ax, (name, trace) in zip(axes, maps.items()):
-    draw_acceptance_map(ax, trace, seq_id=1, title=f"request 1, {name}: {tokens_per_pass(trace):.2f} tokens "
-                                                   f"per target pass (all 4 requests)")
+    draw_acceptance_map(
+        ax,
+        trace,
+        seq_id=1,
+        title=f"request 1, {name}: {tokens_per_pass(trace):.2f} tokens "
+        f"per target pass (all 4 requests)",
+    )
 plt.tight_layout()
 plt.show()
 
@@ -409,7 +492,9 @@ plt.show()
 # number of drafts (fewer than k near `max_tokens`).
 
 # %%
-measure_prompts = [text[s:s + 80] for s in np.random.default_rng(1).integers(0, len(text) - 100, size=16)]
+measure_prompts = [
+    text[s : s + 80] for s in np.random.default_rng(1).integers(0, len(text) - 100, size=16)
+]
 sweep_prompts = measure_prompts[:12]
 measure_params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
@@ -436,8 +521,20 @@ for (name, k), (alpha, measured, theory) in sweep.items():
 fig, ax = plt.subplots(figsize=(6.5, 3.2))
 for color, name in enumerate(["draft model", "n-gram"]):
     ks = range(1, 9)
-    ax.plot(ks, [sweep[name, k][1] for k in ks], "o-", color=sequence_color(color), label=f"{name}: measured")
-    ax.plot(ks, [sweep[name, k][2] for k in ks], "--", color=sequence_color(color), label=f"{name}: theory")
+    ax.plot(
+        ks,
+        [sweep[name, k][1] for k in ks],
+        "o-",
+        color=sequence_color(color),
+        label=f"{name}: measured",
+    )
+    ax.plot(
+        ks,
+        [sweep[name, k][2] for k in ks],
+        "--",
+        color=sequence_color(color),
+        label=f"{name}: theory",
+    )
 ax.plot(ks, [k + 1 for k in ks], ":", color="grey", label="k + 1 (every draft accepted)")
 ax.axhline(2.5, color="#d62728", lw=0.8, alpha=0.6)
 ax.set_xlabel("k (draft tokens per round)")
@@ -455,6 +552,7 @@ plt.show()
 # pass runs k + 1 tokens. At batch 1 (four requests one after another) and batch 16, k = 4, greedy,
 # best of two runs:
 
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 def tokens_per_second(config, prompts, params, one_at_a_time):
@@ -462,23 +560,34 @@ def tokens_per_second(config, prompts, params, one_at_a_time):
     for _ in range(2):
         engine = LLMEngine(target) if config is None else speculative_engine(config)
         started = time.perf_counter()
-        outs = ([engine.generate([p], params)[0] for p in prompts] if one_at_a_time
-                else engine.generate(prompts, params))
+        outs = (
+            [engine.generate([p], params)[0] for p in prompts]
+            if one_at_a_time
+            else engine.generate(prompts, params)
+        )
         best = min(best, time.perf_counter() - started)
     return sum(len(o.token_ids) for o in outs) / best, engine.trace
 
 
 speed_params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-configs = {"plain": None, "draft model": SpeculativeConfig(draft_model=draft),
-           "n-gram": SpeculativeConfig(method="ngram")}
+configs = {
+    "plain": None,
+    "draft model": SpeculativeConfig(draft_model=draft),
+    "n-gram": SpeculativeConfig(method="ngram"),
+}
 speeds, last_traces = {}, {}
-for batch_name, batch_prompts, one_at_a_time in [("batch 1", measure_prompts[:4], True),
-                                                 ("batch 16", measure_prompts, False)]:
+for batch_name, batch_prompts, one_at_a_time in [
+    ("batch 1", measure_prompts[:4], True),
+    ("batch 16", measure_prompts, False),
+]:
     for name, config in configs.items():
         speeds[batch_name, name], last_traces[batch_name, name] = tokens_per_second(
-            config, batch_prompts, speed_params, one_at_a_time)
+            config, batch_prompts, speed_params, one_at_a_time
+        )
 for (batch_name, name), tps in speeds.items():
-    print(f"{batch_name:>8} {name:>12}: {tps:7.1f} tokens/s  ({tps / speeds[batch_name, 'plain']:.2f}x plain)")
+    print(
+        f"{batch_name:>8} {name:>12}: {tps:7.1f} tokens/s  ({tps / speeds[batch_name, 'plain']:.2f}x plain)"
+    )
 
 # %% [markdown]
 # Why the draft model's speedup is smaller than its tokens per pass: a simple cost model. Measure a
@@ -486,6 +595,7 @@ for (batch_name, name), tps in speeds.items():
 # tokens per pass E. One round costs D + v plain steps and emits E tokens, so the speedup is
 # E / (D + v). For a draft model D = k·c, with c the cost of one draft pass. The batch-1 traces give
 # all of them:
+
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -496,11 +606,16 @@ def mean_ms(values):
 plain_step = mean_ms([r.forward_s for r in last_traces["batch 1", "plain"] if r.decoded])
 for name in ["draft model", "n-gram"]:
     trace = [r for r in last_traces["batch 1", name] if r.speculated]
-    drafting, verify_pass = mean_ms([r.draft_s for r in trace]), mean_ms([r.forward_s for r in trace])
+    drafting, verify_pass = (
+        mean_ms([r.draft_s for r in trace]),
+        mean_ms([r.forward_s for r in trace]),
+    )
     D, v, E = drafting / plain_step, verify_pass / plain_step, tokens_per_pass(trace)
-    print(f"{name:>12}: plain step {plain_step:.2f} ms; drafting {drafting:.2f} ms (D = {D:.2f}); verify "
-          f"{verify_pass:.2f} ms (v = {v:.2f}); E = {E:.2f} -> predicted {E / (D + v):.2f}x, "
-          f"measured {speeds['batch 1', name] / speeds['batch 1', 'plain']:.2f}x")
+    print(
+        f"{name:>12}: plain step {plain_step:.2f} ms; drafting {drafting:.2f} ms (D = {D:.2f}); verify "
+        f"{verify_pass:.2f} ms (v = {v:.2f}); E = {E:.2f} -> predicted {E / (D + v):.2f}x, "
+        f"measured {speeds['batch 1', name] / speeds['batch 1', 'plain']:.2f}x"
+    )
 
 # %% [markdown]
 # With a tiny model on a CPU the draft is not "nearly free": c is set by the number of operations per

@@ -31,18 +31,21 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from minivllm import cuda_paged_attention as kernels, kernel_check
-from minivllm.book import show, use_book_style
-from minivllm.checkpoint import load_model
-from minivllm.corpus import shipped_validation_text
-from minivllm.cuda_paged_attention import (SIMULATOR, WARP_SIZE, CudaPagedAttention, paged_attention,
-                                           paged_attention_v1, shared_bytes)
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.kernel_check import kernel_error, random_inputs, reference_attention
-from minivllm.kernel_trace import recorded, reads_by_thread
-from minivllm.plots import draw_cache_reads, draw_execution_model
-from minivllm.sequence import SamplingParams
-from minivllm.varlen_attention import TorchPagedAttention
+from minivllm.attention.cuda import kernels as kernels
+from minivllm.attention.cuda.backend import CudaPagedAttention
+from minivllm.attention.cuda.kernels import paged_attention_v1
+from minivllm.attention.cuda.launch import paged_attention, shared_bytes
+from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE
+from minivllm.attention.torch_backend import TorchPagedAttention
+from minivllm.book import kernel_check, show, use_book_style
+from minivllm.book.figures.kernels import draw_cache_reads, draw_execution_model
+from minivllm.book.kernel_check import kernel_error, random_inputs, reference_attention
+from minivllm.book.kernel_trace import reads_by_thread, recorded
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.checkpoint import load_model
+from minivllm.sched.sequence import SamplingParams
+from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -50,11 +53,15 @@ use_book_style()
 target = load_model("target")
 config = target.config
 if SIMULATOR:
-    print("kernels run in numba's CUDA simulator on the CPU (no CUDA GPU here): every CUDA thread is a "
-          "Python thread, so cases stay small")
+    print(
+        "kernels run in numba's CUDA simulator on the CPU (no CUDA GPU here): every CUDA thread is a "
+        "Python thread, so cases stay small"
+    )
 else:
     print(f"kernels run natively on {torch.cuda.get_device_name()}")
-print(f"target model: {config.n_heads} query heads sharing {config.n_kv_heads} K/V heads, head_dim {config.head_dim}")
+print(
+    f"target model: {config.n_heads} query heads sharing {config.n_kv_heads} K/V heads, head_dim {config.head_dim}"
+)
 
 # %% [markdown]
 # ## Why: the gather copies every context, every layer, every step
@@ -70,6 +77,7 @@ show(TorchPagedAttention._attend_decodes)
 # Count the bytes for one decode step of a batch with uneven contexts, the kind continuous batching
 # produces — what attention needs against what the gather path moves:
 
+
 # %%
 def kv_bytes(tokens: int, cfg=config, element_bytes: int = 4) -> int:
     """K and V of `tokens` cached tokens of one layer."""
@@ -78,7 +86,10 @@ def kv_bytes(tokens: int, cfg=config, element_bytes: int = 4) -> int:
 
 engine = LLMEngine(target, EngineConfig(num_blocks=256, block_size=16))
 text = shipped_validation_text()
-prompts = [text[start:start + length] for start, length in enumerate((20, 60, 180, 300, 420, 40, 120, 240))]
+prompts = [
+    text[start : start + length]
+    for start, length in enumerate((20, 60, 180, 300, 420, 40, 120, 240))
+]
 for prompt in prompts:
     engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
 for _ in range(6):
@@ -88,9 +99,11 @@ needed = sum(kv_bytes(n) for n in contexts)
 padded = len(contexts) * kv_bytes(max(contexts))
 moved = needed + 2 * padded  # read the blocks, write the padded copy, read the copy in attention
 print(f"contexts in the batch: {contexts}")
-print(f"per layer per step: attention needs {needed / 1024:.0f} KiB of K/V; the gather path moves "
-      f"{moved / 1024:.0f} KiB ({moved / needed:.1f}x): the padded copy alone is {padded / needed:.1f}x what is needed, "
-      f"written once and read once")
+print(
+    f"per layer per step: attention needs {needed / 1024:.0f} KiB of K/V; the gather path moves "
+    f"{moved / 1024:.0f} KiB ({moved / needed:.1f}x): the padded copy alone is {padded / needed:.1f}x what is needed, "
+    f"written once and read once"
+)
 
 # %% [markdown]
 # A kernel that reads K/V straight from the blocks moves the first number and nothing else. Before
@@ -110,7 +123,9 @@ print(f"per layer per step: attention needs {needed / 1024:.0f} KiB of K/V; the 
 
 # %%
 fig, ax = plt.subplots(figsize=(10, 3.4))
-draw_execution_model(ax, num_seqs=4, num_heads=config.n_heads, threads=128, head_dim=config.head_dim)
+draw_execution_model(
+    ax, num_seqs=4, num_heads=config.n_heads, threads=128, head_dim=config.head_dim
+)
 plt.show()
 
 # %% [markdown]
@@ -186,9 +201,15 @@ show(kernel_check.random_inputs)
 # %%
 show(kernel_check.kernel_error)
 
+
 # %%
-def random_case(context_lens, num_heads=config.n_heads, num_kv_heads=config.n_kv_heads, dtype=torch.float32,
-                seed=0):
+def random_case(
+    context_lens,
+    num_heads=config.n_heads,
+    num_kv_heads=config.n_kv_heads,
+    dtype=torch.float32,
+    seed=0,
+):
     """Random inputs in the target model's head_dim and block size."""
     return random_inputs(context_lens, num_heads, num_kv_heads, config.head_dim, 16, dtype, seed)
 
@@ -210,17 +231,30 @@ for name, (dtype, tolerance) in checks.items():
 
 # %%
 q, k_cache, v_cache, _, _ = random_case([40], num_heads=1, num_kv_heads=1, seed=3)
-k_cache, v_cache = (torch.randn(8, 16, 1, config.head_dim, generator=torch.Generator().manual_seed(s))
-                    for s in (4, 5))
+k_cache, v_cache = (
+    torch.randn(8, 16, 1, config.head_dim, generator=torch.Generator().manual_seed(s))
+    for s in (4, 5)
+)
 table, lens = torch.tensor([[5, 2, 7]], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
 key_reads, value_reads = [], []
 out = torch.full_like(q, float("nan"))
 threads = 2 * WARP_SIZE
 paged_attention_v1[(1, 1), threads, 0, shared_bytes(config.head_dim, threads, 40)](
-    out.numpy(), q.numpy(), recorded(k_cache.numpy(), key_reads), recorded(v_cache.numpy(), value_reads),
-    table.numpy(), lens.numpy(), config.head_dim ** -0.5, 1)
-assert torch.allclose(out, reference_attention(q, k_cache, v_cache, table, lens), rtol=1e-5, atol=1e-6)
-print(f"{len(key_reads)} key reads = 40 tokens x {config.head_dim} elements; {len(value_reads)} value reads")
+    out.numpy(),
+    q.numpy(),
+    recorded(k_cache.numpy(), key_reads),
+    recorded(v_cache.numpy(), value_reads),
+    table.numpy(),
+    lens.numpy(),
+    config.head_dim**-0.5,
+    1,
+)
+assert torch.allclose(
+    out, reference_attention(q, k_cache, v_cache, table, lens), rtol=1e-5, atol=1e-6
+)
+print(
+    f"{len(key_reads)} key reads = 40 tokens x {config.head_dim} elements; {len(value_reads)} value reads"
+)
 
 # %%
 fig, ax = plt.subplots(figsize=(7.5, 4))
@@ -238,11 +272,15 @@ plt.show()
 by_thread_keys, by_thread_values = reads_by_thread(key_reads), reads_by_thread(value_reads)
 for thread in (0, 1, 32):
     keys, values = by_thread_keys[(0, 0, 0), thread], by_thread_values.get(((0, 0, 0), thread), [])
-    print(f"thread {thread:2} (warp {thread // WARP_SIZE}, lane {thread % WARP_SIZE:2}): keys {keys[:3]} ... "
-          f"({len(keys)} reads); values {values[:2]} ... ({len(values)} reads)")
+    print(
+        f"thread {thread:2} (warp {thread // WARP_SIZE}, lane {thread % WARP_SIZE:2}): keys {keys[:3]} ... "
+        f"({len(keys)} reads); values {values[:2]} ... ({len(values)} reads)"
+    )
 lanes = sorted(by_thread_keys)
 first_row = [by_thread_keys[lane][0][3] for lane in lanes[:WARP_SIZE]]
-print(f"warp 0's first key row, element read by each lane: {first_row[:8]} ... {first_row[-2:]} (coalesced)")
+print(
+    f"warp 0's first key row, element read by each lane: {first_row[:8]} ... {first_row[-2:]} (coalesced)"
+)
 
 # %% [markdown]
 # Lane ℓ of a warp reads element ℓ of the row; the 32 lanes read 32 neighbouring floats, one 128-byte
@@ -299,12 +337,24 @@ def grid_blocks(batch: int, heads: int, context: int, partition: int | None) -> 
 
 contexts_model = [256, 512, 1024, 2048, 4096, 8192]
 fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
-for ax, heads, label in zip(axes, (32, config.n_heads), ("32 heads (Llama-3-8B)", f"{config.n_heads} heads (our model)")):
+for ax, heads, label in zip(
+    axes, (32, config.n_heads), ("32 heads (Llama-3-8B)", f"{config.n_heads} heads (our model)")
+):
     for batch, style in ((1, "-"), (16, "--")):
-        ax.plot(contexts_model, [busy_share(grid_blocks(batch, heads, c, None)) for c in contexts_model], style,
-                color="#d62728", label=f"v1, batch {batch}")
-        ax.plot(contexts_model, [busy_share(grid_blocks(batch, heads, c, 512)) for c in contexts_model], style,
-                color="#2ca02c", label=f"v2 (512), batch {batch}")
+        ax.plot(
+            contexts_model,
+            [busy_share(grid_blocks(batch, heads, c, None)) for c in contexts_model],
+            style,
+            color="#d62728",
+            label=f"v1, batch {batch}",
+        )
+        ax.plot(
+            contexts_model,
+            [busy_share(grid_blocks(batch, heads, c, 512)) for c in contexts_model],
+            style,
+            color="#2ca02c",
+            label=f"v2 (512), batch {batch}",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length")
     ax.set_title(label)
@@ -313,8 +363,10 @@ axes[1].legend(fontsize=8)
 plt.show()
 for batch in (1, 16, 64):
     v1, v2 = (grid_blocks(batch, 32, 4096, p) for p in (None, 512))
-    print(f"batch {batch:2}, 32 heads, context 4096: v1 {v1:5} blocks ({busy_share(v1):.0%} of SMs busy), "
-          f"v2 {v2:5} blocks ({busy_share(v2):.0%})")
+    print(
+        f"batch {batch:2}, 32 heads, context 4096: v1 {v1:5} blocks ({busy_share(v1):.0%} of SMs busy), "
+        f"v2 {v2:5} blocks ({busy_share(v2):.0%})"
+    )
 
 # %% [markdown]
 # At batch 1, v1 keeps a quarter of an H100 busy whatever the context; v2 fills it once the context
@@ -342,12 +394,16 @@ show(CudaPagedAttention)
 params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 outputs = {}
 for backend in ("torch", "cuda"):
-    engine = LLMEngine(target, EngineConfig(num_blocks=16, block_size=16, device="cpu", attention_backend=backend))
+    engine = LLMEngine(
+        target, EngineConfig(num_blocks=16, block_size=16, device="cpu", attention_backend=backend)
+    )
     outputs[backend] = engine.generate(["JULIET:\nO Romeo"], params)[0]
     print(f"{backend:>5} backend ({engine.runner.backend.__name__}): {outputs[backend].text!r}")
 decodes = sum(len(record.decoded) for record in engine.trace)
-print(f"{decodes} decode step(s) on the kernel: {config.n_layers} layers x {config.n_heads} heads = "
-      f"{decodes * config.n_layers * config.n_heads} thread blocks")
+print(
+    f"{decodes} decode step(s) on the kernel: {config.n_layers} layers x {config.n_heads} heads = "
+    f"{decodes * config.n_layers * config.n_heads} thread blocks"
+)
 assert outputs["cuda"].token_ids == outputs["torch"].token_ids
 
 # %% [markdown]
@@ -362,8 +418,10 @@ case = random_case([64], num_heads=1, num_kv_heads=1, seed=7)
 started = time.perf_counter()
 paged_attention(*case, threads=WARP_SIZE)
 elapsed = time.perf_counter() - started
-print(f"one thread block of 32 threads over 64 tokens: {elapsed * 1e3:.0f} ms "
-      f"({'simulated' if SIMULATOR else 'native, including the first-call compile'})")
+print(
+    f"one thread block of 32 threads over 64 tokens: {elapsed * 1e3:.0f} ms "
+    f"({'simulated' if SIMULATOR else 'native, including the first-call compile'})"
+)
 
 # %% [markdown]
 # On a GPU, `benchmarks/paged_attention.py` times v1, v2, the torch reference and
@@ -377,7 +435,9 @@ benchmark_config = {"n_kv_heads": 8, "head_dim": 128}
 print(f"{'batch':>5} {'context':>7} {'K/V read per call':>18}")
 for batch in (1, 16, 64):
     for context in (512, 1024, 4096):
-        read = batch * 2 * context * benchmark_config["n_kv_heads"] * benchmark_config["head_dim"] * 2
+        read = (
+            batch * 2 * context * benchmark_config["n_kv_heads"] * benchmark_config["head_dim"] * 2
+        )
         print(f"{batch:5} {context:7} {read / 2**20:15.1f} MiB")
 
 # %% [markdown]

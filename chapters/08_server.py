@@ -31,16 +31,17 @@ import numpy as np
 import openai
 import torch
 
-from minivllm import async_engine, openai_protocol, server as server_module
 from minivllm.book import show, use_book_style
-from minivllm.checkpoint import load_model
-from minivllm.client import StreamedCompletion, run_clients, stream_completion
-from minivllm.corpus import shipped_validation_text
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.openai_protocol import ChatMessage, render_chat, sse_event
-from minivllm.plots import draw_gantt
-from minivllm.sequence import SamplingParams
-from minivllm.server import ServerThread
+from minivllm.book.figures.timelines import draw_gantt
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.checkpoint import load_model
+from minivllm.sched.sequence import SamplingParams
+from minivllm.serving import async_engine, openai_protocol
+from minivllm.serving import server as server_module
+from minivllm.serving.client import StreamedCompletion, run_clients, stream_completion
+from minivllm.serving.openai_protocol import ChatMessage, render_chat, sse_event
+from minivllm.serving.server import ServerThread
+from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -59,7 +60,7 @@ print(f"{len(speeches)} speeches from the held-out plays to use as prompts")
 # steps (each step is one forward pass), which is what wall-clock time follows:
 
 # %%
-prompts = [s[:40 + 20 * i] for i, s in enumerate(speeches[:8])]
+prompts = [s[: 40 + 20 * i] for i, s in enumerate(speeches[:8])]
 params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
 one_at_a_time, steps_so_far = [], 0
@@ -73,7 +74,9 @@ engine = LLMEngine(target)
 together = engine.generate(prompts, params)
 finished_at = {seq: record.step for record in engine.trace for seq, _ in record.finished}
 batched = [finished_at[o.request_id] for o in together]
-print(f"{'client':>6} {'one at a time':>14} {'batched':>8}   (engine steps until its answer is complete)")
+print(
+    f"{'client':>6} {'one at a time':>14} {'batched':>8}   (engine steps until its answer is complete)"
+)
 for i, (alone, shared) in enumerate(zip(one_at_a_time, batched)):
     print(f"{i:6} {alone:14} {shared:8}")
 print(f"total forward passes: {one_at_a_time[-1]} one at a time, {len(engine.trace)} batched")
@@ -135,10 +138,12 @@ show(openai_protocol.CompletionRequest.sampling_params)
 show(render_chat)
 
 # %%
-chat = [ChatMessage(role="system", content="A street in Verona."),
-        ChatMessage(role="user", content="What light through yonder window breaks?"),
-        ChatMessage(role="assistant", content="It is the east.", name="JULIET"),
-        ChatMessage(role="user", content="Speak again, bright angel!")]
+chat = [
+    ChatMessage(role="system", content="A street in Verona."),
+    ChatMessage(role="user", content="What light through yonder window breaks?"),
+    ChatMessage(role="assistant", content="It is the east.", name="JULIET"),
+    ChatMessage(role="user", content="Speak again, bright angel!"),
+]
 print(render_chat(chat))
 
 # %% [markdown]
@@ -149,7 +154,11 @@ print(render_chat(chat))
 show(sse_event)
 
 # %%
-print(repr(sse_event({"choices": [{"index": 0, "text": "O Romeo,\nRomeo"}]})) + "\n" + repr(sse_event("[DONE]")))
+print(
+    repr(sse_event({"choices": [{"index": 0, "text": "O Romeo,\nRomeo"}]}))
+    + "\n"
+    + repr(sse_event("[DONE]"))
+)
 
 # %% [markdown]
 # ## Build 3: the endpoints
@@ -171,6 +180,7 @@ show(server_module.sse_stream)
 # exit shuts it down and stops the engine thread. First, plain HTTP with `httpx`. Ids and timestamps
 # differ on every run, so the cells print them masked:
 
+
 # %%
 def masked(body: dict) -> dict:
     """A response body with its run-dependent fields (id, created) replaced by their shape."""
@@ -181,8 +191,10 @@ threads_before = {t.name for t in threading.enumerate()}
 server = ServerThread(LLMEngine(target)).start()
 print(f"serving on 127.0.0.1, port chosen by the OS: {server.url.startswith('http://127.0.0.1:')}")
 
-response = httpx.post(f"{server.url}/v1/completions",
-                      json={"model": "target", "prompt": "ROMEO:\n", "max_tokens": 24, "temperature": 0})
+response = httpx.post(
+    f"{server.url}/v1/completions",
+    json={"model": "target", "prompt": "ROMEO:\n", "max_tokens": 24, "temperature": 0},
+)
 print(response.status_code)
 print(json.dumps(masked(response.json()), indent=1))
 
@@ -191,7 +203,13 @@ print(json.dumps(masked(response.json()), indent=1))
 # step; the last names the finish reason; `[DONE]` closes the stream.
 
 # %%
-request = {"model": "target", "prompt": "ROMEO:\n", "max_tokens": 24, "temperature": 0, "stream": True}
+request = {
+    "model": "target",
+    "prompt": "ROMEO:\n",
+    "max_tokens": 24,
+    "temperature": 0,
+    "stream": True,
+}
 with httpx.stream("POST", f"{server.url}/v1/completions", json=request) as events:
     lines = [line for line in events.iter_lines() if line]  # a blank line ends each event
 chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
@@ -202,7 +220,9 @@ for line, chunk in zip(lines[-2:-1], chunks[-1:]):
     print("data:", json.dumps(masked(chunk), ensure_ascii=False))
 print(lines[-1])
 streamed = "".join(chunk["choices"][0]["text"] for chunk in chunks)
-print(f"{len(chunks)} chunks, all with the same id: {len({c['id'] for c in chunks}) == 1}; text {streamed!r}")
+print(
+    f"{len(chunks)} chunks, all with the same id: {len({c['id'] for c in chunks}) == 1}; text {streamed!r}"
+)
 assert streamed == response.json()["choices"][0]["text"]
 
 # %% [markdown]
@@ -213,21 +233,34 @@ assert streamed == response.json()["choices"][0]["text"]
 # %%
 client = openai.OpenAI(base_url=server.base_url, api_key="not needed", max_retries=0)
 messages = [m.model_dump(exclude_none=True) for m in chat]
-whole = client.chat.completions.create(model="target", messages=messages, temperature=0.8, seed=3, max_tokens=120)
-print(f"{whole.object}, finish_reason={whole.choices[0].finish_reason!r}, usage: {whole.usage.prompt_tokens} "
-      f"prompt + {whole.usage.completion_tokens} completion tokens")
+whole = client.chat.completions.create(
+    model="target", messages=messages, temperature=0.8, seed=3, max_tokens=120
+)
+print(
+    f"{whole.object}, finish_reason={whole.choices[0].finish_reason!r}, usage: {whole.usage.prompt_tokens} "
+    f"prompt + {whole.usage.completion_tokens} completion tokens"
+)
 print(f"JULIET:\n{whole.choices[0].message.content}")
 
-chunks = list(client.chat.completions.create(model="target", messages=messages, temperature=0.8, seed=3,
-                                             max_tokens=120, stream=True))
-print(f"\n{len(chunks)} chunks: first delta {chunks[0].choices[0].delta.model_dump(exclude_none=True)}, "
-      f"last finish_reason {chunks[-1].choices[0].finish_reason!r}")
+chunks = list(
+    client.chat.completions.create(
+        model="target", messages=messages, temperature=0.8, seed=3, max_tokens=120, stream=True
+    )
+)
+print(
+    f"\n{len(chunks)} chunks: first delta {chunks[0].choices[0].delta.model_dump(exclude_none=True)}, "
+    f"last finish_reason {chunks[-1].choices[0].finish_reason!r}"
+)
 assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
 
 # %%
 print([m.id for m in client.models.list().data], httpx.get(f"{server.url}/health").json())
 metrics_text = httpx.get(f"{server.url}/metrics").text
-wanted = ("minivllm:num_requests_running ", "minivllm:generation_tokens_total ", "minivllm:request_success_total{")
+wanted = (
+    "minivllm:num_requests_running ",
+    "minivllm:generation_tokens_total ",
+    "minivllm:request_success_total{",
+)
 print("\n".join(line for line in metrics_text.splitlines() if line.startswith(wanted)))
 
 # %% [markdown]
@@ -249,7 +282,11 @@ bad_requests = {
 }
 for name, body in bad_requests.items():
     if isinstance(body, bytes):
-        reply = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+        reply = httpx.post(
+            f"{server.url}/v1/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+        )
     else:
         reply = httpx.post(f"{server.url}/v1/completions", json=body)
     error = reply.json()["error"]
@@ -262,8 +299,14 @@ assert server.engine.blocks_in_use() == blocks_before
 # request; the engine thread frees its blocks before its next step:
 
 # %%
-request = {"model": "target", "prompt": "HAMLET:\n", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-           "stream": True}
+request = {
+    "model": "target",
+    "prompt": "HAMLET:\n",
+    "max_tokens": 400,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
 with httpx.stream("POST", f"{server.url}/v1/completions", json=request) as events:
     lines = events.iter_lines()
     for _ in range(4):
@@ -273,20 +316,26 @@ with httpx.stream("POST", f"{server.url}/v1/completions", json=request) as event
 deadline = time.monotonic() + 10
 while server.engine.blocks_in_use() and time.monotonic() < deadline:
     time.sleep(0.01)
-print(f"blocks in use while streaming: {during > 0}; after the client left: {server.engine.blocks_in_use()}")
-aborted = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
-           if line.startswith('minivllm:request_success_total{finished_reason="abort"}')]
+print(
+    f"blocks in use while streaming: {during > 0}; after the client left: {server.engine.blocks_in_use()}"
+)
+aborted = [
+    line
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+    if line.startswith('minivllm:request_success_total{finished_reason="abort"}')
+]
 print(aborted[0])
 
 # %% [markdown]
 # ## See: many clients, one batch
 #
 # Now 32 clients, each streaming its own request, arriving over about a second (seeded random gaps),
-# with prompts and answer lengths of all sizes. `minivllm.client.stream_completion` is one such client:
+# with prompts and answer lengths of all sizes. `minivllm.serving.client.stream_completion` is one such client:
 # it sends a streaming request with `httpx` and notes when each piece of text arrives.
 
 # %%
 show(stream_completion)
+
 
 # %%
 async def arrive_later(http: httpx.AsyncClient, delay: float, body: dict) -> StreamedCompletion:
@@ -295,23 +344,38 @@ async def arrive_later(http: httpx.AsyncClient, delay: float, body: dict) -> Str
 
 
 async def many_clients(bodies: list[dict], delays: list[float]) -> list[StreamedCompletion]:
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=len(bodies))) as http:
+    async with httpx.AsyncClient(
+        timeout=120, limits=httpx.Limits(max_connections=len(bodies))
+    ) as http:
         return await asyncio.gather(*(arrive_later(http, d, b) for d, b in zip(delays, bodies)))
 
 
 rng = random.Random(8)
-bodies = [{"model": "target", "prompt": speech[:rng.randint(10, 200)], "max_tokens": rng.randint(8, 64),
-           "temperature": 0} for speech in speeches[8:40]]
+bodies = [
+    {
+        "model": "target",
+        "prompt": speech[: rng.randint(10, 200)],
+        "max_tokens": rng.randint(8, 64),
+        "temperature": 0,
+    }
+    for speech in speeches[8:40]
+]
 delays = [rng.uniform(0, 1.0) for _ in bodies]
 steps_before = len(server.engine.trace())
-results = await many_clients(bodies, delays)  # a notebook cell may await: Jupyter runs an event loop
+results = await many_clients(
+    bodies, delays
+)  # a notebook cell may await: Jupyter runs an event loop
 trace = server.engine.trace()[steps_before:]
 
-offline = LLMEngine(target).generate([b["prompt"] for b in bodies],
-                                     [SamplingParams(max_tokens=b["max_tokens"], temperature=0) for b in bodies])
+offline = LLMEngine(target).generate(
+    [b["prompt"] for b in bodies],
+    [SamplingParams(max_tokens=b["max_tokens"], temperature=0) for b in bodies],
+)
 assert [r.text for r in results] == [o.text for o in offline]
-print(f"{len(results)} clients served, every answer identical to the offline engine's; "
-      f"blocks in use afterwards: {server.engine.blocks_in_use()}")
+print(
+    f"{len(results)} clients served, every answer identical to the offline engine's; "
+    f"blocks in use afterwards: {server.engine.blocks_in_use()}"
+)
 
 # %% [markdown]
 # Every client got exactly what the offline engine gives its request: batching with strangers, in
@@ -324,9 +388,18 @@ print(f"{len(results)} clients served, every answer identical to the offline eng
 fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), height_ratios=[3, 1], sharex=True)
 first_step = trace[0].step - 1
 shifted = [type(r).from_dict({**r.to_dict(), "step": r.step - first_step}) for r in trace]
-draw_gantt(top, shifted, title="32 streaming clients: each row a request (hatched: prefill, solid: decode)",
-           label_every=4)
-bottom.bar([r.step - first_step for r in trace], [len(r.running) for r in trace], width=1.0, color="#1f77b4")
+draw_gantt(
+    top,
+    shifted,
+    title="32 streaming clients: each row a request (hatched: prefill, solid: decode)",
+    label_every=4,
+)
+bottom.bar(
+    [r.step - first_step for r in trace],
+    [len(r.running) for r in trace],
+    width=1.0,
+    color="#1f77b4",
+)
 bottom.set_ylabel("running")
 bottom.set_xlabel("engine step")
 plt.show()
@@ -346,8 +419,10 @@ left.set_xlabel("time to first token (ms)")
 right.hist(itl, bins=40, color="#2ca02c")
 right.set_xlabel("inter-token latency (ms)")
 plt.show()
-print(f"TTFT p50 {np.percentile(ttft, 50):.0f} ms, p99 {np.percentile(ttft, 99):.0f} ms; "
-      f"ITL p50 {np.percentile(itl, 50):.1f} ms, p99 {np.percentile(itl, 99):.1f} ms")
+print(
+    f"TTFT p50 {np.percentile(ttft, 50):.0f} ms, p99 {np.percentile(ttft, 99):.0f} ms; "
+    f"ITL p50 {np.percentile(itl, 50):.1f} ms, p99 {np.percentile(itl, 99):.1f} ms"
+)
 
 # %% [markdown]
 # ## Measure: what the server costs
@@ -360,12 +435,16 @@ print(f"TTFT p50 {np.percentile(ttft, 50):.0f} ms, p99 {np.percentile(ttft, 99):
 # NBVAL_IGNORE_OUTPUT
 seconds, _ = await run_clients(server.base_url, bodies, concurrency=len(bodies))
 started = time.perf_counter()
-LLMEngine(target).generate([b["prompt"] for b in bodies],
-                           [SamplingParams(max_tokens=b["max_tokens"], temperature=0) for b in bodies])
+LLMEngine(target).generate(
+    [b["prompt"] for b in bodies],
+    [SamplingParams(max_tokens=b["max_tokens"], temperature=0) for b in bodies],
+)
 offline_s = time.perf_counter() - started
 tokens = sum(len(o.token_ids) for o in offline)
-print(f"{tokens} tokens: server {tokens / seconds:.0f} tok/s, offline engine {tokens / offline_s:.0f} tok/s "
-      f"-> the server keeps {offline_s / seconds:.0%}")
+print(
+    f"{tokens} tokens: server {tokens / seconds:.0f} tok/s, offline engine {tokens / offline_s:.0f} tok/s "
+    f"-> the server keeps {offline_s / seconds:.0%}"
+)
 
 # %% [markdown]
 # ## Shut down cleanly

@@ -1,8 +1,8 @@
 """Shared test setup.
 
 `pytest --exercise ch01.1` runs only the tests that grade one exercise (repeat the option for more).
-`one_torch_thread` (module scope) runs a test module's torch work on one thread, and `target` loads the
-shipped model once per module.
+`one_torch_thread` (module scope) runs a test module's torch work on one thread, and `target` loads
+the shipped model once per module.
 """
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ import pytest
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--exercise", action="append", default=[], metavar="ID",
-                     help="run only the tests marked exercise(ID); may be given more than once")
+    parser.addoption(
+        "--exercise",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="run only the tests marked exercise(ID); may be given more than once",
+    )
 
 
 def exercise_ids(item: pytest.Item) -> set[str]:
@@ -26,8 +31,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     carried = set().union(*(exercise_ids(item) for item in items))
     # A typo would otherwise select nothing and "pass"; say so instead.
     if unknown := wanted - carried:
-        raise pytest.UsageError(f"no collected test is marked exercise({', '.join(sorted(unknown))}); "
-                                f"collected exercises: {', '.join(sorted(carried)) or 'none'}")
+        raise pytest.UsageError(
+            f"no collected test is marked exercise({', '.join(sorted(unknown))}); "
+            f"collected exercises: {', '.join(sorted(carried)) or 'none'}"
+        )
     kept = [item for item in items if exercise_ids(item) & wanted]
     config.hook.pytest_deselected(items=[item for item in items if not exercise_ids(item) & wanted])
     items[:] = kept
@@ -47,6 +54,6 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def target():
-    from minivllm.checkpoint import load_model
+    from minivllm.model.checkpoint import load_model
 
     return load_model("target")

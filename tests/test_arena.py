@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.arena import Request, SimResult, make_workload, simulate_contiguous, simulate_paged
+from minivllm.book.arena import (
+    Request,
+    SimResult,
+    make_workload,
+    simulate_contiguous,
+    simulate_paged,
+)
 
 
 def req(id: int, prompt: int, output: int, max_len: int, arrival: int = 0) -> Request:
     return Request(id, arrival, prompt, output, max_len)
 
 
-# A fills [0,3), B [3,7), C [7,10) of a 10-slot arena. A and C finish at step 1, leaving two holes of 3:
-# 6 slots free, but D needs 5 in one piece. It waits (fragmentation) until B finishes at step 3.
+# A fills [0,3), B [3,7), C [7,10) of a 10-slot arena. A and C finish at step 1, leaving two holes
+# of 3: 6 slots free, but D needs 5 in one piece. It waits (fragmentation) until B finishes at step
+# 3.
 FRAGMENTING = [req(0, 1, 1, 3), req(1, 1, 3, 4), req(2, 1, 1, 3), req(3, 1, 1, 5)]
 
 
@@ -30,7 +37,12 @@ def check_memory_maps(result: SimResult) -> None:
         assert s.largest_free <= s.free
         assert set(s.running) == {e.seq_id for e in s.memory_map}
     last = result.steps[-1]
-    assert (last.running, last.reserved, last.free, last.largest_free) == ((), 0, result.capacity, result.capacity)
+    assert (last.running, last.reserved, last.free, last.largest_free) == (
+        (),
+        0,
+        result.capacity,
+        result.capacity,
+    )
 
 
 def test_workload_is_seeded_and_sane() -> None:
@@ -39,7 +51,9 @@ def test_workload_is_seeded_and_sane() -> None:
     assert [r.id for r in a] == list(range(60))
     assert all(1 <= r.output_len <= r.max_tokens and r.prompt_len >= 4 for r in a)
     assert [r.arrival for r in a] == sorted(r.arrival for r in a)
-    assert len({r.prompt_len for r in a}) > 20 and len({r.max_tokens for r in a}) > 1  # mixed lengths
+    assert (
+        len({r.prompt_len for r in a}) > 20 and len({r.max_tokens for r in a}) > 1
+    )  # mixed lengths
 
 
 def test_same_seed_same_results() -> None:
@@ -51,7 +65,13 @@ def test_same_seed_same_results() -> None:
 
 def test_contiguous_counts_external_fragmentation_exactly() -> None:
     r = simulate_contiguous(FRAGMENTING, arena_slots=10)
-    assert [s.fragmented for s in r.steps] == [None, 3, 3, None, None]  # step 0: free 0 < 5, not fragmentation
+    assert [s.fragmented for s in r.steps] == [
+        None,
+        3,
+        3,
+        None,
+        None,
+    ]  # step 0: free 0 < 5, not fragmentation
     assert [(s.free, s.largest_free) for s in r.steps[:3]] == [(0, 0), (6, 3), (6, 3)]
     assert (r.fragmentation_refusals, r.fragmented_requests) == (2, 1)
     assert r.completed == [0, 2, 1, 3] and r.num_steps == 5
@@ -69,7 +89,9 @@ def test_contiguous_internal_waste_is_exact() -> None:
 def test_first_fit_reuses_the_lowest_hole_and_coalesces() -> None:
     r = simulate_contiguous(FRAGMENTING, arena_slots=10)
     assert [(e.seq_id, e.start) for e in r.steps[0].memory_map] == [(0, 0), (1, 3), (2, 7)]
-    assert [(e.seq_id, e.start) for e in r.steps[3].memory_map] == [(3, 0)]  # holes merged back into one
+    assert [(e.seq_id, e.start) for e in r.steps[3].memory_map] == [
+        (3, 0)
+    ]  # holes merged back into one
 
 
 def test_paged_same_workload_completes_with_better_utilisation() -> None:
@@ -90,25 +112,30 @@ def test_paged_utilisation_is_exact_on_one_request() -> None:
 
 
 def test_paged_deadlock_is_broken_by_preempting_the_youngest() -> None:
-    # Two blocks of 2; both prompts fill one block each, then both need a second one: nobody can move.
+    # Two blocks of 2; both prompts fill one block each, then both need a second one: nobody can
+    # move.
     w = [req(0, 2, 2, 4), req(1, 2, 2, 4)]
     r = simulate_paged(w, num_blocks=2, block_size=2)
     assert [s.preempted for s in r.steps] == [(), (1,), (), (), ()]
     assert r.completed == [0, 1] and r.preemptions == 1
     check_memory_maps(r)
-    assert simulate_contiguous(w, arena_slots=4).num_steps == r.num_steps  # one at a time either way
+    assert (
+        simulate_contiguous(w, arena_slots=4).num_steps == r.num_steps
+    )  # one at a time either way
 
 
 def test_stalls_when_a_block_is_missing() -> None:
-    # Three blocks of 2: A (prompt 2) takes one, B (prompt 3) two. At step 1 A needs a block and none is
-    # free: it stalls, while B fills its slack slot and finishes; A moves on at step 2.
+    # Three blocks of 2: A (prompt 2) takes one, B (prompt 3) two. At step 1 A needs a block and
+    # none is free: it stalls, while B fills its slack slot and finishes; A moves on at step 2.
     r = simulate_paged([req(0, 2, 3, 6), req(1, 3, 1, 6)], num_blocks=3, block_size=2)
     assert [s.stalled for s in r.steps[:3]] == [(), (0,), ()] and r.preemptions == 0
     assert sorted(r.completed) == [0, 1]
     check_memory_maps(r)
 
 
-@pytest.mark.parametrize("simulate", [lambda w: simulate_contiguous(w, 64), lambda w: simulate_paged(w, 4, 16)])
+@pytest.mark.parametrize(
+    "simulate", [lambda w: simulate_contiguous(w, 64), lambda w: simulate_paged(w, 4, 16)]
+)
 def test_a_request_that_can_never_fit_is_refused_up_front(simulate) -> None:
     with pytest.raises(ValueError, match="request 7 may need 65 slots"):
         simulate([req(0, 1, 1, 8), req(7, 1, 1, 65)])

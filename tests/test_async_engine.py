@@ -1,8 +1,10 @@
-"""Chapter 08's AsyncEngine, without HTTP: one engine thread, an inbox of functions, per-request queues.
+"""Chapter 08's AsyncEngine, without HTTP: one engine thread, an inbox of functions, per-request
+queues.
 
-Streams carry exactly the offline engine's text, in whole characters; a bad request is refused at the door
-and leaves the engine as it was; an abort takes effect within one step; a failing engine ends every stream
-with EngineDeadError and refuses new work; close() frees every block and leaves no thread behind.
+Streams carry exactly the offline engine's text, in whole characters; a bad request is refused at
+the door and leaves the engine as it was; an abort takes effect within one step; a failing engine
+ends every stream with EngineDeadError and refuses new work; close() frees every block and leaves no
+thread behind.
 """
 
 from __future__ import annotations
@@ -12,13 +14,19 @@ import threading
 
 import pytest
 
-from minivllm.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.sequence import SamplingParams
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sched.sequence import SamplingParams
+from minivllm.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo!", "HAMLET:\nTo be, or not to be", "First Citizen:\n"]
+PROMPTS = [
+    "ROMEO:\n",
+    "JULIET:\nO Romeo, Romeo!",
+    "HAMLET:\nTo be, or not to be",
+    "First Citizen:\n",
+]
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
@@ -39,7 +47,9 @@ async def texts(stream: RequestStream) -> dict[int, tuple[str, tuple[int, ...], 
 
 
 def engine_state(engine: AsyncEngine) -> tuple:
-    return engine.call(lambda e: (len(e.trace), e.manager.allocator.num_used, e.has_unfinished(), e._next_id))
+    return engine.call(
+        lambda e: (len(e.trace), e.manager.allocator.num_used, e.has_unfinished(), e._next_id)
+    )
 
 
 def test_streams_carry_the_offline_engines_output(engine: AsyncEngine, target) -> None:
@@ -62,22 +72,30 @@ def test_deltas_are_whole_characters(target) -> None:
     forced = list(text.encode("utf-8"))
     llm = LLMEngine(target)
     llm.runner.sample = lambda plan, sequences, logits: {  # the model "says" the bytes of `text`
-        i: forced[sequences[i].num_output_tokens] for i in plan.sampling_seq_ids}
+        i: forced[sequences[i].num_output_tokens] for i in plan.sampling_seq_ids
+    }
 
     async def main():
-        stream = await async_engine.add_request("x", SamplingParams(max_tokens=len(forced), ignore_eos=True))
+        stream = await async_engine.add_request(
+            "x", SamplingParams(max_tokens=len(forced), ignore_eos=True)
+        )
         async with stream:
             return [delta async for delta in stream]
 
     with AsyncEngine(llm) as async_engine:
         deltas = asyncio.run(main())
     assert [d.text for d in deltas] == ["a", "", "é", "", "", "❤", "", "", "", "𝄞", "!"]
-    assert [t for d in deltas for t in d.token_ids] == forced and deltas[-1].finish_reason == "length"
+    assert [t for d in deltas for t in d.token_ids] == forced and deltas[
+        -1
+    ].finish_reason == "length"
 
 
 def test_a_bad_request_is_refused_and_changes_nothing(engine: AsyncEngine) -> None:
     before = engine_state(engine)
-    for prompts in ("x" * 600, ["ROMEO:", "x" * 600]):  # the second: the good prompt is not added either
+    for prompts in (
+        "x" * 600,
+        ["ROMEO:", "x" * 600],
+    ):  # the second: the good prompt is not added either
         with pytest.raises(ValueError, match="exceeds the model's context"):
             asyncio.run(engine.add_request(prompts, GREEDY))
     with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):
@@ -94,20 +112,25 @@ def test_an_abort_takes_effect_within_one_step(engine: AsyncEngine) -> None:
         gate.wait(30)
 
     async def main():
-        stream = await engine.add_request("ROMEO:\n", SamplingParams(max_tokens=400, ignore_eos=True))
+        stream = await engine.add_request(
+            "ROMEO:\n", SamplingParams(max_tokens=400, ignore_eos=True)
+        )
         await anext(stream)  # it is running
         engine.submit(hold)  # hold the engine thread between two steps...
         assert holding.wait(30)
         steps = len(engine.engine.trace)  # (stable: the engine thread is waiting)
         stream.abort()  # ...queue the abort behind that, and let go
         gate.set()
-        freed = await engine.acall(lambda e: (stream.request_ids[0] in e.scheduler.sequences,
-                                              e.manager.allocator.num_used))
+        freed = await engine.acall(
+            lambda e: (stream.request_ids[0] in e.scheduler.sequences, e.manager.allocator.num_used)
+        )
         return stream.request_ids[0], steps, freed
 
     request_id, steps, freed = asyncio.run(main())
     assert freed == (False, 0)
-    after = [r for r in engine.trace()[steps:] if request_id in r.decoded or request_id in r.running]
+    after = [
+        r for r in engine.trace()[steps:] if request_id in r.decoded or request_id in r.running
+    ]
     assert len(after) <= 1  # at most the step that started before the abort reached the engine
 
 
@@ -125,7 +148,9 @@ def test_a_failing_engine_ends_every_stream_and_refuses_new_work(target) -> None
     async_engine = AsyncEngine(llm)
 
     async def main():
-        stream = await async_engine.add_request(PROMPTS, SamplingParams(max_tokens=50, temperature=0))
+        stream = await async_engine.add_request(
+            PROMPTS, SamplingParams(max_tokens=50, temperature=0)
+        )
         with pytest.raises(EngineDeadError, match="boom"):
             await texts(stream)
         with pytest.raises(EngineDeadError, match="boom"):
@@ -133,7 +158,9 @@ def test_a_failing_engine_ends_every_stream_and_refuses_new_work(target) -> None
 
     asyncio.run(main())
     assert not async_engine.is_alive and "boom" in str(async_engine.error)
-    assert async_engine.trace() and "minivllm:num_requests_running" in asyncio.run(async_engine.render_metrics())
+    assert async_engine.trace() and "minivllm:num_requests_running" in asyncio.run(
+        async_engine.render_metrics()
+    )
     async_engine.close()
     assert set(threading.enumerate()) == threads
 
@@ -143,7 +170,9 @@ def test_close_aborts_what_runs_and_leaves_no_thread(target) -> None:
     async_engine = AsyncEngine(LLMEngine(target, EngineConfig(num_blocks=64)))
 
     async def main():
-        stream = await async_engine.add_request("ROMEO:\n", SamplingParams(max_tokens=400, ignore_eos=True))
+        stream = await async_engine.add_request(
+            "ROMEO:\n", SamplingParams(max_tokens=400, ignore_eos=True)
+        )
         await anext(stream)
         await asyncio.get_running_loop().run_in_executor(None, async_engine.close)
         with pytest.raises(EngineDeadError, match="closed"):

@@ -9,17 +9,32 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minivllm.block_allocator import BlockAllocator, BlockManager, OutOfBlocks, SequenceTooLong, block_hash
+from minivllm.kv.block_manager import (
+    BlockAllocator,
+    BlockManager,
+    OutOfBlocks,
+    SequenceTooLong,
+    block_hash,
+)
 
 
 def snapshot(m: BlockManager) -> tuple:
     a = m.allocator
-    return (list(a.free_list), list(a.refcounts), copy.deepcopy(m.tables), list(a.hashes), dict(a.cached))
+    return (
+        list(a.free_list),
+        list(a.refcounts),
+        copy.deepcopy(m.tables),
+        list(a.hashes),
+        dict(a.cached),
+    )
 
 
 # -- BlockAllocator ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, field", [((0, 4), "num_blocks"), ((8, 0), "block_size"), ((-1, 4), "num_blocks")])
+
+@pytest.mark.parametrize(
+    "args, field", [((0, 4), "num_blocks"), ((8, 0), "block_size"), ((-1, 4), "num_blocks")]
+)
 def test_allocator_validates_its_sizes(args: tuple, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         BlockAllocator(*args)
@@ -62,9 +77,24 @@ def test_allocator_errors_are_loud() -> None:
 
 # -- blocks_needed (exercise ch03.1) -------------------------------------------------------------------
 
+
 @pytest.mark.exercise("ch03.1")
-@pytest.mark.parametrize("now, extra, want", [
-    (5, 3, 0), (5, 4, 1), (0, 0, 0), (0, 1, 1), (0, 4, 1), (0, 5, 2), (4, 1, 1), (4, 0, 0), (3, 9, 2), (3, 10, 3), (8, 8, 2)])
+@pytest.mark.parametrize(
+    "now, extra, want",
+    [
+        (5, 3, 0),
+        (5, 4, 1),
+        (0, 0, 0),
+        (0, 1, 1),
+        (0, 4, 1),
+        (0, 5, 2),
+        (4, 1, 1),
+        (4, 0, 0),
+        (3, 9, 2),
+        (3, 10, 3),
+        (8, 8, 2),
+    ],
+)
 def test_blocks_needed_is_lazy(now: int, extra: int, want: int) -> None:
     assert BlockManager(16, 4).blocks_needed(now, extra) == want
 
@@ -81,6 +111,7 @@ def test_append_grows_only_when_the_slack_runs_out() -> None:
 
 
 # -- block tables --------------------------------------------------------------------------------------
+
 
 def test_allocate_append_free_and_slot_mapping() -> None:
     m = BlockManager(8, 4)
@@ -118,7 +149,9 @@ def test_out_of_blocks_is_transactional() -> None:
 
 def test_a_sequence_bigger_than_the_pool_can_never_fit() -> None:
     m = BlockManager(4, 2)
-    with pytest.raises(SequenceTooLong, match="needs 5 blocks but the pool only has 4: it can never fit"):
+    with pytest.raises(
+        SequenceTooLong, match="needs 5 blocks but the pool only has 4: it can never fit"
+    ):
         m.allocate(0, 9)
     m.allocate(0, 8)
     before = snapshot(m)
@@ -141,6 +174,7 @@ def test_fork_shares_every_block() -> None:
 
 
 # -- copy-on-write (exercise ch03.2) -------------------------------------------------------------------
+
 
 @pytest.mark.exercise("ch03.2")
 def test_write_to_an_unshared_block_is_in_place() -> None:
@@ -185,10 +219,15 @@ def test_write_checks_the_position() -> None:
 
 # -- prefix caching ------------------------------------------------------------------------------------
 
+
 def test_block_hash_is_deterministic_and_chained() -> None:
-    assert block_hash(None, [1, 2]) == block_hash(None, [1, 2]) and len(block_hash(None, [1, 2])) == 32
+    assert (
+        block_hash(None, [1, 2]) == block_hash(None, [1, 2]) and len(block_hash(None, [1, 2])) == 32
+    )
     assert block_hash(None, [1, 2]) != block_hash(None, [2, 1])
-    assert block_hash(block_hash(None, [1, 2]), [3, 4]) != block_hash(block_hash(None, [9, 9]), [3, 4])
+    assert block_hash(block_hash(None, [1, 2]), [3, 4]) != block_hash(
+        block_hash(None, [9, 9]), [3, 4]
+    )
 
 
 def test_prefix_cache_hits_shared_full_blocks() -> None:
@@ -229,7 +268,9 @@ def test_prefix_cache_out_of_blocks_is_transactional() -> None:
     m.free(0)  # blocks 0, 1 free but named
     m.allocate(1, 1)  # takes block 1 (LIFO top), clearing its name
     before = snapshot(m)
-    with pytest.raises(OutOfBlocks) as err:  # hits block 0, then needs 2 new blocks; 1 would be left
+    with pytest.raises(
+        OutOfBlocks
+    ) as err:  # hits block 0, then needs 2 new blocks; 1 would be left
         m.allocate_cached(2, [1, 2, 5, 6, 7])
     assert (err.value.needed, err.value.free) == (2, 1)
     assert snapshot(m) == before
@@ -250,7 +291,12 @@ def scrambled() -> BlockManager:
     m.allocate(1, 3)
     m.append(0, 7)
     m.allocate(2, 1)
-    assert (m.tables[0].blocks, m.tables[1].blocks, m.tables[2].blocks, m.num_free) == ([0, 1, 3, 4], [2], [5], 4)
+    assert (m.tables[0].blocks, m.tables[1].blocks, m.tables[2].blocks, m.num_free) == (
+        [0, 1, 3, 4],
+        [2],
+        [5],
+        4,
+    )
     return m
 
 
@@ -261,7 +307,12 @@ def test_truncate_frees_exactly_the_tail_blocks() -> None:
     assert m.tables[0].blocks == [0, 1] and m.num_tokens(0) == 5 and m.num_free == 6
     assert [m.allocator.refcount(b) for b in range(6)] == [1, 1, 1, 0, 0, 1]
     assert sorted(m.allocator.free_list) == [3, 4, 6, 7, 8, 9]
-    assert (m.tables[1].blocks, m.num_tokens(1), m.tables[2].blocks, m.num_tokens(2)) == ([2], 3, [5], 1)
+    assert (m.tables[1].blocks, m.num_tokens(1), m.tables[2].blocks, m.num_tokens(2)) == (
+        [2],
+        3,
+        [5],
+        1,
+    )
     assert m.slot_mapping(0, [4]) == [4]
     with pytest.raises(IndexError, match="position 5 is outside"):
         m.slot_mapping(0, [5])
@@ -314,7 +365,9 @@ def test_truncate_refuses_what_it_cannot_do_and_changes_nothing() -> None:
     m.truncate(0, 9)  # a good one first
     before = snapshot(m)
     for bad in (-1, 10, 14):  # below 0, beyond what it holds now, beyond what it ever held
-        with pytest.raises(ValueError, match=f"cannot truncate sequence 0 to {bad} tokens: it holds 9"):
+        with pytest.raises(
+            ValueError, match=f"cannot truncate sequence 0 to {bad} tokens: it holds 9"
+        ):
             m.truncate(0, bad)
         assert snapshot(m) == before
     with pytest.raises(KeyError, match="no block table"):
@@ -326,7 +379,9 @@ def test_truncate_refuses_what_it_cannot_do_and_changes_nothing() -> None:
 def test_truncate_never_cuts_into_named_prefix_cache_blocks() -> None:
     m = BlockManager(8, 4)
     m.allocate_cached(0, list(range(10)))  # blocks [0, 1, 2]; the full ones, 0 and 1, are named
-    m.allocate_cached(1, list(range(10)))  # shares 0 and 1 through the prefix cache, its own block 3
+    m.allocate_cached(
+        1, list(range(10))
+    )  # shares 0 and 1 through the prefix cache, its own block 3
     assert m.tables[1].blocks == [0, 1, 3]
     before = snapshot(m)
     for bad in (0, 4, 7):
@@ -348,14 +403,23 @@ def test_truncate_of_shared_blocks_only_drops_a_reference() -> None:
     m.truncate(1, 4)
     assert m.tables[1].blocks == [0] and m.num_tokens(1) == 4
     assert m.tables[0].blocks == [0, 1, 2] and m.num_tokens(0) == 10  # the parent keeps its tokens
-    assert [m.allocator.refcount(b) for b in range(3)] == [2, 1, 1] and m.num_free == 5  # nothing freed
+    assert [m.allocator.refcount(b) for b in range(3)] == [
+        2,
+        1,
+        1,
+    ] and m.num_free == 5  # nothing freed
     m.truncate(0, 4)  # now the last holder lets go
     assert [m.allocator.refcount(b) for b in range(3)] == [2, 0, 0] and m.num_free == 7
-    m.append(1, 1)  # 5 tokens: a block of its own (block 1, on top of the stack); block 0 stays shared
-    assert m.tables[1].blocks == [0, 1] and m.write(1, 4) == (1, None) and m.allocator.refcount(0) == 2
+    m.append(
+        1, 1
+    )  # 5 tokens: a block of its own (block 1, on top of the stack); block 0 stays shared
+    assert (
+        m.tables[1].blocks == [0, 1] and m.write(1, 4) == (1, None) and m.allocator.refcount(0) == 2
+    )
 
 
 # -- property test: long random sequences of operations on a tiny pool ---------------------------------
+
 
 class CacheMachine(RuleBasedStateMachine):
     """Random allocate / append / fork / write / truncate / free / prefix hits on 8 blocks, against a toy storage.
@@ -412,7 +476,9 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.m.tables[s].num_tokens for s in self.written))
     @rule(data=st.data(), value=st.integers())
     def write(self, data, value: int) -> None:
-        seq = data.draw(st.sampled_from([s for s in sorted(self.written) if self.m.tables[s].num_tokens]))
+        seq = data.draw(
+            st.sampled_from([s for s in sorted(self.written) if self.m.tables[s].num_tokens])
+        )
         pos = data.draw(st.integers(0, self.m.tables[seq].num_tokens - 1))
         result: list = []
         if self._guarded(lambda: result.append(self.m.write(seq, pos))):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minivllm.checkpoint import CheckpointError, load_model, save_checkpoint
-from minivllm.model import ModelConfig, Transformer, init_weights
+from minivllm.model.checkpoint import CheckpointError, load_model, save_checkpoint
+from minivllm.model.transformer import ModelConfig, Transformer, init_weights
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=32)
 
@@ -34,8 +34,13 @@ def test_files_use_hugging_face_names_and_config(saved):
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["num_key_value_heads"] == 2 and config["hidden_size"] == 32
     names = set(load_file(str(folder / "model.safetensors")))
-    assert {"model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight",
-            "model.layers.0.mlp.gate_proj.weight", "model.norm.weight", "lm_head.weight"} <= names
+    assert {
+        "model.embed_tokens.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    } <= names
 
 
 def _rewrite(folder, change):
@@ -47,21 +52,28 @@ def _rewrite(folder, change):
 def test_missing_tensor_is_named(saved):
     _, folder = saved
     _rewrite(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"
+    ):
         load_model(folder)
 
 
 def test_unexpected_tensor_is_named(saved):
     _, folder = saved
     _rewrite(folder, lambda t: t.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(1)}))
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.2\.mlp\.up_proj\.weight'"):
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensor 'model\.layers\.2\.mlp\.up_proj\.weight'"
+    ):
         load_model(folder)
 
 
 def test_misshaped_tensor_is_named_with_both_shapes(saved):
     _, folder = saved
     _rewrite(folder, lambda t: t.update({"lm_head.weight": torch.zeros(10, 32)}))
-    with pytest.raises(CheckpointError, match=r"'lm_head\.weight' has shape \(10, 32\), the config needs \(259, 32\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'lm_head\.weight' has shape \(10, 32\), the config needs \(259, 32\)",
+    ):
         load_model(folder)
 
 
@@ -93,6 +105,6 @@ def test_shipped_models_load_and_have_their_model_card(name):
 
 
 def model_folder(name):
-    from minivllm.checkpoint import WEIGHTS_DIR
+    from minivllm.model.checkpoint import WEIGHTS_DIR
 
     return WEIGHTS_DIR / name

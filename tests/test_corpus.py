@@ -3,8 +3,8 @@
 import hashlib
 import json
 
-from minivllm import corpus
-from minivllm.checkpoint import WEIGHTS_DIR
+from minivllm.model.checkpoint import WEIGHTS_DIR
+from minivllm.training import corpus
 
 MARKDOWN = """# Macbeth
 

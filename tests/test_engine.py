@@ -1,9 +1,10 @@
 """Chapter 04: the engine -- scheduler, paged cache and model runner, connected.
 
-With the shipped target model: greedy output is the contiguous-cache generator's output; every request's
-tokens are the same in a 32-request batch (chunked prefill, mixed decodes) as alone; bad requests are
-refused at the door and change nothing; abort and early-stopped streams give their blocks back; the trace
-tells the whole story and survives a JSON round trip; prefix caching changes the work, not the tokens.
+With the shipped target model: greedy output is the contiguous-cache generator's output; every
+request's tokens are the same in a 32-request batch (chunked prefill, mixed decodes) as alone; bad
+requests are refused at the door and change nothing; abort and early-stopped streams give their
+blocks back; the trace tells the whole story and survives a JSON round trip; prefix caching changes
+the work, not the tokens.
 
 The tests marked ch04.3 grade `build_batch` on hand-made plans and need no model at all.
 """
@@ -15,14 +16,17 @@ import copy
 import pytest
 import torch
 
-from minivllm.block_allocator import BlockManager
-from minivllm.engine import LLM, EngineConfig, LLMEngine, RequestOutput
-from minivllm.kv_cache import ContiguousKVCache, generate_cached
-from minivllm.model_runner import build_batch
-from minivllm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
-from minivllm.sequence import SamplingParams, Sequence
-from minivllm.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
-from minivllm.trace import read_jsonl, write_jsonl
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLM, LLMEngine
+from minivllm.engine.outputs import RequestOutput
+from minivllm.engine.trace import read_jsonl, write_jsonl
+from minivllm.kv.block_manager import BlockManager
+from minivllm.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from minivllm.runner.batch import build_batch
+from minivllm.sched.plan import ScheduledChunk, StepPlan
+from minivllm.sched.scheduler import Scheduler, SchedulerConfig
+from minivllm.sched.sequence import SamplingParams, Sequence
+from minivllm.stages.contiguous import ContiguousKVCache, generate_cached
 
 tok = ByteTokenizer()
 
@@ -30,7 +34,8 @@ LINES = [
     "ROMEO:",
     "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
     "First Citizen:\nBefore we proceed any further, hear me speak.",
-    "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;",
+    "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun of "
+    "York;",
     "To be",
     "\n",
     "HAMLET:",
@@ -41,11 +46,20 @@ LINES = [
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def make_engine(model, num_blocks: int = 128, block_size: int = 16, seed: int = 0, **scheduler) -> LLMEngine:
+def make_engine(
+    model, num_blocks: int = 128, block_size: int = 16, seed: int = 0, **scheduler
+) -> LLMEngine:
     scheduler.setdefault("max_num_seqs", 32)
     scheduler.setdefault("max_num_batched_tokens", 64)
-    return LLMEngine(model, EngineConfig(num_blocks=num_blocks, block_size=block_size, seed=seed,
-                                         scheduler=SchedulerConfig(**scheduler)))
+    return LLMEngine(
+        model,
+        EngineConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            seed=seed,
+            scheduler=SchedulerConfig(**scheduler),
+        ),
+    )
 
 
 def run_all(engine: LLMEngine) -> dict[int, RequestOutput]:
@@ -62,7 +76,8 @@ def assert_pool_empty(engine: LLMEngine) -> None:
     assert not any(engine.manager.allocator.refcounts) and not engine.has_unfinished()
 
 
-# -- build_batch (ch04.3): no model needed -----------------------------------------------------------------------
+# -- build_batch (ch04.3): no model needed
+# -----------------------------------------------------------------------
 
 
 def hand_made_plan() -> tuple[StepPlan, dict[int, Sequence], BlockManager]:
@@ -80,8 +95,14 @@ def hand_made_plan() -> tuple[StepPlan, dict[int, Sequence], BlockManager]:
     manager.allocate(10, 6)  # blocks [1, 0]
     manager.allocate(11, 7)  # blocks [2, 3]: slots for the chunk's positions 3..6
     manager.allocate(12, 3)  # block [4]
-    plan = StepPlan(1, (ScheduledChunk(10, 5, 1, False, True), ScheduledChunk(11, 3, 4, True, False),
-                        ScheduledChunk(12, 0, 3, True, True)))
+    plan = StepPlan(
+        1,
+        (
+            ScheduledChunk(10, 5, 1, False, True),
+            ScheduledChunk(11, 3, 4, True, False),
+            ScheduledChunk(12, 0, 3, True, True),
+        ),
+    )
     return plan, {10: a, 11: b, 12: c}, manager
 
 
@@ -92,16 +113,27 @@ def test_build_batch_flattens_a_hand_made_plan() -> None:
     batch = build_batch(plan, sequences, manager)
     assert batch.input_ids.tolist() == [5, 22, 23, 24, 25, BOS_ID, 40, 41]
     assert batch.positions.tolist() == [5, 3, 4, 5, 6, 0, 1, 2]
-    # position 5 of A: logical block 1 -> physical block 0, offset 1; B crosses from block 2 into block 3.
+    # position 5 of A: logical block 1 -> physical block 0, offset 1; B crosses from block 2 into
+    # block 3.
     assert batch.slot_mapping.tolist() == [1, 11, 12, 13, 14, 16, 17, 18]
     assert batch.query_start.tolist() == [0, 1, 5, 8]
     assert batch.context_lens.tolist() == [6, 7, 3]
     assert batch.block_tables.tolist() == [[1, 0], [2, 3], [4, 0]]
     assert batch.num_decodes == 1 and batch.num_seqs == 3 and batch.num_tokens == 8
-    assert batch.logits_indices.tolist() == [0, 7]  # B's chunk does not reach its end: no token from it
+    assert batch.logits_indices.tolist() == [
+        0,
+        7,
+    ]  # B's chunk does not reach its end: no token from it
     assert batch.block_size == 4
-    for t in (batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start, batch.context_lens,
-              batch.block_tables, batch.logits_indices):
+    for t in (
+        batch.input_ids,
+        batch.positions,
+        batch.slot_mapping,
+        batch.query_start,
+        batch.context_lens,
+        batch.block_tables,
+        batch.logits_indices,
+    ):
         assert t.dtype == torch.long
 
 
@@ -109,13 +141,28 @@ def test_build_batch_flattens_a_hand_made_plan() -> None:
 def test_build_batch_of_decodes_only_and_of_one_prefill() -> None:
     plan, sequences, manager = hand_made_plan()
     decodes = build_batch(StepPlan(2, plan.chunks[:1]), sequences, manager)
-    assert (decodes.input_ids.tolist(), decodes.positions.tolist(), decodes.slot_mapping.tolist()) == ([5], [5], [1])
-    assert (decodes.query_start.tolist(), decodes.context_lens.tolist(), decodes.num_decodes) == ([0, 1], [6], 1)
+    assert (
+        decodes.input_ids.tolist(),
+        decodes.positions.tolist(),
+        decodes.slot_mapping.tolist(),
+    ) == ([5], [5], [1])
+    assert (decodes.query_start.tolist(), decodes.context_lens.tolist(), decodes.num_decodes) == (
+        [0, 1],
+        [6],
+        1,
+    )
     assert decodes.logits_indices.tolist() == [0] and decodes.block_tables.tolist() == [[1, 0]]
     prefill = build_batch(StepPlan(2, plan.chunks[2:]), sequences, manager)
-    assert (prefill.input_ids.tolist(), prefill.positions.tolist(), prefill.slot_mapping.tolist()) == (
-        [BOS_ID, 40, 41], [0, 1, 2], [16, 17, 18])
-    assert (prefill.query_start.tolist(), prefill.context_lens.tolist(), prefill.num_decodes) == ([0, 3], [3], 0)
+    assert (
+        prefill.input_ids.tolist(),
+        prefill.positions.tolist(),
+        prefill.slot_mapping.tolist(),
+    ) == ([BOS_ID, 40, 41], [0, 1, 2], [16, 17, 18])
+    assert (prefill.query_start.tolist(), prefill.context_lens.tolist(), prefill.num_decodes) == (
+        [0, 3],
+        [3],
+        0,
+    )
     assert prefill.logits_indices.tolist() == [2]
 
 
@@ -152,7 +199,9 @@ def test_greedy_engine_matches_the_contiguous_cache_generator(target) -> None:
     engine = make_engine(target, max_num_batched_tokens=32)  # several prompts are chunked
     outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0))
     for prompt, out in zip(prompts, outs):
-        want = generate_cached(target, prompt, 40, ContiguousKVCache(target.config, "preallocate", 512), eos_id=EOS_ID)
+        want = generate_cached(
+            target, prompt, 40, ContiguousKVCache(target.config, "preallocate", 512), eos_id=EOS_ID
+        )
         assert out.token_ids == want, f"prompt {tok.decode(prompt)!r}"
         assert out.prompt_token_ids == prompt and out.finished
         assert out.finish_reason == ("stop" if want[-1] == EOS_ID else "length")
@@ -176,8 +225,16 @@ def workload(mode: str) -> tuple[list[str], list[SamplingParams]]:
             params.append(SamplingParams(max_tokens=4 + (i * 7) % 13, temperature=0, stop=stop))
         else:  # every fourth request brings no seed: the engine derives one from its own seed and the request id
             seed = None if i % 4 == 3 else 1000 + i
-            params.append(SamplingParams(max_tokens=4 + (i * 7) % 13, temperature=0.8, top_p=0.9, top_k=50,
-                                         seed=seed, stop=stop))
+            params.append(
+                SamplingParams(
+                    max_tokens=4 + (i * 7) % 13,
+                    temperature=0.8,
+                    top_p=0.9,
+                    top_k=50,
+                    seed=seed,
+                    stop=stop,
+                )
+            )
     return prompts, params
 
 
@@ -186,12 +243,16 @@ def test_a_requests_tokens_do_not_depend_on_the_batch(target, mode: str) -> None
     prompts, params = workload(mode)
     engine = make_engine(target, num_blocks=256, max_num_seqs=32, max_num_batched_tokens=64)
     batch = engine.generate(prompts, params)
-    assert any(len(r.prefilled) > 1 for r in engine.trace)  # prefill chunks of several requests in one step
+    assert any(
+        len(r.prefilled) > 1 for r in engine.trace
+    )  # prefill chunks of several requests in one step
     assert any(r.decoded and r.prefilled for r in engine.trace)  # decodes mixed with prefill chunks
     assert max(len(r.running) for r in engine.trace) > 8
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         alone = make_engine(target, num_blocks=64, max_num_batched_tokens=64)
-        alone.add_request(prompt, p, request_id=i)  # the same id: an unseeded request derives the same seed
+        alone.add_request(
+            prompt, p, request_id=i
+        )  # the same id: an unseeded request derives the same seed
         (out,) = run_all(alone).values()
         assert batch[i].token_ids == out.token_ids and batch[i].text == out.text, f"request {i}"
         assert batch[i].finish_reason == out.finish_reason
@@ -210,7 +271,8 @@ def test_seeds_decide_sampled_tokens(target) -> None:
     assert x.token_ids == z.token_ids and x.token_ids != y.token_ids
 
 
-# -- bad requests ----------------------------------------------------------------------------------------------
+# -- bad requests
+# ----------------------------------------------------------------------------------------------
 
 GOOD, GOOD_PARAMS = "ROMEO:", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -222,34 +284,91 @@ def good_tokens(target) -> list[int]:
 
 BAD = {
     "empty token list": (lambda e: e.add_request([], GOOD_PARAMS), ValueError, "prompt is empty"),
-    "max_tokens 0": (lambda e: e.add_request(GOOD, SamplingParams(max_tokens=0)), ValueError, "max_tokens"),
-    "max_tokens -3": (lambda e: e.add_request(GOOD, SamplingParams(max_tokens=-3)), ValueError, "max_tokens"),
-    "temperature < 0": (lambda e: e.add_request(GOOD, SamplingParams(temperature=-0.5)), ValueError, "temperature"),
+    "max_tokens 0": (
+        lambda e: e.add_request(GOOD, SamplingParams(max_tokens=0)),
+        ValueError,
+        "max_tokens",
+    ),
+    "max_tokens -3": (
+        lambda e: e.add_request(GOOD, SamplingParams(max_tokens=-3)),
+        ValueError,
+        "max_tokens",
+    ),
+    "temperature < 0": (
+        lambda e: e.add_request(GOOD, SamplingParams(temperature=-0.5)),
+        ValueError,
+        "temperature",
+    ),
     "top_p 0": (lambda e: e.add_request(GOOD, SamplingParams(top_p=0.0)), ValueError, "top_p"),
     "top_p 1.5": (lambda e: e.add_request(GOOD, SamplingParams(top_p=1.5)), ValueError, "top_p"),
-    "past the context": (lambda e: e.add_request("x" * 600, GOOD_PARAMS), ValueError, "context of 512 tokens"),
+    "past the context": (
+        lambda e: e.add_request("x" * 600, GOOD_PARAMS),
+        ValueError,
+        "context of 512 tokens",
+    ),
     "prompt + max_tokens past the context": (
-        lambda e: e.add_request([BOS_ID] * 500, SamplingParams(max_tokens=13)), ValueError, r"= 513 exceeds"),
+        lambda e: e.add_request([BOS_ID] * 500, SamplingParams(max_tokens=13)),
+        ValueError,
+        r"= 513 exceeds",
+    ),
     "more blocks than the cache": (
-        lambda e: e.add_request([65] * 300, SamplingParams(max_tokens=20)), ValueError, "needs 19 KV-cache blocks"),
-    "token id 300": (lambda e: e.add_request([BOS_ID, 300], GOOD_PARAMS), ValueError, "token id 300 .*vocabulary"),
+        lambda e: e.add_request([65] * 300, SamplingParams(max_tokens=20)),
+        ValueError,
+        "needs 19 KV-cache blocks",
+    ),
+    "token id 300": (
+        lambda e: e.add_request([BOS_ID, 300], GOOD_PARAMS),
+        ValueError,
+        "token id 300 .*vocabulary",
+    ),
     "token id -1": (lambda e: e.add_request([BOS_ID, -1], GOOD_PARAMS), ValueError, "token id -1"),
-    "a str among the ids": (lambda e: e.add_request([BOS_ID, "a"], GOOD_PARAMS), TypeError, "list of token ids"),
-    "a bool among the ids": (lambda e: e.add_request([BOS_ID, True], GOOD_PARAMS), TypeError, "list of token ids"),
-    "params is a dict": (lambda e: e.add_request(GOOD, {"max_tokens": 3}), TypeError, "must be a SamplingParams"),
-    "request id in use": (lambda e: e.add_request(GOOD, GOOD_PARAMS, request_id=0), ValueError, "already in use"),
+    "a str among the ids": (
+        lambda e: e.add_request([BOS_ID, "a"], GOOD_PARAMS),
+        TypeError,
+        "list of token ids",
+    ),
+    "a bool among the ids": (
+        lambda e: e.add_request([BOS_ID, True], GOOD_PARAMS),
+        TypeError,
+        "list of token ids",
+    ),
+    "params is a dict": (
+        lambda e: e.add_request(GOOD, {"max_tokens": 3}),
+        TypeError,
+        "must be a SamplingParams",
+    ),
+    "request id in use": (
+        lambda e: e.add_request(GOOD, GOOD_PARAMS, request_id=0),
+        ValueError,
+        "already in use",
+    ),
     "generate checks every prompt before queueing any": (
-        lambda e: e.generate(["fine", "also fine", []], GOOD_PARAMS), ValueError, "prompt is empty"),
+        lambda e: e.generate(["fine", "also fine", []], GOOD_PARAMS),
+        ValueError,
+        "prompt is empty",
+    ),
     "generate with the wrong number of params": (
-        lambda e: e.generate(["a", "b"], [GOOD_PARAMS]), ValueError, "2 prompts but 1 SamplingParams"),
+        lambda e: e.generate(["a", "b"], [GOOD_PARAMS]),
+        ValueError,
+        "2 prompts but 1 SamplingParams",
+    ),
 }
 
 
 def snapshot(engine: LLMEngine) -> tuple:
     s, m = engine.scheduler, engine.manager
-    return ([x.seq_id for x in s.waiting], [x.seq_id for x in s.running], sorted(s.sequences), s.step,
-            m.num_free, copy.deepcopy(m.tables), list(m.allocator.refcounts), engine._next_id, len(engine.trace),
-            [list(x.token_ids) for x in s.sequences.values()])
+    return (
+        [x.seq_id for x in s.waiting],
+        [x.seq_id for x in s.running],
+        sorted(s.sequences),
+        s.step,
+        m.num_free,
+        copy.deepcopy(m.tables),
+        list(m.allocator.refcounts),
+        engine._next_id,
+        len(engine.trace),
+        [list(x.token_ids) for x in s.sequences.values()],
+    )
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -268,11 +387,18 @@ def test_a_bad_request_is_refused_and_changes_nothing(target, good_tokens, case:
     assert engine.add_request(GOOD, GOOD_PARAMS) == 1
 
 
-@pytest.mark.parametrize("num_blocks, prompt_len, max_tokens, ok", [
-    (32, 500, 12, True), (32, 500, 13, False),  # the model's context: 512 tokens
-    (16, 255, 200, True), (16, 256, 16, False),  # the prompt and one new token must fit 16 blocks of 16
-])
-def test_limits_are_exact(target, num_blocks: int, prompt_len: int, max_tokens: int, ok: bool) -> None:
+@pytest.mark.parametrize(
+    "num_blocks, prompt_len, max_tokens, ok",
+    [
+        (32, 500, 12, True),
+        (32, 500, 13, False),  # the model's context: 512 tokens
+        (16, 255, 200, True),
+        (16, 256, 16, False),  # the prompt and one new token must fit 16 blocks of 16
+    ],
+)
+def test_limits_are_exact(
+    target, num_blocks: int, prompt_len: int, max_tokens: int, ok: bool
+) -> None:
     engine = make_engine(target, num_blocks=num_blocks)
     prompt, params = [BOS_ID] + [65] * (prompt_len - 1), SamplingParams(max_tokens=max_tokens)
     if ok:
@@ -283,7 +409,8 @@ def test_limits_are_exact(target, num_blocks: int, prompt_len: int, max_tokens: 
         assert not engine.scheduler.waiting
 
 
-# -- abort, streams ---------------------------------------------------------------------------------------------
+# -- abort, streams
+# ---------------------------------------------------------------------------------------------
 
 
 def test_abort_mid_run_frees_the_blocks_and_spares_the_others(target) -> None:
@@ -311,17 +438,21 @@ def test_abort_mid_run_frees_the_blocks_and_spares_the_others(target) -> None:
 
 def stream_workload() -> tuple[list[str], list[SamplingParams]]:
     prompts = [LINES[1], LINES[3], "ROMEO:", LINES[7] * 2]
-    params = [SamplingParams(max_tokens=40, temperature=0.9, seed=7, stop=["\n"]),
-              SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=8, stop=["the ", "; "]),
-              SamplingParams(max_tokens=25, temperature=0),
-              SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=9)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.9, seed=7, stop=["\n"]),
+        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=8, stop=["the ", "; "]),
+        SamplingParams(max_tokens=25, temperature=0),
+        SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=9),
+    ]
     return prompts, params
 
 
 def test_stream_deltas_concatenate_to_generate(target) -> None:
     prompts, params = stream_workload()
     want = make_engine(target).generate(prompts, params)
-    assert any(o.stop_reason is not None for o in want), "the workload should exercise a stop string"
+    assert any(o.stop_reason is not None for o in want), (
+        "the workload should exercise a stop string"
+    )
     engine = make_engine(target)
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
@@ -332,7 +463,9 @@ def test_stream_deltas_concatenate_to_generate(target) -> None:
         reasons.setdefault(delta.request_id, []).append(delta.finish_reason)
     for i, out in enumerate(want):
         assert texts[i] == out.text and ids[i] == out.token_ids, f"request {i}"
-        assert reasons[i][-1] == out.finish_reason and not any(reasons[i][:-1])  # only the last delta ends it
+        assert reasons[i][-1] == out.finish_reason and not any(
+            reasons[i][:-1]
+        )  # only the last delta ends it
     assert_pool_empty(engine)
 
 
@@ -351,7 +484,10 @@ def test_a_consumer_that_stops_early_leaves_no_blocks_held(target) -> None:
     stream.close()
     assert_pool_empty(engine)
     # The engine is still fine afterwards.
-    assert engine.generate(prompts, params)[2].token_ids == make_engine(target).generate(prompts, params)[2].token_ids
+    assert (
+        engine.generate(prompts, params)[2].token_ids
+        == make_engine(target).generate(prompts, params)[2].token_ids
+    )
 
 
 # -- trace ------------------------------------------------------------------------------------------------------
@@ -360,7 +496,10 @@ def test_a_consumer_that_stops_early_leaves_no_blocks_held(target) -> None:
 def test_the_trace_tells_the_whole_story(target, tmp_path) -> None:
     engine = make_engine(target, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=32)
     prompts = [tok.encode(LINES[i], add_bos=True) for i in range(7)]
-    ids = [engine.add_request(p, SamplingParams(max_tokens=3 + i, temperature=0)) for i, p in enumerate(prompts)]
+    ids = [
+        engine.add_request(p, SamplingParams(max_tokens=3 + i, temperature=0))
+        for i, p in enumerate(prompts)
+    ]
     steps, done = 0, {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -375,12 +514,18 @@ def test_the_trace_tells_the_whole_story(target, tmp_path) -> None:
     write_jsonl(trace, tmp_path / "bare.jsonl", timings=False)
     bare = read_jsonl(tmp_path / "bare.jsonl")
     assert [r.to_dict(timings=False) for r in bare] == [r.to_dict(timings=False) for r in trace]
-    assert all(r.forward_s == 0.0 and r.step_s == 0.0 for r in bare) and all(r.step_s > 0 for r in trace)
+    assert all(r.forward_s == 0.0 and r.step_s == 0.0 for r in bare) and all(
+        r.step_s > 0 for r in trace
+    )
     for r in trace:
-        assert r.blocks_used + r.blocks_free == 32 and (r.blocks_used > 0) == bool(r.running)  # after the step
+        assert r.blocks_used + r.blocks_free == 32 and (r.blocks_used > 0) == bool(
+            r.running
+        )  # after the step
         assert r.num_batched_tokens <= 32 and len(r.running) <= 4
         assert r.num_batched_tokens == len(r.decoded) + sum(n for _, n in r.prefilled)
-        assert not set(r.running) & set(r.waiting) and not {i for i, _ in r.finished} & set(r.running)
+        assert not set(r.running) & set(r.waiting) and not {i for i, _ in r.finished} & set(
+            r.running
+        )
     admitted = [i for r in trace for i in r.admitted]
     finished = [i for r in trace for i, _ in r.finished]
     assert sorted(admitted) == ids and admitted == ids  # each exactly once, first come first served
@@ -391,13 +536,15 @@ def test_the_trace_tells_the_whole_story(target, tmp_path) -> None:
     for i, prompt in zip(ids, prompts):
         assert sum(n for j, n in (p for r in trace for p in r.prefilled) if j == i) == len(prompt)
         assert sum(r.decoded.count(i) for r in trace) == len(done[i].token_ids) - 1
-    assert trace[0].waiting == tuple(ids[len(trace[0].admitted):])  # the queue, in arrival order
+    assert trace[0].waiting == tuple(ids[len(trace[0].admitted) :])  # the queue, in arrival order
     assert trace[-1].running == () and trace[-1].waiting == ()
 
 
-# -- prefix caching -----------------------------------------------------------------------------------------------
+# -- prefix caching
+# -----------------------------------------------------------------------------------------------
 
-PREFIX = "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;\n"
+PREFIX = "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun "
+"of York;\n"
 SUFFIXES = ["And all the clouds", "Now are our brows", "Grim-visaged war", "Our stern alarums"]
 
 
@@ -407,8 +554,12 @@ def test_prefix_caching_changes_the_work_not_the_tokens(target, together: bool) 
     params = SamplingParams(max_tokens=12, temperature=0)
     results = {}
     for caching in (False, True):
-        engine = make_engine(target, num_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=caching)
-        if together:  # all at once: later prompts hit blocks of earlier ones as soon as those are computed
+        engine = make_engine(
+            target, num_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=caching
+        )
+        if (
+            together
+        ):  # all at once: later prompts hit blocks of earlier ones as soon as those are computed
             outs = engine.generate(prompts, params)
         else:  # the first request runs alone, then the rest find its prefix in the cache
             outs = engine.generate(prompts[:1], params) + engine.generate(prompts[1:], params)
@@ -420,19 +571,30 @@ def test_prefix_caching_changes_the_work_not_the_tokens(target, together: bool) 
     full_blocks = (1 + len(PREFIX)) // 16 * 16  # BOS + the shared text, in whole blocks
     if not together:
         assert [o.num_cached_tokens for o in on] == [0] + [full_blocks] * 3
-    assert on[0].num_cached_tokens == 0 and all(0 < o.num_cached_tokens <= full_blocks for o in on[1:])
+    assert on[0].num_cached_tokens == 0 and all(
+        0 < o.num_cached_tokens <= full_blocks for o in on[1:]
+    )
     assert on_hits == sum(o.num_cached_tokens for o in on)
 
 
-# -- the front door ---------------------------------------------------------------------------------------------
+# -- the front door
+# ---------------------------------------------------------------------------------------------
 
 
 def test_llm_front_door(target) -> None:
     llm = LLM(target, num_blocks=32, max_num_seqs=8, max_num_batched_tokens=16)
-    assert llm.engine.config.num_blocks == 32 and llm.engine.config.scheduler.max_num_batched_tokens == 16
+    assert (
+        llm.engine.config.num_blocks == 32
+        and llm.engine.config.scheduler.max_num_batched_tokens == 16
+    )
     (out,) = llm.generate(["ROMEO:"], SamplingParams(max_tokens=8, temperature=0))
-    want = generate_cached(target, tok.encode("ROMEO:", add_bos=True), 8,
-                           ContiguousKVCache(target.config, "preallocate", 512), eos_id=EOS_ID)
+    want = generate_cached(
+        target,
+        tok.encode("ROMEO:", add_bos=True),
+        8,
+        ContiguousKVCache(target.config, "preallocate", 512),
+        eos_id=EOS_ID,
+    )
     assert out.token_ids == want
 
 
@@ -449,7 +611,9 @@ def test_generate_rejects_params_of_the_wrong_type(target) -> None:
 
 
 def test_a_prompt_over_the_budget_without_chunking_is_refused(target) -> None:
-    engine = make_engine(target, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, chunked_prefill=False)
+    engine = make_engine(
+        target, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, chunked_prefill=False
+    )
     with pytest.raises(ValueError, match="chunked prefill is off"):
         engine.add_request("x" * 40, SamplingParams(max_tokens=2))
     assert not engine.has_unfinished()
@@ -458,7 +622,7 @@ def test_a_prompt_over_the_budget_without_chunking_is_refused(target) -> None:
 
 
 def test_the_attention_backend_and_device_are_chosen_and_checked(target) -> None:
-    from minivllm.varlen_attention import TorchPagedAttention
+    from minivllm.attention.torch_backend import TorchPagedAttention
 
     engine = LLMEngine(target, EngineConfig(num_blocks=8))
     expected_device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,13 +3,20 @@
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency: pip install -e '.[dev]'")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is a dev dependency: pip install -e '.[dev]'"
+)
 
-from minivllm.checkpoint import WEIGHTS_DIR, load_model, save_checkpoint  # noqa: E402
-from minivllm.model import ModelConfig, Transformer, init_weights  # noqa: E402
-from minivllm.tokenizer import ByteTokenizer  # noqa: E402
+from minivllm.model.checkpoint import WEIGHTS_DIR, load_model, save_checkpoint  # noqa: E402
+from minivllm.model.tokenizer import ByteTokenizer  # noqa: E402
+from minivllm.model.transformer import ModelConfig, Transformer, init_weights  # noqa: E402
 
-PROMPTS = ["ROMEO:\nBut soft, what light", "First Witch:\nWhen shall we three meet again", "KING:\n", "Café — naïve 🙂"]
+PROMPTS = [
+    "ROMEO:\nBut soft, what light",
+    "First Witch:\nWhen shall we three meet again",
+    "KING:\n",
+    "Café — naïve 🙂",
+]
 
 
 def hf_logits(folder, ids: list[int]) -> torch.Tensor:
@@ -30,7 +37,9 @@ def assert_same_logits(folder, prompts):
 
 
 def test_random_gqa_model_matches(tmp_path):
-    model = Transformer(ModelConfig(d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=96, max_seq_len=64))
+    model = Transformer(
+        ModelConfig(d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=96, max_seq_len=64)
+    )
     init_weights(model, seed=3)
     save_checkpoint(model, tmp_path)
     assert_same_logits(tmp_path, PROMPTS[:2])

@@ -3,11 +3,15 @@
 import pytest
 import torch
 
-from minivllm.checkpoint import load_model
-from minivllm.kv_cache import ContiguousKVCache, cached_causal_mask, generate_cached
-from minivllm.model import ModelConfig, Transformer, init_weights
-from minivllm.naive import generate_naive
-from minivllm.tokenizer import ByteTokenizer
+from minivllm.model.checkpoint import load_model
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.model.transformer import ModelConfig, Transformer, init_weights
+from minivllm.stages.contiguous import (
+    ContiguousKVCache,
+    cached_causal_mask,
+    generate_cached,
+)
+from minivllm.stages.naive import generate_naive
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64)
 STRATEGIES = ["concat", "preallocate"]
@@ -33,14 +37,17 @@ def kv_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def append_all_layers(cache: ContiguousKVCache, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def append_all_layers(
+    cache: ContiguousKVCache, n: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = kv_rows(n, seed)
     for layer in range(SMALL.n_layers):
         cache.append(layer, k + layer, v - layer)
     return k, v
 
 
-# -- ch02.2: the mask -------------------------------------------------------------------------------------
+# -- ch02.2: the mask
+# -------------------------------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch02.2")
@@ -56,7 +63,8 @@ def test_mask_after_cached_tokens_sees_the_whole_history():
     assert cached_causal_mask(7, 1).all()  # a one-token decode sees everything
 
 
-# -- ch02.1: the concat strategy --------------------------------------------------------------------------
+# -- ch02.1: the concat strategy
+# --------------------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch02.1")
@@ -82,7 +90,8 @@ def test_concat_copies_the_whole_history_on_every_append():
     assert cache.used_bytes == cache.reserved_bytes == n * PER_TOKEN
 
 
-# -- preallocate and accounting ---------------------------------------------------------------------------
+# -- preallocate and accounting
+# ---------------------------------------------------------------------------
 
 
 def test_preallocate_copies_nothing_and_reserves_max_len_slots():
@@ -96,7 +105,10 @@ def test_preallocate_copies_nothing_and_reserves_max_len_slots():
 
 
 def test_per_token_bytes_follow_the_dtype():
-    assert ContiguousKVCache(SMALL, "preallocate", dtype=torch.float16).per_token_bytes == PER_TOKEN // 2
+    assert (
+        ContiguousKVCache(SMALL, "preallocate", dtype=torch.float16).per_token_bytes
+        == PER_TOKEN // 2
+    )
     assert ContiguousKVCache(SMALL, "concat").per_token_bytes == PER_TOKEN
 
 
@@ -107,21 +119,28 @@ def test_clear_errors():
     append_all_layers(cache, 3, seed=0)
     with pytest.raises(ValueError, match="4 slots reserved but 5 are needed"):
         cache.append(0, *kv_rows(2, seed=1))
-    with pytest.raises(ValueError, match="every forward pass must append the same tokens to all layers"):
+    with pytest.raises(
+        ValueError, match="every forward pass must append the same tokens to all layers"
+    ):
         cache.append(1, *kv_rows(1, seed=1))  # layer 1 before layer 0
     cache.append(0, *kv_rows(1, seed=1))
-    with pytest.raises(ValueError, match="every forward pass must append the same tokens to all layers"):
+    with pytest.raises(
+        ValueError, match="every forward pass must append the same tokens to all layers"
+    ):
         cache.append(1, *kv_rows(2, seed=1))  # a different number of tokens than layer 0
     with pytest.raises(ValueError, match="every forward pass"):
         cache.append(0, *kv_rows(1, seed=1))  # layer 0 again before layer 1 finished the pass
 
 
-# -- the cache inside the model ---------------------------------------------------------------------------
+# -- the cache inside the model
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_decode_logits_match_a_full_forward(small, strategy):
-    ids = torch.randint(0, SMALL.vocab_size, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.randint(
+        0, SMALL.vocab_size, (20,), generator=torch.Generator().manual_seed(4)
+    ).tolist()
     cache = ContiguousKVCache(SMALL, strategy)
     with torch.no_grad():
         logits = small(torch.tensor(ids[:5]), torch.arange(5), cache)
@@ -188,4 +207,6 @@ def test_seeded_sampling_equals_naive_on_the_target(target):
     assert expected != generate_naive(target, prompt, NEW_TOKENS)  # really sampled, not greedy
     for strategy in STRATEGIES:
         cache = ContiguousKVCache(target.config, strategy, max_len=128)
-        assert generate_cached(target, prompt, NEW_TOKENS, cache, temperature=0.8, seed=3) == expected, strategy
+        assert (
+            generate_cached(target, prompt, NEW_TOKENS, cache, temperature=0.8, seed=3) == expected
+        ), strategy

@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from minivllm.metrics import Counter, Gauge, Histogram, ServingMetrics, format_labels, format_value, render
+from minivllm.serving.metrics import (
+    Counter,
+    Gauge,
+    Histogram,
+    ServingMetrics,
+    format_labels,
+    format_value,
+    render,
+)
 
 
 def test_counter_gauge_and_histogram_text() -> None:
@@ -25,7 +33,8 @@ def test_counter_gauge_and_histogram_text() -> None:
         'minivllm:wait_seconds_bucket{le="0.1"} 2\n'  # cumulative, and a bound is inclusive (<=)
         'minivllm:wait_seconds_bucket{le="1"} 3\n'
         'minivllm:wait_seconds_bucket{le="+Inf"} 4\n'
-        "minivllm:wait_seconds_sum 3.65\nminivllm:wait_seconds_count 4\n")
+        "minivllm:wait_seconds_sum 3.65\nminivllm:wait_seconds_count 4\n"
+    )
 
 
 def test_values_and_labels_are_escaped() -> None:
@@ -49,8 +58,11 @@ def test_serving_metrics_parse_back_with_prometheus_client() -> None:
     metrics.tokens(2, since_last=0.02)
     metrics.finished("length", 0.2)
     metrics.preemptions.inc(2)
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in parser.text_string_to_metric_families(metrics.render()) for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in parser.text_string_to_metric_families(metrics.render())
+        for s in family.samples
+    }
     assert samples[("minivllm:num_requests_running", ())] == 3
     assert samples[("minivllm:kv_cache_usage_perc", ())] == 0.5
     assert samples[("minivllm:num_preemptions_total", ())] == 2

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from minivllm.model import (
+from minivllm.model.transformer import (
     CausalAttention,
     ModelConfig,
     RMSNorm,
@@ -56,15 +56,23 @@ def test_seam_receives_rotated_qkv_for_every_layer_in_order(model):
     seam = RecordingAttention()
     model(torch.arange(7), attention=seam)
     hd = SMALL.head_dim
-    assert seam.calls == [(layer, (7, 8, hd), (7, 2, hd), (7, 2, hd)) for layer in range(SMALL.n_layers)]
+    assert seam.calls == [
+        (layer, (7, 8, hd), (7, 2, hd), (7, 2, hd)) for layer in range(SMALL.n_layers)
+    ]
 
 
 def test_default_attention_equals_the_written_out_reference(model):
     """CausalAttention (fused SDPA with GQA) against plain softmax attention with a causal mask."""
     g = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(6, 8, 16, generator=g), torch.randn(6, 2, 16, generator=g), torch.randn(6, 2, 16, generator=g)
+    q, k, v = (
+        torch.randn(6, 8, 16, generator=g),
+        torch.randn(6, 2, 16, generator=g),
+        torch.randn(6, 2, 16, generator=g),
+    )
     mask = torch.ones(6, 6, dtype=torch.bool).tril()
-    torch.testing.assert_close(CausalAttention()(0, q, k, v), attention_reference(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        CausalAttention()(0, q, k, v), attention_reference(q, k, v, mask), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_grouped_query_heads_share_kv_heads_in_blocks():
@@ -116,10 +124,14 @@ def test_rope_rotates_pairs_i_and_i_plus_half():
     cos, sin = rope_cos_sin(torch.tensor([1]), 4, 10000.0)
     out = apply_rope(x, cos, sin)[0, 0]
     a, b = 1.0, 0.01
-    expected = torch.tensor([
-        1 * math.cos(a) - 3 * math.sin(a), 2 * math.cos(b) - 4 * math.sin(b),
-        3 * math.cos(a) + 1 * math.sin(a), 4 * math.cos(b) + 2 * math.sin(b),
-    ])
+    expected = torch.tensor(
+        [
+            1 * math.cos(a) - 3 * math.sin(a),
+            2 * math.cos(b) - 4 * math.sin(b),
+            3 * math.cos(a) + 1 * math.sin(a),
+            4 * math.cos(b) + 2 * math.sin(b),
+        ]
+    )
     torch.testing.assert_close(out, expected)
 
 

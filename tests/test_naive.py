@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from minivllm.model import ModelConfig, Transformer, init_weights
-from minivllm.naive import generate_naive, next_token_logits, pick_token
+from minivllm.model.transformer import ModelConfig, Transformer, init_weights
+from minivllm.stages.naive import generate_naive, next_token_logits, pick_token
 
 CONFIG = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=40)
 
@@ -51,12 +51,16 @@ def test_too_long_and_empty_requests_fail_clearly(model):
 
 
 def _all_generators(model):
-    from minivllm.block_allocator import BlockManager
-    from minivllm.kv_cache import ContiguousKVCache, generate_cached
-    from minivllm.paged_cache import PagedKVStorage, generate_paged
+    from minivllm.attention.storage import PagedKVStorage
+    from minivllm.kv.block_manager import BlockManager
+    from minivllm.stages.contiguous import ContiguousKVCache, generate_cached
+    from minivllm.stages.paged import generate_paged
 
     yield "naive", lambda ids, n: generate_naive(model, ids, n)
-    yield "contiguous", lambda ids, n: generate_cached(model, ids, n, ContiguousKVCache(model.config, "concat"))
+    yield (
+        "contiguous",
+        lambda ids, n: generate_cached(model, ids, n, ContiguousKVCache(model.config, "concat")),
+    )
     manager = BlockManager(num_blocks=16, block_size=4)
     storage = PagedKVStorage(model.config, 16, 4)
     yield "paged", lambda ids, n: generate_paged(model, ids, n, manager, storage, seq_id=0)

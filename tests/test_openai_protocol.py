@@ -1,5 +1,5 @@
-"""Chapter 08's wire format, with no server and no model: request checking, the engine's SamplingParams,
-the chat rendered as a play (ch08.2), response bodies shaped like OpenAI's, and the SSE formatter (ch08.1)."""
+"""Chapter 08's wire format, with no server and no model: request checking, the engine's
+SamplingParams, the chat rendered as a play (ch08.2), response bodies shaped like OpenAI's, and the SSE formatter (ch08.1)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,27 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from minivllm.openai_protocol import (DONE, END_OF_TURN, SPEAKERS, ChatCompletionRequest, ChatMessage,
-                                      CompletionRequest, ResponseHeader, chat_choice, completion_choice, error_body,
-                                      finish_reason, render_chat, reply_speaker, sse_event, usage)
-from minivllm.sequence import SamplingParams
+from minivllm.sched.sequence import SamplingParams
+from minivllm.serving.openai_protocol import (
+    DONE,
+    END_OF_TURN,
+    SPEAKERS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ResponseHeader,
+    chat_choice,
+    completion_choice,
+    error_body,
+    finish_reason,
+    render_chat,
+    reply_speaker,
+    sse_event,
+    usage,
+)
 
-
-# -- sse_event (ch08.1) --------------------------------------------------------------------------------------------
+# -- sse_event (ch08.1)
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch08.1")
@@ -30,7 +44,7 @@ def test_newlines_are_escaped_and_non_ascii_kept() -> None:
     event = sse_event(payload)
     assert event.startswith("data: ") and event.endswith("\n\n") and event.count("\n") == 2
     assert "❤" in event and "\\u" not in event  # one line, the characters as they are
-    assert json.loads(event[len("data: "):]) == payload
+    assert json.loads(event[len("data: ") :]) == payload
 
 
 @pytest.mark.exercise("ch08.1")
@@ -42,7 +56,8 @@ def test_events_concatenate_into_a_parseable_stream() -> None:
     assert [json.loads(e.removeprefix("data: ")) for e in events[:-1]] == chunks
 
 
-# -- render_chat (ch08.2) ------------------------------------------------------------------------------------------
+# -- render_chat (ch08.2)
+# ------------------------------------------------------------------------------------------
 
 
 def msg(role: str, content: str, name: str | None = None) -> ChatMessage:
@@ -52,21 +67,32 @@ def msg(role: str, content: str, name: str | None = None) -> ChatMessage:
 @pytest.mark.exercise("ch08.2")
 def test_a_chat_is_a_scene_of_a_play() -> None:
     chat = [msg("user", "What say you?"), msg("assistant", "I say nothing."), msg("user", "Speak!")]
-    assert render_chat(chat) == ("ROMEO:\nWhat say you?\n\nJULIET:\nI say nothing.\n\nROMEO:\nSpeak!\n\nJULIET:\n")
+    assert render_chat(chat) == (
+        "ROMEO:\nWhat say you?\n\nJULIET:\nI say nothing.\n\nROMEO:\nSpeak!\n\nJULIET:\n"
+    )
 
 
 @pytest.mark.exercise("ch08.2")
 def test_names_are_speakers_and_the_last_named_assistant_answers() -> None:
-    chat = [msg("system", "Elsinore. A platform before the castle."), msg("user", "Who's there?", name="BERNARDO"),
-            msg("assistant", "Nay, answer me.", name="FRANCISCO"), msg("user", "Long live the king!", name="BERNARDO")]
-    assert render_chat(chat) == ("Chorus:\nElsinore. A platform before the castle.\n\n"
-                                 "BERNARDO:\nWho's there?\n\nFRANCISCO:\nNay, answer me.\n\n"
-                                 "BERNARDO:\nLong live the king!\n\nFRANCISCO:\n")
+    chat = [
+        msg("system", "Elsinore. A platform before the castle."),
+        msg("user", "Who's there?", name="BERNARDO"),
+        msg("assistant", "Nay, answer me.", name="FRANCISCO"),
+        msg("user", "Long live the king!", name="BERNARDO"),
+    ]
+    assert render_chat(chat) == (
+        "Chorus:\nElsinore. A platform before the castle.\n\n"
+        "BERNARDO:\nWho's there?\n\nFRANCISCO:\nNay, answer me.\n\n"
+        "BERNARDO:\nLong live the king!\n\nFRANCISCO:\n"
+    )
 
 
 @pytest.mark.exercise("ch08.2")
 def test_blank_lines_inside_a_message_cannot_end_its_speech() -> None:
-    chat = [msg("user", "  First line.\n\n\nSecond line.\n \nThird.\n\n"), msg("developer", "Night.")]
+    chat = [
+        msg("user", "  First line.\n\n\nSecond line.\n \nThird.\n\n"),
+        msg("developer", "Night."),
+    ]
     prompt = render_chat(chat)
     assert prompt == "ROMEO:\nFirst line.\nSecond line.\nThird.\n\nChorus:\nNight.\n\nJULIET:\n"
     assert prompt.count(END_OF_TURN) == 2  # exactly one blank line per turn
@@ -74,86 +100,137 @@ def test_blank_lines_inside_a_message_cannot_end_its_speech() -> None:
 
 def test_reply_speaker_defaults_and_text_parts() -> None:
     assert reply_speaker([msg("user", "Hi")]) == SPEAKERS["assistant"]
-    parts = ChatMessage(role="user", content=[{"type": "text", "text": "Good "}, {"type": "text", "text": "morrow"}])
+    parts = ChatMessage(
+        role="user", content=[{"type": "text", "text": "Good "}, {"type": "text", "text": "morrow"}]
+    )
     assert parts.text == "Good morrow"
 
 
-# -- requests ------------------------------------------------------------------------------------------------------
+# -- requests
+# ------------------------------------------------------------------------------------------------------
 
 
 def test_completion_request_to_sampling_params() -> None:
-    request = CompletionRequest.model_validate({"model": "target", "prompt": "ROMEO:", "max_tokens": 7,
-                                                "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 11,
-                                                "stop": "\n", "ignore_eos": True, "user": "someone"})
+    request = CompletionRequest.model_validate(
+        {
+            "model": "target",
+            "prompt": "ROMEO:",
+            "max_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 3,
+            "seed": 11,
+            "stop": "\n",
+            "ignore_eos": True,
+            "user": "someone",
+        }
+    )
     assert request.prompts() == ["ROMEO:"]
-    assert request.sampling_params(16) == SamplingParams(max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=11,
-                                                         stop=("\n",), ignore_eos=True)
+    assert request.sampling_params(16) == SamplingParams(
+        max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=11, stop=("\n",), ignore_eos=True
+    )
     assert request.model_extra == {"user": "someone"}  # unknown fields a client sends are allowed
 
 
 def test_defaults_and_nulls_mean_openais_defaults() -> None:
-    request = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "temperature": None,
-                                                "top_p": None, "stop": None, "top_k": -1, "logprobs": None})
+    request = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": ["a", "b"],
+            "temperature": None,
+            "top_p": None,
+            "stop": None,
+            "top_k": -1,
+            "logprobs": None,
+        }
+    )
     assert request.prompts() == ["a", "b"]
     assert request.sampling_params(16) == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0)
     assert not request.include_usage
 
 
 def test_chat_request_adds_the_end_of_turn_stop_and_takes_the_newer_limit_name() -> None:
-    request = ChatCompletionRequest.model_validate({
-        "model": "m", "messages": [{"role": "user", "content": "Hi"}], "stop": ["!"], "max_completion_tokens": 9,
-        "stream": True, "stream_options": {"include_usage": True}})
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stop": ["!"],
+            "max_completion_tokens": 9,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     params = request.sampling_params(500, extra_stop=[END_OF_TURN])
     assert params.stop == ("!", END_OF_TURN) and params.max_tokens == 9 and request.include_usage
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("max_tokens", 0, "greater than or equal to 1"),
-    ("max_tokens", "5", "valid integer"),  # strict: no string-to-number coercion
-    ("max_tokens", 2.5, "valid integer"),
-    ("temperature", -0.1, "greater than or equal to 0"),
-    ("temperature", True, "valid number"),  # strict: a bool is not a number
-    ("top_p", 0, "greater than 0"),
-    ("n", 3, "n must be 1"),
-    ("stop", [""], "must not be empty"),
-    ("stop", [1], "valid string"),
-    ("seed", -1, "greater than or equal to 0"),
-    ("stream", "yes", "valid boolean"),
-    ("prompt", [], "at least 1 item"),
-    ("echo", True, "echo is not supported"),
-    ("presence_penalty", 0.5, "presence_penalty is not supported"),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("max_tokens", 0, "greater than or equal to 1"),
+        ("max_tokens", "5", "valid integer"),  # strict: no string-to-number coercion
+        ("max_tokens", 2.5, "valid integer"),
+        ("temperature", -0.1, "greater than or equal to 0"),
+        ("temperature", True, "valid number"),  # strict: a bool is not a number
+        ("top_p", 0, "greater than 0"),
+        ("n", 3, "n must be 1"),
+        ("stop", [""], "must not be empty"),
+        ("stop", [1], "valid string"),
+        ("seed", -1, "greater than or equal to 0"),
+        ("stream", "yes", "valid boolean"),
+        ("prompt", [], "at least 1 item"),
+        ("echo", True, "echo is not supported"),
+        ("presence_penalty", 0.5, "presence_penalty is not supported"),
+    ],
+)
 def test_bad_fields_are_refused_naming_the_problem(field: str, value, words: str) -> None:
     with pytest.raises(ValidationError, match=words):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
 
 
-@pytest.mark.parametrize("message, words", [
-    ({"role": "tool", "content": "x"}, "'assistant'"),
-    ({"role": "user", "content": "   "}, "empty content"),
-    ({"role": "user", "content": "x", "name": "A:B"}, "pattern"),
-    ({"role": "user"}, "Field required"),
-    ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "'text'"),
-])
+@pytest.mark.parametrize(
+    "message, words",
+    [
+        ({"role": "tool", "content": "x"}, "'assistant'"),
+        ({"role": "user", "content": "   "}, "empty content"),
+        ({"role": "user", "content": "x", "name": "A:B"}, "pattern"),
+        ({"role": "user"}, "Field required"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "'text'"),
+    ],
+)
 def test_bad_messages_are_refused(message: dict, words: str) -> None:
     with pytest.raises(ValidationError, match=words):
         ChatCompletionRequest.model_validate({"model": "m", "messages": [message]})
 
 
-# -- responses -----------------------------------------------------------------------------------------------------
+# -- responses
+# -----------------------------------------------------------------------------------------------------
 
 
 def test_response_bodies_have_openais_shape() -> None:
     header = ResponseHeader.new("text_completion", "target")
-    assert header.id.startswith("cmpl-") and ResponseHeader.new("chat.completion", "t").id.startswith("chatcmpl-")
+    assert header.id.startswith("cmpl-") and ResponseHeader.new(
+        "chat.completion", "t"
+    ).id.startswith("chatcmpl-")
     body = header.body([completion_choice(0, "Hi", "stop")], usage=usage(3, 2))
-    assert body == {"id": header.id, "object": "text_completion", "created": header.created, "model": "target",
-                    "choices": [{"index": 0, "text": "Hi", "logprobs": None, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    assert body == {
+        "id": header.id,
+        "object": "text_completion",
+        "created": header.created,
+        "model": "target",
+        "choices": [{"index": 0, "text": "Hi", "logprobs": None, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }
     assert chat_choice(0, "Hi", "length")["message"] == {"role": "assistant", "content": "Hi"}
-    assert error_body("bad", param="n") == {"error": {"message": "bad", "type": "invalid_request_error",
-                                                      "param": "n", "code": None}}
+    assert error_body("bad", param="n") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}
+    }
 
 
 def test_finish_reasons_map_to_openais() -> None:
-    assert [finish_reason(r) for r in ("stop", "length", "cache_full", None)] == ["stop", "length", "length", None]
+    assert [finish_reason(r) for r in ("stop", "length", "cache_full", None)] == [
+        "stop",
+        "length",
+        "length",
+        None,
+    ]

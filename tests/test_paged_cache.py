@@ -4,12 +4,21 @@ logits as the contiguous cache, prefix-cache hits, and out-of-blocks errors that
 import pytest
 import torch
 
-from minivllm.block_allocator import BlockManager, OutOfBlocks
-from minivllm.checkpoint import load_model
-from minivllm.kv_cache import ContiguousKVCache, cached_causal_mask, generate_cached
-from minivllm.model import ModelConfig, Transformer, attention_reference
-from minivllm.paged_cache import PagedAttention, PagedKVStorage, generate_paged, paged_attention_reference
-from minivllm.tokenizer import ByteTokenizer
+from minivllm.attention.storage import PagedKVStorage
+from minivllm.kv.block_manager import BlockManager, OutOfBlocks
+from minivllm.model.checkpoint import load_model
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.model.transformer import ModelConfig, Transformer, attention_reference
+from minivllm.stages.contiguous import (
+    ContiguousKVCache,
+    cached_causal_mask,
+    generate_cached,
+)
+from minivllm.stages.paged import (
+    PagedAttention,
+    generate_paged,
+    paged_attention_reference,
+)
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64)
 
@@ -19,28 +28,36 @@ def target() -> Transformer:
     return load_model("target")
 
 
-def filled_storage(block_size: int, block_table: list[int], length: int, num_blocks: int = 8, seed: int = 0):
+def filled_storage(
+    block_size: int, block_table: list[int], length: int, num_blocks: int = 8, seed: int = 0
+):
     """A storage whose sequence (logical rows 0..length-1) is written slot by slot, no BlockManager."""
     g = torch.Generator().manual_seed(seed)
     storage = PagedKVStorage(SMALL, num_blocks, block_size)
     shape = (SMALL.n_layers, length, SMALL.n_kv_heads, SMALL.head_dim)
     k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    slots = torch.tensor([block_table[p // block_size] * block_size + p % block_size for p in range(length)])
+    slots = torch.tensor(
+        [block_table[p // block_size] * block_size + p % block_size for p in range(length)]
+    )
     for layer in range(SMALL.n_layers):
         storage.write(layer, slots, k[layer], v[layer])
     return storage, k, v
 
 
-# -- ch03.3: gather through the block table ---------------------------------------------------------------
+# -- ch03.3: gather through the block table
+# ---------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch03.3")
-@pytest.mark.parametrize("block_size, block_table, length", [
-    (4, [5, 2, 7], 10),  # out of order, ends mid-block
-    (4, [3, 0], 8),  # ends exactly on a block boundary
-    (1, [6, 1, 4, 0], 4),
-    (16, [2], 5),
-])
+@pytest.mark.parametrize(
+    "block_size, block_table, length",
+    [
+        (4, [5, 2, 7], 10),  # out of order, ends mid-block
+        (4, [3, 0], 8),  # ends exactly on a block boundary
+        (1, [6, 1, 4, 0], 4),
+        (16, [2], 5),
+    ],
+)
 def test_gather_reads_back_what_was_written(block_size, block_table, length):
     storage, k, v = filled_storage(block_size, block_table, length)
     for layer in range(SMALL.n_layers):
@@ -57,7 +74,8 @@ def test_gather_reads_a_prefix_and_follows_the_table_order():
     assert torch.equal(storage.gather(0, [2, 5], 8)[0], torch.cat([k[0, 4:8], k[0, :4]]))
 
 
-# -- the rest of the storage --------------------------------------------------------------------------------
+# -- the rest of the storage
+# --------------------------------------------------------------------------------
 
 
 def test_layout_and_bytes():
@@ -78,7 +96,10 @@ def test_write_lands_at_block_and_offset():
 def test_copy_block_copies_every_layer_k_and_v():
     storage, _, _ = filled_storage(4, [5, 2], 8)
     storage.copy_block(2, 6)
-    assert torch.equal(storage.kv[:, :, 6], storage.kv[:, :, 2]) and storage.kv[:, :, 6].abs().sum() > 0
+    assert (
+        torch.equal(storage.kv[:, :, 6], storage.kv[:, :, 2])
+        and storage.kv[:, :, 6].abs().sum() > 0
+    )
 
 
 def test_clear_errors():
@@ -106,7 +127,8 @@ def test_paged_attention_reference_matches_plain_attention():
     assert (out - expected).abs().max() < 1e-5
 
 
-# -- the target model: same tokens and logits as chapter 02 -------------------------------------------------
+# -- the target model: same tokens and logits as chapter 02
+# -------------------------------------------------
 
 PROMPTS = ["ROMEO:\n", "KING:\n", "Señor, où êtes-vous?\n"]
 
@@ -115,8 +137,10 @@ PROMPTS = ["ROMEO:\n", "KING:\n", "Señor, où êtes-vous?\n"]
 def cached_greedy(target) -> dict[str, tuple[list[int], list[int]]]:
     tok = ByteTokenizer()
     prompts = {text: tok.encode(text, add_bos=True) for text in PROMPTS}
-    return {text: (ids, generate_cached(target, ids, 40, ContiguousKVCache(target.config, "concat")))
-            for text, ids in prompts.items()}
+    return {
+        text: (ids, generate_cached(target, ids, 40, ContiguousKVCache(target.config, "concat")))
+        for text, ids in prompts.items()
+    }
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -132,9 +156,18 @@ def test_seeded_sampling_equals_the_contiguous_cache(target):
     prompt = ByteTokenizer().encode("ROMEO:\n", add_bos=True)
     manager, storage = BlockManager(16, 4), PagedKVStorage(target.config, 16, 4)
     for seed in (0, 1):
-        expected = generate_cached(target, prompt, 20, ContiguousKVCache(target.config, "concat"),
-                                   temperature=0.8, seed=seed)
-        assert generate_paged(target, prompt, 20, manager, storage, 0, temperature=0.8, seed=seed) == expected
+        expected = generate_cached(
+            target,
+            prompt,
+            20,
+            ContiguousKVCache(target.config, "concat"),
+            temperature=0.8,
+            seed=seed,
+        )
+        assert (
+            generate_paged(target, prompt, 20, manager, storage, 0, temperature=0.8, seed=seed)
+            == expected
+        )
 
 
 def test_decode_logits_equal_the_contiguous_cache(target):
@@ -151,7 +184,8 @@ def test_decode_logits_equal_the_contiguous_cache(target):
             assert (a - b).abs().max() < 1e-5
 
 
-# -- prefix caching -----------------------------------------------------------------------------------------
+# -- prefix caching
+# -----------------------------------------------------------------------------------------
 
 SHARED = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
@@ -163,7 +197,10 @@ def scratch_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
 
 def test_prefix_hit_gives_the_logits_and_tokens_of_a_full_prefill(target):
     tok = ByteTokenizer()
-    first, second = tok.encode(SHARED + "JULIET:\n", add_bos=True), tok.encode(SHARED + "NURSE:\n", add_bos=True)
+    first, second = (
+        tok.encode(SHARED + "JULIET:\n", add_bos=True),
+        tok.encode(SHARED + "NURSE:\n", add_bos=True),
+    )
     bs = 8
     manager, storage = BlockManager(32, bs), PagedKVStorage(target.config, 32, bs)
     generate_paged(target, first, 5, manager, storage, seq_id=0, use_prefix_cache=True)
@@ -178,7 +215,10 @@ def test_prefix_hit_gives_the_logits_and_tokens_of_a_full_prefill(target):
     manager.free(1)
 
     expected = generate_cached(target, second, 20, ContiguousKVCache(target.config, "concat"))
-    assert generate_paged(target, second, 20, manager, storage, seq_id=2, use_prefix_cache=True) == expected
+    assert (
+        generate_paged(target, second, 20, manager, storage, seq_id=2, use_prefix_cache=True)
+        == expected
+    )
     assert manager.num_free == 32 and not manager.tables
 
 
@@ -187,19 +227,24 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(target):
     prompt = ByteTokenizer().encode("KING:\nGood day", add_bos=True)[:12]  # exactly 3 full blocks
     manager, storage = BlockManager(16, bs), PagedKVStorage(target.config, 16, bs)
     expected = generate_cached(target, prompt, 10, ContiguousKVCache(target.config, "concat"))
-    assert generate_paged(target, prompt, 10, manager, storage, 0, use_prefix_cache=True) == expected
+    assert (
+        generate_paged(target, prompt, 10, manager, storage, 0, use_prefix_cache=True) == expected
+    )
     # Hold the cached prompt in sequence 7 so the hit blocks are shared: the rewrite of the last
     # token must copy its block instead of writing into sequence 7's.
     assert manager.allocate_cached(7, prompt) == 12
     held = list(manager.tables[7].blocks)
     before = storage.kv[:, :, held].clone()
-    assert generate_paged(target, prompt, 10, manager, storage, 1, use_prefix_cache=True) == expected
+    assert (
+        generate_paged(target, prompt, 10, manager, storage, 1, use_prefix_cache=True) == expected
+    )
     assert torch.equal(storage.kv[:, :, held], before)
     manager.free(7)
     assert manager.num_free == 16
 
 
-# -- running out of blocks ----------------------------------------------------------------------------------
+# -- running out of blocks
+# ----------------------------------------------------------------------------------
 
 
 def test_out_of_blocks_propagates_and_frees_the_sequence(target):

@@ -14,12 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
 NOTEBOOKS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 EACH_CHAPTER = pytest.mark.parametrize(
-    "chapter", CHAPTERS or [pytest.param(None, marks=pytest.mark.skip(reason="no chapters yet"))],
-    ids=lambda path: path.stem if path else "none")
+    "chapter",
+    CHAPTERS or [pytest.param(None, marks=pytest.mark.skip(reason="no chapters yet"))],
+    ids=lambda path: path.stem if path else "none",
+)
 
 
 def notebooks_tool():
-    spec = importlib.util.spec_from_file_location("minivllm_notebooks_tool", ROOT / "tools" / "notebooks.py")
+    spec = importlib.util.spec_from_file_location(
+        "minivllm_notebooks_tool", ROOT / "tools" / "notebooks.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -28,7 +32,9 @@ def notebooks_tool():
 def stored_notebook(chapter: Path):
     nbformat = pytest.importorskip("nbformat")
     notebook = chapter.with_suffix(".ipynb")
-    assert notebook.exists(), f"{chapter.name} has no executed {notebook.name}: run `make notebooks`"
+    assert notebook.exists(), (
+        f"{chapter.name} has no executed {notebook.name}: run `make notebooks`"
+    )
     return nbformat.read(notebook, as_version=4)
 
 
@@ -37,16 +43,23 @@ def test_notebook_holds_the_same_cells_as_its_source(chapter: Path) -> None:
     pytest.importorskip("jupytext")
     tool = notebooks_tool()
     stored = tool.cell_sources(stored_notebook(chapter))
-    assert stored == tool.cell_sources(tool.jupytext.read(chapter)), \
-        f"{chapter.with_suffix('.ipynb').name} drifted from {chapter.name}: run `make notebooks CHAPTERS={chapter}`"
+    assert stored == tool.cell_sources(tool.jupytext.read(chapter)), (
+        f"{chapter.with_suffix('.ipynb').name} drifted from {chapter.name}: run `make notebooks "
+        f"CHAPTERS={chapter}`"
+    )
 
 
 @EACH_CHAPTER
 def test_notebook_was_executed_top_to_bottom_without_errors(chapter: Path) -> None:
-    cells = [c for c in stored_notebook(chapter).cells if c.cell_type == "code" and c.source.strip()]
+    cells = [
+        c for c in stored_notebook(chapter).cells if c.cell_type == "code" and c.source.strip()
+    ]
     counts = [c.execution_count for c in cells]
-    # A fresh kernel running every cell in order numbers them 1, 2, 3...; anything else was run by hand.
-    assert counts == list(range(1, len(cells) + 1)), f"execution counts {counts}: run `make notebooks`"
+    # A fresh kernel running every cell in order numbers them 1, 2, 3...; anything else was run by
+    # hand.
+    assert counts == list(range(1, len(cells) + 1)), (
+        f"execution counts {counts}: run `make notebooks`"
+    )
     errors = [i for i, c in enumerate(cells) if any(o.output_type == "error" for o in c.outputs)]
     assert not errors, f"code cells {errors} stored an error"
 
@@ -74,13 +87,18 @@ def test_environment_yml_lists_the_pyproject_dependencies() -> None:
     yaml = pytest.importorskip("yaml")
     project = pyproject()["project"]
     extras = project["optional-dependencies"]
-    wanted = {normalize(r) for r in project["dependencies"] + extras["book"] + extras["dev"]
-              if not r.startswith(project["name"] + "[")}  # minivllm[book]: the dev extra pulls in book
+    wanted = {
+        normalize(r)
+        for r in project["dependencies"] + extras["book"] + extras["dev"]
+        if not r.startswith(project["name"] + "[")
+    }  # minivllm[book]: the dev extra pulls in book
     conda = yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]
     pip = next(d["pip"] for d in conda if isinstance(d, dict))
     listed = {normalize(r) for r in pip if r != "-e ."}
-    assert listed == wanted, (f"only in pyproject.toml: {sorted(wanted - listed)}; "
-                              f"only in environment.yml: {sorted(listed - wanted)}")
+    assert listed == wanted, (
+        f"only in pyproject.toml: {sorted(wanted - listed)}; "
+        f"only in environment.yml: {sorted(listed - wanted)}"
+    )
     assert "-e ." in pip and "pip" in conda
 
 
@@ -94,10 +112,26 @@ def test_environment_yml_pins_a_supported_python() -> None:
     assert SpecifierSet(pyproject()["project"]["requires-python"]).contains("3.11")
 
 
-@pytest.mark.parametrize("path", [
-    "book", "chapters", "src/minivllm", "tests", "benchmarks", "tools", "environment.yml", "pyproject.toml",
-    "jupytext.toml", "Makefile", "README.md", ".ci/run", "LICENSE", "tests/nbval_sanitize.cfg", "tools/student.py",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "book",
+        "chapters",
+        "src/minivllm",
+        "tests",
+        "benchmarks",
+        "tools",
+        "environment.yml",
+        "pyproject.toml",
+        "jupytext.toml",
+        "Makefile",
+        "README.md",
+        ".ci/run",
+        "LICENSE",
+        "tests/nbval_sanitize.cfg",
+        "tools/student.py",
+    ],
+)
 def test_layout(path: str) -> None:
     assert (ROOT / path).exists(), f"{path} is missing (see BOOK_GUIDE.md, Layout)"
 

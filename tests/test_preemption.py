@@ -18,13 +18,23 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from minivllm.block_allocator import BlockManager
-from minivllm.corpus import shipped_validation_text
-from minivllm.engine import EngineConfig, LLMEngine, RequestOutput
-from minivllm.preemption import VICTIM_POLICIES, least_progressed, newest_first
-from minivllm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStalled, StepPlan
-from minivllm.sequence import CACHE_FULL, LENGTH, STOP, SamplingParams, Sequence, Status
-from minivllm.trace import StepRecord, request_timeline
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.outputs import RequestOutput
+from minivllm.engine.trace import StepRecord, request_timeline
+from minivllm.kv.block_manager import BlockManager
+from minivllm.sched.plan import ScheduledChunk, StepPlan
+from minivllm.sched.preemption import VICTIM_POLICIES, least_progressed, newest_first
+from minivllm.sched.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
+from minivllm.sched.sequence import (
+    CACHE_FULL,
+    LENGTH,
+    STOP,
+    SamplingParams,
+    Sequence,
+    Status,
+)
+from minivllm.training.corpus import shipped_validation_text
 
 EOS = 257
 TOKEN = ord("a")  # what the fake sampler returns unless told otherwise
@@ -39,10 +49,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # -- helpers: the pure scheduler with a fake sampler ----------------------------------------------------------------
 
 
-def seq(seq_id: int, prompt: int | list[int], max_tokens: int = 4, outputs: int = 0, **params) -> Sequence:
+def seq(
+    seq_id: int, prompt: int | list[int], max_tokens: int = 4, outputs: int = 0, **params
+) -> Sequence:
     """A sequence with a `prompt`-token prompt (or these ids) and `outputs` output tokens already sampled."""
     ids = prompt if isinstance(prompt, list) else [(seq_id * 31 + i) % 200 for i in range(prompt)]
-    x = Sequence(seq_id, list(ids), SamplingParams(max_tokens=max_tokens, **params), seed=seq_id, eos_token_id=EOS)
+    x = Sequence(
+        seq_id,
+        list(ids),
+        SamplingParams(max_tokens=max_tokens, **params),
+        seed=seq_id,
+        eos_token_id=EOS,
+    )
     x.token_ids += [TOKEN] * outputs
     return x
 
@@ -71,7 +89,9 @@ def assert_refcounts_match_tables(manager: BlockManager) -> None:
     for table in manager.tables.values():
         for block in table.blocks:
             held[block] += 1
-    assert held == manager.allocator.refcounts, "a block's refcount is not the number of tables holding it"
+    assert held == manager.allocator.refcounts, (
+        "a block's refcount is not the number of tables holding it"
+    )
     assert manager.num_free == held.count(0)
 
 
@@ -84,7 +104,9 @@ def test_the_policies_are_registered_and_checked_by_the_config() -> None:
         SchedulerConfig(preemption="oldest")
     assert scheduler(4, 1, preemption=None).victim_policy is None
     assert scheduler(4, 1, preemption="least_progressed").victim_policy is least_progressed
-    assert scheduler(4, 1).victim_policy is newest_first  # preemption is on by default, newest first
+    assert (
+        scheduler(4, 1).victim_policy is newest_first
+    )  # preemption is on by default, newest first
 
 
 def test_newest_first_is_the_last_candidate_whatever_its_progress() -> None:
@@ -100,17 +122,31 @@ def test_least_progressed_picks_the_fewest_output_tokens_in_any_order() -> None:
     pool = [seq(7, 2, outputs=5), seq(3, 9, outputs=1), seq(1, 2, outputs=6), seq(9, 1, outputs=3)]
     for order in itertools.permutations(pool):
         assert least_progressed(list(order)) is pool[1], [x.seq_id for x in order]
-    assert least_progressed(tuple(pool[2:])) is pool[3]  # any sequence of candidates, not only a list
+    assert (
+        least_progressed(tuple(pool[2:])) is pool[3]
+    )  # any sequence of candidates, not only a list
 
 
 @ch05_1
 def test_least_progressed_breaks_a_tie_towards_the_higher_seq_id() -> None:
-    pool = [seq(4, 3, outputs=2), seq(11, 1, outputs=2), seq(8, 6, outputs=2), seq(20, 2, outputs=7)]
-    fresh = seq(0, 30, outputs=0)  # nothing sampled yet (still prefilling): the least progress of all
+    pool = [
+        seq(4, 3, outputs=2),
+        seq(11, 1, outputs=2),
+        seq(8, 6, outputs=2),
+        seq(20, 2, outputs=7),
+    ]
+    fresh = seq(
+        0, 30, outputs=0
+    )  # nothing sampled yet (still prefilling): the least progress of all
     for order in itertools.permutations(pool):
-        assert least_progressed(list(order)) is pool[1], [x.seq_id for x in order]  # 11: highest of the 2s
+        assert least_progressed(list(order)) is pool[1], [
+            x.seq_id for x in order
+        ]  # 11: highest of the 2s
         assert least_progressed([*order, fresh]) is fresh
-    assert least_progressed([pool[0], pool[2]]) is pool[2] and least_progressed([pool[2], pool[0]]) is pool[2]
+    assert (
+        least_progressed([pool[0], pool[2]]) is pool[2]
+        and least_progressed([pool[2], pool[0]]) is pool[2]
+    )
     assert least_progressed([pool[3]]) is pool[3]
 
 
@@ -132,13 +168,21 @@ def test_a_preemption_worked_by_hand() -> None:
     # Step 3: A needs a block for position 4; none is free; B, the newest, gives its blocks back.
     b_tokens = list(b.token_ids)
     plan = s.schedule()
-    assert plan.preempted == (1,) and plan.admitted == () and plan.resumed == () and plan.stalled == ()
+    assert (
+        plan.preempted == (1,) and plan.admitted == () and plan.resumed == () and plan.stalled == ()
+    )
     assert plan.chunks == (C(0, 4, 1, False, True),) and plan.recomputed_tokens == 0
     assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
-    assert b.token_ids == b_tokens and b.num_output_tokens == 2  # its tokens are kept, only the K/V are gone
+    assert (
+        b.token_ids == b_tokens and b.num_output_tokens == 2
+    )  # its tokens are kept, only the K/V are gone
     assert b.max_computed_tokens == 4  # what it had computed: the recompute will count against it
     assert 1 not in s.manager and ids(s.running) == [0] and ids(s.waiting) == [1]
-    assert s.manager.num_free == 1 and s.manager.block_table(0) == [0, 1, 3]  # LIFO: B's last block first
+    assert s.manager.num_free == 1 and s.manager.block_table(0) == [
+        0,
+        1,
+        3,
+    ]  # LIFO: B's last block first
     assert_refcounts_match_tables(s.manager)
     s.update(plan, {0: TOKEN})
 
@@ -151,17 +195,29 @@ def test_a_preemption_worked_by_hand() -> None:
     # B is admitted again: prompt and both outputs recomputed in one prefill chunk; 4 of its 5 tokens were
     # computed before the preemption (the 5th is the token it sampled last and never ran).
     plan, _ = step(s)
-    assert plan.admitted == (1,) and plan.resumed == (1,) and plan.chunks == (C(1, 0, 5, True, True),)
+    assert (
+        plan.admitted == (1,) and plan.resumed == (1,) and plan.chunks == (C(1, 0, 5, True, True),)
+    )
     assert plan.recomputed_tokens == 4 and b.num_output_tokens == 3 and b.max_computed_tokens == 5
     plans = [step(s)[0] for _ in range(3)]
     assert [p.chunks for p in plans] == [(C(1, p, 1, False, True),) for p in (5, 6, 7)]
     assert all(p.recomputed_tokens == 0 and not p.preempted for p in plans)
-    assert b.is_finished and b.finish_reason == LENGTH and b.num_output_tokens == 6 and b.num_preemptions == 1
+    assert (
+        b.is_finished
+        and b.finish_reason == LENGTH
+        and b.num_output_tokens == 6
+        and b.num_preemptions == 1
+    )
     assert not s.has_unfinished() and s.manager.num_free == 4 and not s.manager.tables
 
 
-@pytest.mark.parametrize("policy, victim", [pytest.param("newest", 0, marks=ch05_2),
-                                            pytest.param("least_progressed", 1, marks=[ch05_1, ch05_2])])
+@pytest.mark.parametrize(
+    "policy, victim",
+    [
+        pytest.param("newest", 0, marks=ch05_2),
+        pytest.param("least_progressed", 1, marks=[ch05_1, ch05_2]),
+    ],
+)
 def test_a_sequence_can_be_its_own_victim(policy: str, victim: int) -> None:
     # Seq 1 is admitted before seq 0; after two steps both have 2 outputs. Seq 1 decodes first and needs a block.
     # Newest: seq 0 (admitted last) goes. Least progressed: a tie, so the higher id -- seq 1 itself -- goes,
@@ -229,7 +285,9 @@ def test_several_victims_in_one_step_queue_in_front_of_fresh_requests() -> None:
     assert plan.preempted == (3, 2) and plan.admitted == ()
     assert plan.chunks == (C(0, 4, 1, False, True), C(1, 2, 1, False, True))
     assert ids(s.waiting) == [2, 3, 4] and ids(s.running) == [0, 1]
-    assert all(s.sequences[i].status is Status.WAITING and i not in s.manager for i in plan.preempted)
+    assert all(
+        s.sequences[i].status is Status.WAITING and i not in s.manager for i in plan.preempted
+    )
     assert_refcounts_match_tables(s.manager)
     while s.has_unfinished():
         plan, _ = step(s)
@@ -254,7 +312,12 @@ WORKED_EVENTS = {
         ((2, 1), (), (), ()),
         ((), (), (), ()),
         ((), (1,), (), (2,)),  # C needs a block to sample its 3rd token: B, the newest, goes
-        ((1,), (), (1,), (1,)),  # B recomputes its prompt and 2 outputs, samples its 3rd and is done
+        (
+            (1,),
+            (),
+            (1,),
+            (1,),
+        ),  # B recomputes its prompt and 2 outputs, samples its 3rd and is done
     ],
     "least_progressed": [
         ((0,), (), (), ()),
@@ -269,18 +332,36 @@ WORKED_EVENTS = {
 WORKED_RECOMPUTED = {"newest": [0, 0, 0, 0, 0, 2], "least_progressed": [0, 0, 0, 0, 0, 4, 0]}
 # Per step, after it: (running, waiting, free blocks of 6).
 WORKED_QUEUES = {
-    "newest": [((0,), (), 3), ((), (2,), 6), ((2, 1), (), 2), ((2, 1), (), 0), ((), (1,), 6), ((), (), 6)],
-    "least_progressed": [((0,), (), 3), ((), (2,), 6), ((2, 1), (), 2), ((2, 1), (), 0), ((), (2,), 6),
-                         ((2,), (), 2), ((), (), 6)],
+    "newest": [
+        ((0,), (), 3),
+        ((), (2,), 6),
+        ((2, 1), (), 2),
+        ((2, 1), (), 0),
+        ((), (1,), 6),
+        ((), (), 6),
+    ],
+    "least_progressed": [
+        ((0,), (), 3),
+        ((), (2,), 6),
+        ((2, 1), (), 2),
+        ((2, 1), (), 0),
+        ((), (2,), 6),
+        ((2,), (), 2),
+        ((), (), 6),
+    ],
 }
 # C arrives before step 2 but waits (A still holds 4 blocks while it decodes); B is admitted at once in step 3.
 WORKED_TIMELINES = {
-    "newest": {0: {1: "prefill", 2: "decode"},
-               2: {2: "waiting", 3: "prefill", 4: "decode", 5: "decode"},
-               1: {3: "prefill", 4: "decode", 5: "preempted", 6: "recompute"}},
-    "least_progressed": {0: {1: "prefill", 2: "decode"},
-                         2: {2: "waiting", 3: "prefill", 4: "decode", 5: "preempted", 6: "recompute", 7: "decode"},
-                         1: {3: "prefill", 4: "decode", 5: "decode"}},
+    "newest": {
+        0: {1: "prefill", 2: "decode"},
+        2: {2: "waiting", 3: "prefill", 4: "decode", 5: "decode"},
+        1: {3: "prefill", 4: "decode", 5: "preempted", 6: "recompute"},
+    },
+    "least_progressed": {
+        0: {1: "prefill", 2: "decode"},
+        2: {2: "waiting", 3: "prefill", 4: "decode", 5: "preempted", 6: "recompute", 7: "decode"},
+        1: {3: "prefill", 4: "decode", 5: "decode"},
+    },
 }
 
 
@@ -302,28 +383,59 @@ def run_worked(model, policy) -> tuple[LLMEngine, dict[int, RequestOutput]]:
     return engine, done
 
 
-@pytest.mark.parametrize("policy", [pytest.param("newest", marks=ch05_2),
-                                    pytest.param("least_progressed", marks=[ch05_1, ch05_2])])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param("newest", marks=ch05_2),
+        pytest.param("least_progressed", marks=[ch05_1, ch05_2]),
+    ],
+)
 def test_the_worked_example_step_by_step(target, policy: str) -> None:
     engine, done = run_worked(target, policy)
-    events = [(r.admitted, r.preempted, r.resumed, tuple(i for i, _ in r.finished)) for r in engine.trace]
+    events = [
+        (r.admitted, r.preempted, r.resumed, tuple(i for i, _ in r.finished)) for r in engine.trace
+    ]
     assert events == WORKED_EVENTS[policy]
     assert [r.recomputed_tokens for r in engine.trace] == WORKED_RECOMPUTED[policy]
     assert [(r.running, r.waiting, r.blocks_free) for r in engine.trace] == WORKED_QUEUES[policy]
     assert all(reason == LENGTH for r in engine.trace for _, reason in r.finished)
     victim = 1 if policy == "newest" else 2
-    assert {i: o.num_preemptions for i, o in done.items()} == {0: 0, 1: int(victim == 1), 2: int(victim == 2)}
+    assert {i: o.num_preemptions for i, o in done.items()} == {
+        0: 0,
+        1: int(victim == 1),
+        2: int(victim == 2),
+    }
     assert [len(done[i].token_ids) for i in (0, 1, 2)] == [2, 3, 3]
     assert request_timeline(engine.trace) == WORKED_TIMELINES[policy]
-    assert engine.manager.num_free == 6 and not engine.manager.tables and not any(engine.manager.allocator.refcounts)
+    assert (
+        engine.manager.num_free == 6
+        and not engine.manager.tables
+        and not any(engine.manager.allocator.refcounts)
+    )
 
 
 def test_the_worked_example_gives_the_same_tokens_as_a_roomy_cache(target) -> None:
-    roomy = LLMEngine(target, EngineConfig(num_blocks=64, block_size=1,
-                                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4)))
-    expected = {i: o.token_ids for i, o in zip(WORKED, roomy.generate(
-        [prompt for _, _, prompt, _ in WORKED.values()],
-        [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for *_, m in WORKED.values()]))}
+    roomy = LLMEngine(
+        target,
+        EngineConfig(
+            num_blocks=64,
+            block_size=1,
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4),
+        ),
+    )
+    expected = {
+        i: o.token_ids
+        for i, o in zip(
+            WORKED,
+            roomy.generate(
+                [prompt for _, _, prompt, _ in WORKED.values()],
+                [
+                    SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+                    for *_, m in WORKED.values()
+                ],
+            ),
+        )
+    }
     assert not any(r.preempted for r in roomy.trace)
     for policy in ("newest", "least_progressed"):
         _, done = run_worked(target, policy)
@@ -336,7 +448,9 @@ def test_the_worked_example_gives_the_same_tokens_as_a_roomy_cache(target) -> No
 SHARED_PREFIX = "FIRST WITCH:\nWhen shall we three meet again\n"  # 44 bytes + BOS: two full blocks of 16 and more
 
 
-def workload(seed: int, shared: str = "", new_tokens: tuple[int, int] = (30, 90), n: int = 12) -> list[tuple]:
+def workload(
+    seed: int, shared: str = "", new_tokens: tuple[int, int] = (30, 90), n: int = 12
+) -> list[tuple]:
     """(request id, prompt, params): real text, 30-90 new tokens, every other request greedy, the rest sampled
     with a seed each. Request ids are a permutation, so a tie in output tokens (broken by id) and the admission
     order (newest first) point at different victims."""
@@ -351,9 +465,14 @@ def workload(seed: int, shared: str = "", new_tokens: tuple[int, int] = (30, 90)
         if k % 2:
             params = SamplingParams(max_tokens=int(max_tokens[k]), temperature=0, ignore_eos=True)
         else:
-            params = SamplingParams(max_tokens=int(max_tokens[k]), temperature=0.8, top_p=0.9, seed=1000 + k,
-                                    ignore_eos=True)
-        out.append((request_ids[k], shared + text[starts[k]:starts[k] + lengths[k]], params))
+            params = SamplingParams(
+                max_tokens=int(max_tokens[k]),
+                temperature=0.8,
+                top_p=0.9,
+                seed=1000 + k,
+                ignore_eos=True,
+            )
+        out.append((request_ids[k], shared + text[starts[k] : starts[k] + lengths[k]], params))
     return out
 
 
@@ -361,7 +480,10 @@ WORKLOADS: dict[str, Callable[[], list[tuple]]] = {
     "plain": lambda: workload(0),
     "shared_prefix": lambda: workload(1, shared=SHARED_PREFIX, new_tokens=(30, 60)),
 }
-TIGHT = {"plain": dict(num_blocks=32, block_size=16), "shared_prefix": dict(num_blocks=24, block_size=16)}
+TIGHT = {
+    "plain": dict(num_blocks=32, block_size=16),
+    "shared_prefix": dict(num_blocks=24, block_size=16),
+}
 
 
 class Runs:
@@ -370,13 +492,19 @@ class Runs:
     def __init__(self, model) -> None:
         self.model, self.cache = model, {}
 
-    def get(self, name: str, policy: str | None, tight: bool) -> tuple[LLMEngine, dict[int, RequestOutput]]:
+    def get(
+        self, name: str, policy: str | None, tight: bool
+    ) -> tuple[LLMEngine, dict[int, RequestOutput]]:
         key = (name, policy, tight)
         if key not in self.cache:
             size = TIGHT[name] if tight else dict(num_blocks=256, block_size=16)
             prefix_caching = tight and name == "shared_prefix"
-            config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=128, preemption=policy,
-                                     enable_prefix_caching=prefix_caching)
+            config = SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=128,
+                preemption=policy,
+                enable_prefix_caching=prefix_caching,
+            )
             engine = LLMEngine(self.model, EngineConfig(scheduler=config, **size))
             for request_id, prompt, params in WORKLOADS[name]():
                 engine.add_request(prompt, params, request_id=request_id)
@@ -401,8 +529,13 @@ def preemptions(engine: LLMEngine) -> int:
 
 
 @pytest.mark.parametrize("name", ["plain", "shared_prefix"])
-@pytest.mark.parametrize("policy", [pytest.param("newest", marks=ch05_2),
-                                    pytest.param("least_progressed", marks=[ch05_1, ch05_2])])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param("newest", marks=ch05_2),
+        pytest.param("least_progressed", marks=[ch05_1, ch05_2]),
+    ],
+)
 def test_preemption_never_changes_a_token(runs: Runs, name: str, policy: str) -> None:
     roomy, expected = runs.get(name, "newest", tight=False)
     assert preemptions(roomy) == 0 and not any(r.stalled for r in roomy.trace)
@@ -424,16 +557,24 @@ def test_a_resumed_sequence_finds_its_prefix_in_the_cache(runs: Runs) -> None:
     for policy in ("newest", "least_progressed"):
         engine, _ = runs.get("shared_prefix", policy, tight=True)
         # A step that admitted only resumed sequences and still hit the prefix cache: the hit is theirs.
-        hits = [r for r in engine.trace if r.resumed and set(r.admitted) == set(r.resumed) and r.prefix_hit_tokens]
+        hits = [
+            r
+            for r in engine.trace
+            if r.resumed and set(r.admitted) == set(r.resumed) and r.prefix_hit_tokens
+        ]
         assert hits, policy
-        for r in hits:  # at least the shared prefix's two full blocks, which the other requests still hold
+        for r in (
+            hits
+        ):  # at least the shared prefix's two full blocks, which the other requests still hold
             assert r.prefix_hit_tokens % 16 == 0 and r.prefix_hit_tokens >= 32
 
 
 def test_the_two_policies_choose_different_victims(runs: Runs) -> None:
     # Otherwise the identity test above would say nothing new about least_progressed.
-    victims = {policy: [i for r in runs.get("plain", policy, tight=True)[0].trace for i in r.preempted]
-               for policy in ("newest", "least_progressed")}
+    victims = {
+        policy: [i for r in runs.get("plain", policy, tight=True)[0].trace for i in r.preempted]
+        for policy in ("newest", "least_progressed")
+    }
     assert victims["newest"] != victims["least_progressed"]
 
 
@@ -449,7 +590,7 @@ def check_preemption_trace(trace: list[StepRecord]) -> None:
         for i in r.preempted:
             preempted_at.setdefault(i, []).append(r.step)
             assert i in r.waiting and i not in r.running
-        assert r.waiting[:len(r.preempted)] == tuple(reversed(r.preempted))
+        assert r.waiting[: len(r.preempted)] == tuple(reversed(r.preempted))
         if r.recomputed_tokens:
             assert r.prefilled
     assert preempted_at
@@ -474,10 +615,14 @@ def test_the_trace_shows_every_preemption_and_its_recompute(runs: Runs, policy: 
 # -- a request that can never fit ---------------------------------------------------------------------------------
 
 
-def small_engine(model, preemption, num_blocks: int = 8, block_size: int = 16, **scheduler) -> LLMEngine:
+def small_engine(
+    model, preemption, num_blocks: int = 8, block_size: int = 16, **scheduler
+) -> LLMEngine:
     scheduler.setdefault("max_num_seqs", 16)
     config = SchedulerConfig(preemption=preemption, **scheduler)
-    return LLMEngine(model, EngineConfig(num_blocks=num_blocks, block_size=block_size, scheduler=config))
+    return LLMEngine(
+        model, EngineConfig(num_blocks=num_blocks, block_size=block_size, scheduler=config)
+    )
 
 
 TOO_LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -489,17 +634,28 @@ def normal_alone(target) -> RequestOutput:
     return small_engine(target, "newest", num_blocks=64).generate(["JULIET:\n"], NORMAL)[0]
 
 
-def check_cache_full(engine: LLMEngine, too_long: RequestOutput, normal: RequestOutput, alone: RequestOutput) -> None:
+def check_cache_full(
+    engine: LLMEngine, too_long: RequestOutput, normal: RequestOutput, alone: RequestOutput
+) -> None:
     # 8 blocks of 16 hold 128 tokens: the 8-token prompt and 120 outputs; the 121st output needs a 129th slot.
     assert too_long.finished and too_long.finish_reason == CACHE_FULL
     assert len(too_long.token_ids) == 121
-    assert too_long.finish_message.startswith("sequence 0 needs 9 KV-cache blocks for its next token but the "
-                                              "whole cache has 8")
+    assert too_long.finish_message.startswith(
+        "sequence 0 needs 9 KV-cache blocks for its next token but the whole cache has 8"
+    )
     assert normal.finish_reason == alone.finish_reason and normal.token_ids == alone.token_ids
     assert normal.finish_message is None
     ended = [r for r in engine.trace if (0, CACHE_FULL) in r.finished]
-    assert len(ended) == 1 and 0 not in ended[0].running and 0 not in [c for c, _ in ended[0].prefilled]
-    assert engine.manager.num_free == 8 and not engine.manager.tables and not any(engine.manager.allocator.refcounts)
+    assert (
+        len(ended) == 1
+        and 0 not in ended[0].running
+        and 0 not in [c for c, _ in ended[0].prefilled]
+    )
+    assert (
+        engine.manager.num_free == 8
+        and not engine.manager.tables
+        and not any(engine.manager.allocator.refcounts)
+    )
     assert not engine.has_unfinished()
 
 
@@ -510,7 +666,11 @@ def test_a_request_that_cannot_fit_alone_ends_cache_full(target, normal_alone, p
     check_cache_full(engine, too_long, normal, normal_alone)
     assert preemptions(engine) == 0  # the normal request was done long before the cache filled up
     ended = engine.trace[-1]  # alone, it is ended by the scheduler in a step with nothing to run
-    assert ended.finished == ((0, CACHE_FULL),) and ended.num_batched_tokens == 0 and ended.forward_s == 0.0
+    assert (
+        ended.finished == ((0, CACHE_FULL),)
+        and ended.num_batched_tokens == 0
+        and ended.forward_s == 0.0
+    )
 
 
 @ch05_2
@@ -531,7 +691,11 @@ def test_a_neighbour_preempted_for_a_hopeless_request_comes_back(target, normal_
     assert [r.preempted for r in engine.trace if r.preempted] == [(1,)]
     # The blocks the long one gives back are the newcomer's in the very same step: it resumes there.
     resumed = [r for r in engine.trace if r.resumed]
-    assert len(resumed) == 1 and resumed[0].resumed == (1,) and resumed[0].finished == ((0, CACHE_FULL),)
+    assert (
+        len(resumed) == 1
+        and resumed[0].resumed == (1,)
+        and resumed[0].finished == ((0, CACHE_FULL),)
+    )
     assert resumed[0].recomputed_tokens > 0
 
 
@@ -562,17 +726,26 @@ def test_without_preemption_a_burst_stalls(target) -> None:
     assert "0 of 12 blocks are free" in str(raised.value)
     last = engine.trace[-1]
     assert len(last.running) == 4 and last.blocks_free == 0
-    assert set(last.stalled) | set(last.decoded) == set(last.running) and last.stalled  # then all four wait
+    assert (
+        set(last.stalled) | set(last.decoded) == set(last.running) and last.stalled
+    )  # then all four wait
     assert len(engine.trace) == engine.scheduler.step - 1  # the step that raised left no record
     assert not any(r.preempted for r in engine.trace)
 
 
-@pytest.mark.parametrize("policy", [pytest.param("newest", marks=ch05_2),
-                                    pytest.param("least_progressed", marks=[ch05_1, ch05_2])])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param("newest", marks=ch05_2),
+        pytest.param("least_progressed", marks=[ch05_1, ch05_2]),
+    ],
+)
 def test_with_preemption_the_same_burst_finishes(target, policy: str) -> None:
     engine = small_engine(target, policy, num_blocks=12, block_size=4)
     outs = engine.generate(BURST, BURST_PARAMS)
-    assert [o.finish_reason for o in outs] == [LENGTH] * 4 and all(len(o.token_ids) == 20 for o in outs)
+    assert [o.finish_reason for o in outs] == [LENGTH] * 4 and all(
+        len(o.token_ids) == 20 for o in outs
+    )
     assert preemptions(engine) > 0 and not any(r.stalled for r in engine.trace)
     roomy = small_engine(target, None, num_blocks=64, block_size=4).generate(BURST, BURST_PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
@@ -594,10 +767,16 @@ def preempting_workloads(draw):
     shared = draw(st.lists(st.integers(0, 3), max_size=10))
     requests = []  # (prompt, max_tokens, eos_at or None, arrival step)
     for _ in range(draw(st.integers(2, 7))):
-        head = shared[:draw(st.integers(0, len(shared)))] if prefix_caching else []
+        head = shared[: draw(st.integers(0, len(shared)))] if prefix_caching else []
         tail = draw(st.lists(st.integers(0, 3), min_size=0 if head else 1, max_size=10))
-        requests.append((head + tail, draw(st.integers(1, 12)), draw(st.none() | st.integers(1, 12)),
-                         draw(st.integers(0, 6))))
+        requests.append(
+            (
+                head + tail,
+                draw(st.integers(1, 12)),
+                draw(st.none() | st.integers(1, 12)),
+                draw(st.integers(0, 6)),
+            )
+        )
     max_num_seqs = draw(st.integers(2, 4))
     chunked = draw(st.booleans())
     longest = max(len(p) for p, *_ in requests)
@@ -605,18 +784,26 @@ def preempting_workloads(draw):
     budget = draw(st.integers(low, max(low, 20)))
     # What a request needs alone: slots for its prompt and every output but the last (never computed).
     largest = max(blocks_for(len(p) + m - 1, block_size) for p, m, *_ in requests)
-    num_blocks = largest + draw(st.integers(0, 2))  # about the largest alone: the others must make room
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked,
-                             enable_prefix_caching=prefix_caching,
-                             batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
-                             preemption=draw(st.sampled_from(["newest", "least_progressed"])))
+    num_blocks = largest + draw(
+        st.integers(0, 2)
+    )  # about the largest alone: the others must make room
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        chunked_prefill=chunked,
+        enable_prefix_caching=prefix_caching,
+        batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        preemption=draw(st.sampled_from(["newest", "least_progressed"])),
+    )
     return config, num_blocks, block_size, requests
 
 
 def fake_token(seq_id: int, position: int, eos_at: int | None, prompt_len: int) -> int:
     if eos_at is not None and position == prompt_len + eos_at - 1:
         return EOS
-    return (seq_id * 5 + position * 3) % 4  # the prompts' tiny alphabet: outputs may extend a shared prefix
+    return (
+        seq_id * 5 + position * 3
+    ) % 4  # the prompts' tiny alphabet: outputs may extend a shared prefix
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -625,9 +812,13 @@ def test_random_preempting_workloads_finish_and_keep_the_books(workload) -> None
     config, num_blocks, block_size, requests = workload
     manager = BlockManager(num_blocks, block_size)
     s = Scheduler(config, manager)
-    seqs = [Sequence(i, list(p), SamplingParams(max_tokens=m), seed=i, eos_token_id=EOS)
-            for i, (p, m, _, _) in enumerate(requests)]
-    high_water = {x.seq_id: 0 for x in seqs}  # our own count of what each sequence ever had computed
+    seqs = [
+        Sequence(i, list(p), SamplingParams(max_tokens=m), seed=i, eos_token_id=EOS)
+        for i, (p, m, _, _) in enumerate(requests)
+    ]
+    high_water = {
+        x.seq_id: 0 for x in seqs
+    }  # our own count of what each sequence ever had computed
     kv: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix whose "K/V" sits there
     last_arrival = max(a for *_, a in requests)
     max_steps = last_arrival + 40 * (sum(len(p) + m for p, m, *_ in requests) + 1)
@@ -640,7 +831,9 @@ def test_random_preempting_workloads_finish_and_keep_the_books(workload) -> None
                 break
             continue
         tokens_before = {x.seq_id: list(x.token_ids) for x in s.running}
-        plan = s.schedule()  # SchedulerStalled here fails the test: with preemption nothing may stall
+        plan = (
+            s.schedule()
+        )  # SchedulerStalled here fails the test: with preemption nothing may stall
         assert_refcounts_match_tables(manager)
         chunk_ids = [c.seq_id for c in plan.chunks]
         assert plan.chunks and not plan.finished  # nobody is too big
@@ -651,46 +844,64 @@ def test_random_preempting_workloads_finish_and_keep_the_books(workload) -> None
             event("preempted")
             assert plan.admitted == (), "a step that preempted must not admit"
             k = len(plan.preempted)
-            assert ids(s.waiting)[:k] == list(reversed(plan.preempted)), "victims go to the very front"
+            assert ids(s.waiting)[:k] == list(reversed(plan.preempted)), (
+                "victims go to the very front"
+            )
             for i in plan.preempted:
                 x = s.sequences[i]
                 assert i not in chunk_ids and i not in manager and x not in s.running
-                assert x.status is Status.WAITING and x.num_computed_tokens == 0 and x.num_preemptions >= 1
+                assert (
+                    x.status is Status.WAITING
+                    and x.num_computed_tokens == 0
+                    and x.num_preemptions >= 1
+                )
                 assert x.token_ids == tokens_before[i], "a preemption must keep the tokens"
         if plan.resumed:
             event("resumed")
             if plan.prefix_hit_tokens:
                 event("resumed with prefix hits")
         assert set(plan.resumed) == {i for i in plan.admitted if s.sequences[i].num_preemptions}
-        expected_recompute = sum(max(0, min(c.start + c.num_tokens, high_water[c.seq_id]) - c.start)
-                                 for c in plan.chunks)
+        expected_recompute = sum(
+            max(0, min(c.start + c.num_tokens, high_water[c.seq_id]) - c.start) for c in plan.chunks
+        )
         assert plan.recomputed_tokens == expected_recompute
         if expected_recompute:
             event("recomputed")
         # The fake forward pass: every chunk reads the right context, then writes its own tokens.
-        slots = {c.seq_id: manager.slot_mapping(c.seq_id, range(c.start + c.num_tokens)) for c in plan.chunks}
+        slots = {
+            c.seq_id: manager.slot_mapping(c.seq_id, range(c.start + c.num_tokens))
+            for c in plan.chunks
+        }
         for c in plan.chunks:
             x, where = s.sequences[c.seq_id], slots[c.seq_id]
             assert c.start == x.num_computed_tokens
             for p in range(c.start):
-                assert kv.get(where[p]) == tuple(x.token_ids[:p + 1]), f"sequence {x.seq_id} reads a wrong K/V at {p}"
+                assert kv.get(where[p]) == tuple(x.token_ids[: p + 1]), (
+                    f"sequence {x.seq_id} reads a wrong K/V at {p}"
+                )
         for c in plan.chunks:
             x, where = s.sequences[c.seq_id], slots[c.seq_id]
             for p in range(c.start, c.start + c.num_tokens):
-                kv[where[p]] = tuple(x.token_ids[:p + 1])
+                kv[where[p]] = tuple(x.token_ids[: p + 1])
             high_water[c.seq_id] = max(high_water[c.seq_id], c.start + c.num_tokens)
-        sampled = {i: fake_token(i, s.sequences[i].num_tokens, requests[i][2], len(requests[i][0]))
-                   for i in plan.sampling_seq_ids}
+        sampled = {
+            i: fake_token(i, s.sequences[i].num_tokens, requests[i][2], len(requests[i][0]))
+            for i in plan.sampling_seq_ids
+        }
         s.update(plan, sampled)
         assert_refcounts_match_tables(manager)
         assert set(manager.tables) == {x.seq_id for x in s.running}
         assert all(x.status is Status.WAITING and x.num_computed_tokens == 0 for x in s.waiting)
     else:
         pytest.fail(f"not finished after {max_steps} steps: a livelock")
-    assert manager.num_free == num_blocks and not manager.tables and not any(manager.allocator.refcounts)
+    assert (
+        manager.num_free == num_blocks
+        and not manager.tables
+        and not any(manager.allocator.refcounts)
+    )
     assert not s.waiting and not s.running and not s.sequences
     for x, (prompt, max_tokens, eos_at, _) in zip(seqs, requests):
-        assert x.is_finished and x.token_ids[:len(prompt)] == prompt
+        assert x.is_finished and x.token_ids[: len(prompt)] == prompt
         if eos_at is not None and eos_at <= max_tokens:
             assert (x.finish_reason, x.num_output_tokens, x.token_ids[-1]) == (STOP, eos_at, EOS)
         else:

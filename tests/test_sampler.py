@@ -1,9 +1,9 @@
 """Chapter 04: the batched sampler -- per-request uniforms, top-k/top-p filtering (ch04.1) and the
 inverse-CDF draw (ch04.2).
 
-`position_uniforms` is not an exercise: those tests pass in the student copy too. Tests marked ch04.1 call
-`token_probs`, tests marked ch04.2 call `sample_from_probs` directly; `sample()` on a batch with a sampled
-row needs both.
+`position_uniforms` is not an exercise: those tests pass in the student copy too. Tests marked
+ch04.1 call `token_probs`, tests marked ch04.2 call `sample_from_probs` directly; `sample()` on a
+batch with a sampled row needs both.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.sampler import derive_seed, position_uniforms, sample, sample_from_probs, token_probs
+from minivllm.runner.sampler import (
+    derive_seed,
+    position_uniforms,
+    sample,
+    sample_from_probs,
+    token_probs,
+)
 
 U_MAX = 1.0 - 2.0**-53  # the largest value position_uniforms can return
 
@@ -26,8 +32,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def probs_of(logits, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
     """token_probs for one row given as a list."""
-    return token_probs(torch.tensor([logits], dtype=torch.float64), torch.tensor([temperature], dtype=torch.float64),
-                       torch.tensor([top_k]), torch.tensor([top_p], dtype=torch.float64))[0]
+    return token_probs(
+        torch.tensor([logits], dtype=torch.float64),
+        torch.tensor([temperature], dtype=torch.float64),
+        torch.tensor([top_k]),
+        torch.tensor([top_p], dtype=torch.float64),
+    )[0]
 
 
 def logits_for(probs) -> list[float]:
@@ -41,7 +51,8 @@ def draw(probs, uniforms) -> list[int]:
     return sample_from_probs(probs, np.asarray(uniforms, dtype=np.float64)).tolist()
 
 
-# -- position_uniforms: a pure function of (seed, position, stream) ---------------------------------------------
+# -- position_uniforms: a pure function of (seed, position, stream)
+# ---------------------------------------------
 
 
 def test_uniforms_are_a_pure_function() -> None:
@@ -49,15 +60,23 @@ def test_uniforms_are_a_pure_function() -> None:
     first = position_uniforms(seeds, positions)
     assert first.dtype == np.float64 and first.shape == (5,)
     assert np.array_equal(first, position_uniforms(seeds, positions))
-    assert np.array_equal(first, position_uniforms(np.array(seeds, dtype=np.uint64), np.array(positions)))
+    assert np.array_equal(
+        first, position_uniforms(np.array(seeds, dtype=np.uint64), np.array(positions))
+    )
     # Each row alone gives the same number as in the batch, and the batch order does not matter.
     for i in range(5):
         assert position_uniforms([seeds[i]], [positions[i]])[0] == first[i]
     order = [3, 0, 4, 2, 1]
-    assert np.array_equal(position_uniforms([seeds[i] for i in order], [positions[i] for i in order]), first[order])
-    # Pinned values: if the hash changed, every seeded request would give different tokens than before.
+    assert np.array_equal(
+        position_uniforms([seeds[i] for i in order], [positions[i] for i in order]), first[order]
+    )
+    # Pinned values: if the hash changed, every seeded request would give different tokens than
+    # before.
     assert position_uniforms([5, 0, 2**63 - 1], [17, 0, 123456789]).tolist() == [
-        0.02816456642444165, 0.20310281705476096, 0.19842125134987587]
+        0.02816456642444165,
+        0.20310281705476096,
+        0.19842125134987587,
+    ]
     assert position_uniforms([5], [17], stream=1).tolist() == [0.9044180474275082]
 
 
@@ -89,11 +108,14 @@ def ks_statistic(u: np.ndarray) -> float:
     return float(max((ranks - u).max(), (u - (ranks - 1 / n)).max()))
 
 
-@pytest.mark.parametrize("seeds, positions", [
-    ([123] * 10_000, range(10_000)),  # one request's tokens
-    (range(10_000), [0] * 10_000),  # the first token of many requests
-    (range(10_000), range(10_000)),
-])
+@pytest.mark.parametrize(
+    "seeds, positions",
+    [
+        ([123] * 10_000, range(10_000)),  # one request's tokens
+        (range(10_000), [0] * 10_000),  # the first token of many requests
+        (range(10_000), range(10_000)),
+    ],
+)
 def test_uniforms_look_uniform(seeds, positions) -> None:
     u = position_uniforms(seeds, positions)
     assert abs(u.mean() - 0.5) < 0.02 and abs(u.var() - 1 / 12) < 0.005
@@ -111,13 +133,16 @@ def test_derive_seed() -> None:
     assert isinstance(derive_seed(3, 9), int)
 
 
-# -- token_probs (ch04.1) ------------------------------------------------------------------------------------
+# -- token_probs (ch04.1)
+# ------------------------------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch04.1")
 def test_greedy_rows_are_one_hot_at_the_argmax() -> None:
     logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [5.0, 5.0, 1.0, 0.0], [-3.0, -2.0, -1.0, -4.0]])
-    probs = token_probs(logits, torch.zeros(3), torch.tensor([0, 2, 1]), torch.tensor([1.0, 0.5, 0.1]))
+    probs = token_probs(
+        logits, torch.zeros(3), torch.tensor([0, 2, 1]), torch.tensor([1.0, 0.5, 0.1])
+    )
     assert probs.dtype == torch.float64
     assert probs.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0]]  # a tie goes to the first
 
@@ -128,7 +153,9 @@ def test_no_filter_is_the_softmax() -> None:
     want = torch.tensor(logits, dtype=torch.float64).softmax(-1)
     assert torch.allclose(probs_of(logits), want, atol=1e-12)
     assert torch.allclose(probs_of(logits, top_k=5), want, atol=1e-12)
-    assert torch.allclose(probs_of(logits, top_k=100), want, atol=1e-12)  # k larger than the vocabulary
+    assert torch.allclose(
+        probs_of(logits, top_k=100), want, atol=1e-12
+    )  # k larger than the vocabulary
     assert torch.allclose(probs_of(logits, top_p=1.0), want, atol=1e-12)
 
 
@@ -143,8 +170,10 @@ def test_temperature_scales_the_logits(temperature: float) -> None:
 @pytest.mark.exercise("ch04.1")
 def test_higher_temperature_flattens() -> None:
     logits = [1.0, 2.5, -0.5, 0.0, 3.0]
-    entropy = [float(-(p * p.clamp_min(1e-300).log()).sum()) for p in
-               (probs_of(logits, t) for t in (0.1, 0.5, 1.0, 2.0, 8.0))]
+    entropy = [
+        float(-(p * p.clamp_min(1e-300).log()).sum())
+        for p in (probs_of(logits, t) for t in (0.1, 0.5, 1.0, 2.0, 8.0))
+    ]
     assert entropy == sorted(entropy) and entropy[0] < 0.1 and entropy[-1] > math.log(5) - 0.1
 
 
@@ -170,23 +199,28 @@ def test_top_k_keeps_exactly_the_k_largest(k: int) -> None:
 
 
 @pytest.mark.exercise("ch04.1")
-@pytest.mark.parametrize("probs, top_p, kept", [
-    # The smallest head (in sorted order) whose mass reaches p.
-    ([0.5, 0.3, 0.15, 0.05], 0.7, 2),
-    ([0.5, 0.3, 0.15, 0.05], 0.8 - 1e-9, 2),
-    ([0.5, 0.3, 0.15, 0.05], 0.81, 3),
-    ([0.5, 0.3, 0.15, 0.05], 0.5 - 1e-9, 1),
-    ([0.5, 0.3, 0.15, 0.05], 0.96, 4),
-    ([0.05, 0.15, 0.5, 0.3], 0.7, 2),  # the order in the vocabulary does not matter
-    # Exact in binary, so the boundary itself is tested: a head whose mass *equals* p is enough.
-    ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.5, 1),
-    ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.75, 2),
-    ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.875, 3),
-    ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.875 + 1e-9, 4),
-    ([0.5, 0.25, 0.125, 0.0625, 0.0625], 1.0, 5),
-    ([0.5, 0.25, 0.125, 0.0625, 0.0625], 1e-9, 1),  # the top token always stays
-])
-def test_top_p_keeps_the_smallest_head_reaching_p(probs: list[float], top_p: float, kept: int) -> None:
+@pytest.mark.parametrize(
+    "probs, top_p, kept",
+    [
+        # The smallest head (in sorted order) whose mass reaches p.
+        ([0.5, 0.3, 0.15, 0.05], 0.7, 2),
+        ([0.5, 0.3, 0.15, 0.05], 0.8 - 1e-9, 2),
+        ([0.5, 0.3, 0.15, 0.05], 0.81, 3),
+        ([0.5, 0.3, 0.15, 0.05], 0.5 - 1e-9, 1),
+        ([0.5, 0.3, 0.15, 0.05], 0.96, 4),
+        ([0.05, 0.15, 0.5, 0.3], 0.7, 2),  # the order in the vocabulary does not matter
+        # Exact in binary, so the boundary itself is tested: a head whose mass *equals* p is enough.
+        ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.5, 1),
+        ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.75, 2),
+        ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.875, 3),
+        ([0.5, 0.25, 0.125, 0.0625, 0.0625], 0.875 + 1e-9, 4),
+        ([0.5, 0.25, 0.125, 0.0625, 0.0625], 1.0, 5),
+        ([0.5, 0.25, 0.125, 0.0625, 0.0625], 1e-9, 1),  # the top token always stays
+    ],
+)
+def test_top_p_keeps_the_smallest_head_reaching_p(
+    probs: list[float], top_p: float, kept: int
+) -> None:
     out = probs_of(logits_for(probs), top_p=top_p)
     order = sorted(range(len(probs)), key=lambda i: -probs[i])
     assert [i for i in range(len(probs)) if out[i] > 0] == sorted(order[:kept])
@@ -199,7 +233,9 @@ def test_top_p_is_applied_after_top_k_to_the_renormalised_head() -> None:
     # top-k 2 leaves [0.4, 0.3] -> [4/7, 3/7]; then p = 0.5 is reached by the first token alone.
     # (top-p on the original distribution would have kept two tokens: 0.4 < 0.5.)
     assert probs_of(logits_for([0.4, 0.3, 0.2, 0.1]), top_k=2, top_p=0.5).tolist() == [1, 0, 0, 0]
-    out = probs_of(logits_for([0.4, 0.3, 0.2, 0.1]), top_k=3, top_p=0.7)  # [4/9, 3/9, 2/9]: 7/9 >= 0.7
+    out = probs_of(
+        logits_for([0.4, 0.3, 0.2, 0.1]), top_k=3, top_p=0.7
+    )  # [4/9, 3/9, 2/9]: 7/9 >= 0.7
     assert (out > 0).tolist() == [True, True, False, False]
 
 
@@ -210,11 +246,17 @@ def test_rows_are_filtered_independently() -> None:
     temps = [0.0, 0.5, 1.0, 1.5, 0.9, 1.0]
     ks = [0, 5, 0, 10, 1, 50]
     ps = [1.0, 1.0, 0.8, 0.5, 1.0, 0.95]
-    batch = token_probs(logits, torch.tensor(temps), torch.tensor(ks), torch.tensor(ps, dtype=torch.float64))
+    batch = token_probs(
+        logits, torch.tensor(temps), torch.tensor(ks), torch.tensor(ps, dtype=torch.float64)
+    )
     for i in range(6):
-        alone = token_probs(logits[i:i + 1], torch.tensor(temps[i:i + 1]), torch.tensor(ks[i:i + 1]),
-                            torch.tensor(ps[i:i + 1], dtype=torch.float64))
-        assert torch.allclose(batch[i:i + 1], alone, rtol=0, atol=1e-15)
+        alone = token_probs(
+            logits[i : i + 1],
+            torch.tensor(temps[i : i + 1]),
+            torch.tensor(ks[i : i + 1]),
+            torch.tensor(ps[i : i + 1], dtype=torch.float64),
+        )
+        assert torch.allclose(batch[i : i + 1], alone, rtol=0, atol=1e-15)
         assert abs(float(batch[i].sum()) - 1) < 1e-12 and (batch[i] >= 0).all()
     assert [int((row > 0).sum()) for row in batch][0:2] == [1, 5] and int((batch[4] > 0).sum()) == 1
 
@@ -222,29 +264,43 @@ def test_rows_are_filtered_independently() -> None:
 @pytest.mark.exercise("ch04.1")
 def test_masked_logits_stay_impossible() -> None:
     logits = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]])
-    probs = token_probs(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0], dtype=torch.float64))
+    probs = token_probs(
+        logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0], dtype=torch.float64)
+    )
     assert probs[0, 1] == 0 and probs[0, 3] == 0 and not probs.isnan().any()
 
 
-# -- sample_from_probs (ch04.2) ----------------------------------------------------------------------------------
+# -- sample_from_probs (ch04.2)
+# ----------------------------------------------------------------------------------
 
 DYADIC = [0.0, 0.5, 0.0, 0.25, 0.25]  # cumulative 0, .5, .5, .75, 1 -- exact in binary
 
 
 @pytest.mark.exercise("ch04.2")
-@pytest.mark.parametrize("u, token", [
-    (0.0, 1),  # u = 0 picks the first token with any probability, never the zero before it
-    (0.25, 1), (0.5 - 2**-53, 1),
-    (0.5, 3),  # the first token whose cumulative probability *exceeds* u: skips the zero at index 2
-    (0.75 - 2**-53, 3), (0.75, 4), (U_MAX, 4),
-])
+@pytest.mark.parametrize(
+    "u, token",
+    [
+        (0.0, 1),  # u = 0 picks the first token with any probability, never the zero before it
+        (0.25, 1),
+        (0.5 - 2**-53, 1),
+        (
+            0.5,
+            3,
+        ),  # the first token whose cumulative probability *exceeds* u: skips the zero at index 2
+        (0.75 - 2**-53, 3),
+        (0.75, 4),
+        (U_MAX, 4),
+    ],
+)
 def test_inverse_cdf_by_hand(u: float, token: int) -> None:
     assert draw(DYADIC, [u]) == [token]
 
 
 @pytest.mark.exercise("ch04.2")
 def test_one_uniform_per_row() -> None:
-    probs = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.5, 0.5, 0.0], [0.5, 0.5, 0.0]], dtype=torch.float64)
+    probs = torch.tensor(
+        [[1.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.5, 0.5, 0.0], [0.5, 0.5, 0.0]], dtype=torch.float64
+    )
     tokens = sample_from_probs(probs, np.array([0.9, 0.1, 0.25, 0.75]))
     assert tokens.dtype == torch.long and tokens.shape == (4,) and tokens.tolist() == [0, 2, 0, 1]
     assert sample_from_probs(probs, torch.tensor([0.9, 0.1, 0.25, 0.75])).tolist() == [0, 2, 0, 1]
@@ -252,7 +308,8 @@ def test_one_uniform_per_row() -> None:
 
 @pytest.mark.exercise("ch04.2")
 def test_a_row_that_does_not_sum_to_one_is_scaled() -> None:
-    # u is a fraction of the row's own total: a round-off shortfall cannot run off the end of the vocabulary.
+    # u is a fraction of the row's own total: a round-off shortfall cannot run off the end of the
+    # vocabulary.
     assert draw([1.0, 1.0], [0.49, 0.5, U_MAX]) == [0, 1, 1]
     assert draw([0.3, 0.3, 0.0], [0.49, 0.5, U_MAX]) == [0, 1, 1]
     short = [0.1] * 10  # sums to 0.9999999999999999 in floating point
@@ -273,8 +330,9 @@ def test_empirical_frequencies_match_the_probabilities() -> None:
 @pytest.mark.exercise("ch04.2")
 @settings(max_examples=300, deadline=None)
 @given(
-    weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-6, 1.0)), min_size=1, max_size=12)
-    .filter(lambda w: any(x > 0 for x in w)),
+    weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-6, 1.0)), min_size=1, max_size=12).filter(
+        lambda w: any(x > 0 for x in w)
+    ),
     u=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.sampled_from([0.0, U_MAX])),
 )
 def test_never_picks_a_zero_probability_token(weights: list[float], u: float) -> None:
@@ -282,13 +340,15 @@ def test_never_picks_a_zero_probability_token(weights: list[float], u: float) ->
     probs = probs / probs.sum()
     (token,) = sample_from_probs(probs[None], np.array([u])).tolist()
     assert 0 <= token < len(weights) and weights[token] > 0
-    # ... and it is the inverse CDF: the cumulative mass before it is <= u * total < the mass through it.
+    # ... and it is the inverse CDF: the cumulative mass before it is <= u * total < the mass
+    # through it.
     cdf = probs.cumsum(0)
     before = float(cdf[token - 1]) if token else 0.0
     assert before <= u * float(cdf[-1]) < float(cdf[token])
 
 
-# -- sample(): the engine's entry point ---------------------------------------------------------------------------
+# -- sample(): the engine's entry point
+# ---------------------------------------------------------------------------
 
 
 def test_an_all_greedy_batch_is_the_argmax() -> None:
@@ -318,16 +378,19 @@ def test_each_row_of_a_mixed_batch_is_sampled_as_if_alone() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(len(ROWS), 259, generator=g) * 2
     batch = sample_rows(logits, ROWS)
-    alone = [sample_rows(logits[i:i + 1], [row])[0] for i, row in enumerate(ROWS)]
+    alone = [sample_rows(logits[i : i + 1], [row])[0] for i, row in enumerate(ROWS)]
     assert batch == alone
     assert batch[0] == int(logits[0].argmax()) and batch[3] == int(logits[3].argmax())
     # Shuffling the batch moves the tokens with their rows.
     order = [4, 2, 6, 0, 5, 1, 3]
     assert sample_rows(logits[order], [ROWS[i] for i in order]) == [batch[i] for i in order]
-    # It is exactly the documented pipeline: filter, then inverse CDF with the request's own uniform.
+    # It is exactly the documented pipeline: filter, then inverse CDF with the request's own
+    # uniform.
     t, k, p, s, pos = zip(*ROWS)
     f64 = torch.float64
-    probs = token_probs(logits, torch.tensor(t, dtype=f64), torch.tensor(k), torch.tensor(p, dtype=f64))
+    probs = token_probs(
+        logits, torch.tensor(t, dtype=f64), torch.tensor(k), torch.tensor(p, dtype=f64)
+    )
     assert sample_from_probs(probs, position_uniforms(s, pos)).tolist() == batch
     assert all(probs[i, tok] > 0 for i, tok in enumerate(batch))
 
@@ -341,13 +404,18 @@ def test_sampled_tokens_follow_the_filtered_distribution() -> None:
     freq = np.bincount(tokens, minlength=6) / n
     want = probs_of(logits.tolist(), temperature=0.9, top_k=4).numpy()
     assert freq[4] == 0 and freq[5] == 0 and np.abs(freq - want).max() < 0.015
-    # Different positions of one request draw different tokens; the same position always the same one.
+    # Different positions of one request draw different tokens; the same position always the same
+    # one.
     assert sample(logits[None], [0.9], [4], [1.0], [77], [123]) == [tokens[123]]
 
 
 def test_a_tiny_temperature_is_greedy_not_nan() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0], [3.0, 1.0, 0.0]])
     assert sample(logits, [1e-310, 1e-310], [0, 0], [1.0, 1.0], [1, 2], [0, 0]) == [2, 0]
-    probs = token_probs(logits, torch.tensor([1e-300, 1e-300], dtype=torch.float64), torch.tensor([0, 0]),
-                        torch.tensor([1.0, 1.0], dtype=torch.float64))
+    probs = token_probs(
+        logits,
+        torch.tensor([1e-300, 1e-300], dtype=torch.float64),
+        torch.tensor([0, 0]),
+        torch.tensor([1.0, 1.0], dtype=torch.float64),
+    )
     assert not probs.isnan().any() and probs.argmax(dim=-1).tolist() == [2, 0]

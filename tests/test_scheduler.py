@@ -1,9 +1,10 @@
 """Chapter 04: the continuous-batching scheduler on its own -- no model, no torch.
 
-Every test drives `schedule()` -> (a fake forward pass) -> `update()` with tokens from a fake sampler, and
-checks the `StepPlan`s, the queues and the block pool. The property test at the end also plays the part
-of the KV cache: it "writes" each computed token into the slot the block tables give it and checks that
-every context a chunk reads (prefix-cache hits included) holds exactly that sequence's tokens.
+Every test drives `schedule()` -> (a fake forward pass) -> `update()` with tokens from a fake
+sampler, and checks the `StepPlan`s, the queues and the block pool. The property test at the end
+also plays the part of the KV cache: it "writes" each computed token into the slot the block tables
+give it and checks that every context a chunk reads (prefix-cache hits included) holds exactly that
+sequence's tokens.
 """
 
 from __future__ import annotations
@@ -12,9 +13,17 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from minivllm.block_allocator import BlockManager
-from minivllm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerStalled, StepPlan
-from minivllm.sequence import ABORT, LENGTH, STOP, SamplingParams, Sequence, Status
+from minivllm.kv.block_manager import BlockManager
+from minivllm.sched.plan import ScheduledChunk, StepPlan
+from minivllm.sched.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
+from minivllm.sched.sequence import (
+    ABORT,
+    LENGTH,
+    STOP,
+    SamplingParams,
+    Sequence,
+    Status,
+)
 
 EOS = 257
 TOKEN = ord("a")  # what the fake sampler returns unless told otherwise
@@ -22,7 +31,9 @@ TOKEN = ord("a")  # what the fake sampler returns unless told otherwise
 
 def seq(seq_id: int, prompt: int | list[int], max_tokens: int = 4, **params) -> Sequence:
     ids = prompt if isinstance(prompt, list) else [(seq_id * 31 + i) % 200 for i in range(prompt)]
-    return Sequence(seq_id, ids, SamplingParams(max_tokens=max_tokens, **params), seed=seq_id, eos_token_id=EOS)
+    return Sequence(
+        seq_id, ids, SamplingParams(max_tokens=max_tokens, **params), seed=seq_id, eos_token_id=EOS
+    )
 
 
 def scheduler(num_blocks: int = 64, block_size: int = 4, **config) -> Scheduler:
@@ -51,11 +62,16 @@ def run_to_end(s: Scheduler, max_steps: int = 1000) -> list[StepPlan]:
 # -- config ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_num_seqs": 0}, "max_num_seqs"), ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-    ({"max_num_seqs": True}, "max_num_seqs"), ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, ">= max_num_seqs"),
-    ({"batching": "dynamic"}, "batching"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"max_num_seqs": True}, "max_num_seqs"),
+        ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, ">= max_num_seqs"),
+        ({"batching": "dynamic"}, "batching"),
+    ],
+)
 def test_config_is_checked(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(**kwargs)
@@ -68,7 +84,8 @@ def test_a_sequence_id_is_scheduled_once() -> None:
         s.add(seq(0, 3))
 
 
-# -- chunked prefill, token budget, phase order: one small case worked by hand ----------------------------------
+# -- chunked prefill, token budget, phase order: one small case worked by hand
+# ----------------------------------
 
 
 def test_hand_worked_chunked_prefill() -> None:
@@ -77,27 +94,39 @@ def test_hand_worked_chunked_prefill() -> None:
     for x in (a, b, c):
         s.add(x)
 
-    # Step 1: A's whole prompt (5), then B gets what is left of the budget (3 of 10). C waits: budget spent.
+    # Step 1: A's whole prompt (5), then B gets what is left of the budget (3 of 10). C waits:
+    # budget spent.
     plan, finished = step(s)
     assert plan == StepPlan(1, (C(0, 0, 5, True, True), C(1, 0, 3, True, False)), admitted=(0, 1))
     assert plan.num_batched_tokens == 8 and plan.sampling_seq_ids == (0,) and finished == []
     assert [x.seq_id for x in s.waiting] == [2] and [x.seq_id for x in s.running] == [0, 1]
     assert (a.num_computed_tokens, a.num_tokens, b.num_computed_tokens) == (5, 6, 3)
-    assert s.manager.block_table(0) == [0, 1] and s.manager.block_table(1) == [2] and s.manager.num_free == 13
+    assert (
+        s.manager.block_table(0) == [0, 1]
+        and s.manager.block_table(1) == [2]
+        and s.manager.num_free == 13
+    )
 
-    # Step 2: A decodes first (1), then B's next chunk takes the other 7 and reaches its end. Still no room for C.
+    # Step 2: A decodes first (1), then B's next chunk takes the other 7 and reaches its end. Still
+    # no room for C.
     plan, finished = step(s)
     assert plan == StepPlan(2, (C(0, 5, 1, False, True), C(1, 3, 7, True, True)))
     assert plan.decodes == (C(0, 5, 1, False, True),) and plan.prefills == (C(1, 3, 7, True, True),)
     assert s.manager.block_table(1) == [2, 3, 4] and s.manager.num_free == 11
     assert (a.num_output_tokens, b.num_output_tokens, b.num_computed_tokens) == (2, 1, 10)
 
-    # Step 3: two decodes, then C is admitted with its whole prompt. All three finish in this update.
+    # Step 3: two decodes, then C is admitted with its whole prompt. All three finish in this
+    # update.
     plan, finished = step(s)
-    assert plan == StepPlan(3, (C(0, 6, 1, False, True), C(1, 10, 1, False, True), C(2, 0, 3, True, True)),
-                            admitted=(2,))
+    assert plan == StepPlan(
+        3,
+        (C(0, 6, 1, False, True), C(1, 10, 1, False, True), C(2, 0, 3, True, True)),
+        admitted=(2,),
+    )
     assert plan.num_batched_tokens == 5
-    assert [x.seq_id for x in finished] == [0, 1, 2] and all(x.finish_reason == LENGTH for x in finished)
+    assert [x.seq_id for x in finished] == [0, 1, 2] and all(
+        x.finish_reason == LENGTH for x in finished
+    )
     assert (a.num_output_tokens, b.num_output_tokens, c.num_output_tokens) == (3, 2, 1)
     assert not s.has_unfinished() and s.manager.num_free == 16 and not s.manager.tables
 
@@ -108,22 +137,35 @@ def test_budget_is_shared_by_decodes_and_prefill_chunks() -> None:
     s.add(seq(1, 2, max_tokens=20))
     step(s)  # both prompts
     s.add(seq(2, 30, max_tokens=2))
-    for expected_start in (0, 4, 8):  # two decodes leave 4 tokens of the budget for the long prompt each step
+    for expected_start in (
+        0,
+        4,
+        8,
+    ):  # two decodes leave 4 tokens of the budget for the long prompt each step
         plan, _ = step(s)
-        assert [(c.seq_id, c.is_prefill) for c in plan.chunks] == [(0, False), (1, False), (2, True)]
+        assert [(c.seq_id, c.is_prefill) for c in plan.chunks] == [
+            (0, False),
+            (1, False),
+            (2, True),
+        ]
         assert plan.chunks[2].start == expected_start and plan.chunks[2].num_tokens == 4
         assert plan.num_batched_tokens == 6
 
 
-def test_chunked_prefill_off_keeps_a_prompt_that_does_not_fit_the_rest_of_the_budget_waiting() -> None:
-    chunked, whole = (scheduler(max_num_batched_tokens=8, chunked_prefill=flag) for flag in (True, False))
+def test_chunked_prefill_off_keeps_a_prompt_that_does_not_fit_the_rest_of_the_budget_waiting() -> (
+    None
+):
+    chunked, whole = (
+        scheduler(max_num_batched_tokens=8, chunked_prefill=flag) for flag in (True, False)
+    )
     for s in (chunked, whole):
         s.add(seq(0, 5, max_tokens=3))
         s.add(seq(1, 6, max_tokens=3))
         s.add(seq(2, 1, max_tokens=3))
     assert step(chunked)[0].chunks == (C(0, 0, 5, True, True), C(1, 0, 3, True, False))
     plan, _ = step(whole)
-    # B (6 tokens) does not fit the 3 left; FIFO: C (1 token, which would fit) does not overtake it either.
+    # B (6 tokens) does not fit the 3 left; FIFO: C (1 token, which would fit) does not overtake it
+    # either.
     assert plan.chunks == (C(0, 0, 5, True, True),) and plan.admitted == (0,)
     assert [x.seq_id for x in whole.waiting] == [1, 2] and whole.manager.num_free == 62
     plan, _ = step(whole)  # one decode leaves 7: B's whole prompt fits, then C's
@@ -136,10 +178,13 @@ def test_chunked_prefill_off_never_admits_a_prompt_larger_than_the_budget() -> N
     s.add(seq(0, 9))
     with pytest.raises(SchedulerStalled):
         s.schedule()
-    assert [x.seq_id for x in s.waiting] == [0] and s.manager.num_free == 64  # nothing was half-done
+    assert [x.seq_id for x in s.waiting] == [
+        0
+    ] and s.manager.num_free == 64  # nothing was half-done
 
 
-# -- admission limits ------------------------------------------------------------------------------------------
+# -- admission limits
+# ------------------------------------------------------------------------------------------
 
 
 def test_admission_is_limited_by_max_num_seqs() -> None:
@@ -149,7 +194,9 @@ def test_admission_is_limited_by_max_num_seqs() -> None:
         s.add(seq(i, 3, max_tokens=3))
     plan, finished = step(s)
     assert plan.admitted == (0, 1) and [x.seq_id for x in s.waiting] == [2, 3]
-    assert [x.seq_id for x in finished] == [0]  # done after one token: its slot is free for the next step
+    assert [x.seq_id for x in finished] == [
+        0
+    ]  # done after one token: its slot is free for the next step
     plan, _ = step(s)
     assert plan.admitted == (2,) and [c.seq_id for c in plan.chunks] == [1, 2]
     plans = run_to_end(s)
@@ -172,9 +219,13 @@ def test_fifo_head_of_line_blocks_later_requests_when_out_of_blocks() -> None:
     s.add(seq(2, 2, max_tokens=1))  # 1 block would fit, but it must not overtake B
     plan, finished = step(s)
     assert plan.admitted == (0,) and [x.seq_id for x in s.waiting] == [1, 2]
-    assert [x.seq_id for x in finished] == [0] and s.manager.num_free == 4  # retired in the same update
+    assert [x.seq_id for x in finished] == [
+        0
+    ] and s.manager.num_free == 4  # retired in the same update
     plan = s.schedule()
-    assert plan.admitted == (1, 2) and s.manager.num_free == 0  # now B goes first, and C fits beside it
+    assert (
+        plan.admitted == (1, 2) and s.manager.num_free == 0
+    )  # now B goes first, and C fits beside it
 
 
 def test_admission_keeps_arrival_order() -> None:
@@ -185,7 +236,8 @@ def test_admission_keeps_arrival_order() -> None:
     assert admitted == [0, 1, 2, 3, 4]
 
 
-# -- retirement and abort ----------------------------------------------------------------------------------------
+# -- retirement and abort
+# ----------------------------------------------------------------------------------------
 
 
 def test_finished_sequences_free_their_blocks_in_the_same_update() -> None:
@@ -234,7 +286,12 @@ def test_abort_a_running_sequence_mid_prefill_frees_its_blocks() -> None:
     step(s)
     assert s.manager.num_free == 14
     s.abort(0)
-    assert s.manager.num_free == 16 and not s.running and not s.has_unfinished() and not s.manager.tables
+    assert (
+        s.manager.num_free == 16
+        and not s.running
+        and not s.has_unfinished()
+        and not s.manager.tables
+    )
 
 
 def test_abort_between_schedule_and_update() -> None:
@@ -250,7 +307,8 @@ def test_abort_between_schedule_and_update() -> None:
     assert s.manager.num_free == 16
 
 
-# -- static batching --------------------------------------------------------------------------------------------
+# -- static batching
+# --------------------------------------------------------------------------------------------
 
 
 def admissions(batching: str) -> list[tuple[int, ...]]:
@@ -263,7 +321,8 @@ def admissions(batching: str) -> list[tuple[int, ...]]:
 def test_static_batching_admits_only_when_the_whole_batch_is_done() -> None:
     # Request 0 finishes after step 1 but request 1 runs 4 steps: the static batch waits for it.
     assert admissions("static") == [(0, 1), (), (), (), (2, 3), ()]
-    # Continuous: 2 joins the step after 0 left; 3 the step after 2 left (the batch was full in between).
+    # Continuous: 2 joins the step after 0 left; 3 the step after 2 left (the batch was full in
+    # between).
     assert admissions("continuous") == [(0, 1), (2,), (), (3,), ()]
 
 
@@ -302,16 +361,24 @@ def test_scheduler_stalled_when_nothing_can_progress() -> None:
     assert s.manager.num_free == 0
 
 
-# -- prefix caching -----------------------------------------------------------------------------------------------
+# -- prefix caching
+# -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prompt_len, hit", [(10, 8), (8, 4), (12, 8), (9, 8), (4, 0), (3, 0), (1, 0)])
-def test_a_repeated_prompt_hits_its_full_blocks_but_never_its_last_token(prompt_len: int, hit: int) -> None:
-    s = scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+@pytest.mark.parametrize(
+    "prompt_len, hit", [(10, 8), (8, 4), (12, 8), (9, 8), (4, 0), (3, 0), (1, 0)]
+)
+def test_a_repeated_prompt_hits_its_full_blocks_but_never_its_last_token(
+    prompt_len: int, hit: int
+) -> None:
+    s = scheduler(
+        num_blocks=16, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True
+    )
     prompt = list(range(100, 100 + prompt_len))
     s.add(seq(0, prompt, max_tokens=3))
     plan = s.schedule()
-    # Scheduled but not computed yet: nothing may be named (a hit now would read K/V nobody has written).
+    # Scheduled but not computed yet: nothing may be named (a hit now would read K/V nobody has
+    # written).
     assert s.manager.cached_prefix(prompt) == [] and not s.manager.allocator.cached
     s.update(plan, {0: TOKEN})
     assert len(s.manager.allocator.cached) == prompt_len // 4
@@ -328,11 +395,16 @@ def test_a_repeated_prompt_hits_its_full_blocks_but_never_its_last_token(prompt_
 
 
 def test_no_hits_between_prompts_admitted_in_the_same_step() -> None:
-    s = scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    s = scheduler(
+        num_blocks=16, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True
+    )
     s.add(seq(0, list(range(12)), max_tokens=1))
     s.add(seq(1, list(range(12)), max_tokens=1))
     plan, _ = step(s)
-    assert plan.prefix_hit_tokens == 0 and plan.chunks == (C(0, 0, 12, True, True), C(1, 0, 12, True, True))
+    assert plan.prefix_hit_tokens == 0 and plan.chunks == (
+        C(0, 0, 12, True, True),
+        C(1, 0, 12, True, True),
+    )
 
 
 def test_a_freed_prompt_still_hits_and_its_blocks_are_taken_back() -> None:
@@ -355,7 +427,13 @@ def test_prefix_caching_off_never_hits() -> None:
 
 
 def test_a_chunked_prompt_names_its_blocks_as_the_chunks_are_computed() -> None:
-    s = scheduler(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=6, enable_prefix_caching=True)
+    s = scheduler(
+        num_blocks=16,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=6,
+        enable_prefix_caching=True,
+    )
     s.add(seq(0, list(range(20)), max_tokens=1))
     named = []
     while s.has_unfinished():
@@ -364,7 +442,8 @@ def test_a_chunked_prompt_names_its_blocks_as_the_chunks_are_computed() -> None:
     assert named == [1, 3, 4, 5]  # 6, 12, 18, 20 tokens computed: floor(n / 4) full blocks
 
 
-# -- the property test: random workloads ----------------------------------------------------------------------------
+# -- the property test: random workloads
+# ----------------------------------------------------------------------------
 
 
 def blocks_for(n: int, block_size: int) -> int:
@@ -375,18 +454,23 @@ def blocks_for(n: int, block_size: int) -> int:
 def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4]))
     prefix_caching = draw(st.booleans())
-    shared = draw(st.lists(st.integers(0, 3), min_size=0, max_size=12))  # a common prefix, from a tiny alphabet
+    shared = draw(
+        st.lists(st.integers(0, 3), min_size=0, max_size=12)
+    )  # a common prefix, from a tiny alphabet
     requests = []
     for _ in range(draw(st.integers(1, 8))):
-        head = shared[:draw(st.integers(0, len(shared)))] if prefix_caching else []
+        head = shared[: draw(st.integers(0, len(shared)))] if prefix_caching else []
         tail = draw(st.lists(st.integers(0, 3), min_size=0 if head else 1, max_size=12))
         requests.append((head + tail, draw(st.integers(1, 8)), draw(st.none() | st.integers(1, 8))))
     max_num_seqs = draw(st.integers(1, 4))
     chunked = draw(st.booleans())
     longest = max(len(p) for p, _, _ in requests)
-    low = max(max_num_seqs, 1 if chunked else longest)  # unchunked, each prompt must fit one step's budget
+    low = max(
+        max_num_seqs, 1 if chunked else longest
+    )  # unchunked, each prompt must fit one step's budget
     budget = draw(st.integers(low, max(low, 24)))
-    # Tokens that ever need a slot: the prompt and every output but the last (which is never computed).
+    # Tokens that ever need a slot: the prompt and every output but the last (which is never
+    # computed).
     needs = [blocks_for(len(p) + m - 1, block_size) for p, m, _ in requests]
     room = draw(st.sampled_from(["all at once", "tight", "between"]))
     if room == "all at once":
@@ -395,17 +479,23 @@ def workloads(draw):
         num_blocks = max(needs) + draw(st.integers(0, 2))
     else:
         num_blocks = draw(st.integers(max(needs), max(max(needs), sum(needs))))
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked,
-                             batching=draw(st.sampled_from(["continuous", "static"])),
-                             enable_prefix_caching=prefix_caching,
-                             preemption=draw(st.sampled_from([None, "newest", "least_progressed"])))
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        chunked_prefill=chunked,
+        batching=draw(st.sampled_from(["continuous", "static"])),
+        enable_prefix_caching=prefix_caching,
+        preemption=draw(st.sampled_from([None, "newest", "least_progressed"])),
+    )
     return config, num_blocks, block_size, requests, num_blocks >= sum(needs)
 
 
 def fake_token(seq_id: int, position: int, eos_at: int | None, prompt_len: int) -> int:
     if eos_at is not None and position == prompt_len + eos_at - 1:
         return EOS
-    return (seq_id * 7 + position * 3) % 4  # the same tiny alphabet: outputs may extend a shared prefix
+    return (
+        seq_id * 7 + position * 3
+    ) % 4  # the same tiny alphabet: outputs may extend a shared prefix
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -414,12 +504,15 @@ def test_random_workloads_finish_with_every_block_back(workload) -> None:
     config, num_blocks, block_size, requests, fits_at_once = workload
     manager = BlockManager(num_blocks, block_size)
     s = Scheduler(config, manager)
-    seqs = [Sequence(i, list(p), SamplingParams(max_tokens=m), seed=i, eos_token_id=EOS)
-            for i, (p, m, _) in enumerate(requests)]
+    seqs = [
+        Sequence(i, list(p), SamplingParams(max_tokens=m), seed=i, eos_token_id=EOS)
+        for i, (p, m, _) in enumerate(requests)
+    ]
     for x in seqs:
         s.add(x)
     kv: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix whose "K/V" sits there
-    # Every step computes at least one token; each preemption can add at most one sequence's worth again.
+    # Every step computes at least one token; each preemption can add at most one sequence's worth
+    # again.
     max_steps = 50 * (sum(len(p) + m for p, m, _ in requests) + 1)
     for _ in range(max_steps):
         if not s.has_unfinished():
@@ -440,31 +533,45 @@ def test_random_workloads_finish_with_every_block_back(workload) -> None:
         if plan.preempted:
             event("preempted")
             assert not plan.admitted, "a step that preempted must not admit"
-        # The fake forward pass. Every chunk's cached context must hold that sequence's tokens *before* the
-        # pass (a prefix hit must be computed by an earlier step); then the pass writes the new tokens.
-        slots = {c.seq_id: manager.slot_mapping(c.seq_id, range(c.start + c.num_tokens)) for c in plan.chunks}
+        # The fake forward pass. Every chunk's cached context must hold that sequence's tokens
+        # *before* the pass (a prefix hit must be computed by an earlier step); then the pass writes
+        # the new tokens.
+        slots = {
+            c.seq_id: manager.slot_mapping(c.seq_id, range(c.start + c.num_tokens))
+            for c in plan.chunks
+        }
         for chunk in plan.chunks:
             x, where = s.sequences[chunk.seq_id], slots[chunk.seq_id]
             for p in range(chunk.start):
-                assert kv.get(where[p]) == tuple(x.token_ids[:p + 1]), f"sequence {x.seq_id} reads a wrong K/V at {p}"
-        written = [slots[c.seq_id][p] for c in plan.chunks for p in range(c.start, c.start + c.num_tokens)]
+                assert kv.get(where[p]) == tuple(x.token_ids[: p + 1]), (
+                    f"sequence {x.seq_id} reads a wrong K/V at {p}"
+                )
+        written = [
+            slots[c.seq_id][p] for c in plan.chunks for p in range(c.start, c.start + c.num_tokens)
+        ]
         assert len(set(written)) == len(written), "two tokens of one step write the same slot"
         for chunk in plan.chunks:
             x, where = s.sequences[chunk.seq_id], slots[chunk.seq_id]
             for p in range(chunk.start, chunk.start + chunk.num_tokens):
-                kv[where[p]] = tuple(x.token_ids[:p + 1])
-        sampled = {i: fake_token(i, s.sequences[i].num_tokens, requests[i][2], len(requests[i][0]))
-                   for i in plan.sampling_seq_ids}
+                kv[where[p]] = tuple(x.token_ids[: p + 1])
+        sampled = {
+            i: fake_token(i, s.sequences[i].num_tokens, requests[i][2], len(requests[i][0]))
+            for i in plan.sampling_seq_ids
+        }
         s.update(plan, sampled)
         check_state(s, manager)
     else:
         pytest.fail("the scheduler neither finished nor raised SchedulerStalled")
     if s.has_unfinished():
         return  # stalled, as it may when the cache cannot hold everyone at once
-    assert manager.num_free == num_blocks and not manager.tables and not any(manager.allocator.refcounts)
+    assert (
+        manager.num_free == num_blocks
+        and not manager.tables
+        and not any(manager.allocator.refcounts)
+    )
     assert not s.waiting and not s.running and not s.sequences
     for x, (prompt, max_tokens, eos_at) in zip(seqs, requests):
-        assert x.is_finished and x.token_ids[:len(prompt)] == prompt
+        assert x.is_finished and x.token_ids[: len(prompt)] == prompt
         if eos_at is not None and eos_at <= max_tokens:
             assert (x.finish_reason, x.num_output_tokens, x.token_ids[-1]) == (STOP, eos_at, EOS)
         else:
@@ -489,9 +596,13 @@ def check_plan(s: Scheduler, plan: StepPlan, config: SchedulerConfig, running_be
             assert c.start < x.num_prompt_tokens or x.num_preemptions
         else:  # a decode: the one token it sampled last step
             assert c.num_tokens == 1 and c.start >= x.num_prompt_tokens
-        assert s.manager.num_tokens(c.seq_id) >= c.start + c.num_tokens  # slots reserved before the pass
+        assert (
+            s.manager.num_tokens(c.seq_id) >= c.start + c.num_tokens
+        )  # slots reserved before the pass
         if not config.chunked_prefill and c.is_prefill and not x.num_preemptions:
-            assert c.start == x.num_cached_tokens and c.samples  # the whole rest of the prompt at once
+            assert (
+                c.start == x.num_cached_tokens and c.samples
+            )  # the whole rest of the prompt at once
     if not config.enable_prefix_caching:
         assert plan.prefix_hit_tokens == 0
 

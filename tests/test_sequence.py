@@ -1,5 +1,5 @@
-"""Chapter 04: a request's parameters and bookkeeping -- `SamplingParams` checks, and `Sequence`'s stop
-rules (EOS, stop tokens, stop strings, max_tokens) and streamed text deltas.
+"""Chapter 04: a request's parameters and bookkeeping -- `SamplingParams` checks, and `Sequence`'s
+stop rules (EOS, stop tokens, stop strings, max_tokens) and streamed text deltas.
 
 No torch here: a `Sequence` is fed byte tokens by hand, exactly as the scheduler's `update` would.
 """
@@ -12,8 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.sequence import ABORT, LENGTH, STOP, SamplingParams, Sequence, Status
-from minivllm.tokenizer import BOS_ID, EOS_ID
+from minivllm.model.tokenizer import BOS_ID, EOS_ID
+from minivllm.sched.sequence import (
+    ABORT,
+    LENGTH,
+    STOP,
+    SamplingParams,
+    Sequence,
+    Status,
+)
 
 PROMPT = [BOS_ID, ord("Q"), ord(":")]
 
@@ -23,8 +30,8 @@ def make(**params) -> Sequence:
 
 
 def feed(seq: Sequence, tokens) -> list[str]:
-    """Append tokens (a str is fed as its UTF-8 bytes) until the sequence finishes; the text delta after
-    each append. Tokens left over once it finished are not fed."""
+    """Append tokens (a str is fed as its UTF-8 bytes) until the sequence finishes; the text delta
+    after each append. Tokens left over once it finished are not fed."""
     if isinstance(tokens, str):
         tokens = list(tokens.encode("utf-8"))
     deltas = []
@@ -37,31 +44,75 @@ def feed(seq: Sequence, tokens) -> list[str]:
     return deltas
 
 
-# -- SamplingParams ----------------------------------------------------------------------------------------
+# -- SamplingParams
+# ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "4"),
-    ("temperature", -0.1), ("temperature", float("inf")), ("temperature", float("nan")), ("temperature", "hot"),
-    ("temperature", True),
-    ("top_k", -1), ("top_k", 2.0), ("top_k", True),
-    ("top_p", 0), ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.5), ("top_p", float("nan")), ("top_p", "1"),
-    ("seed", -1), ("seed", 2**63), ("seed", 1.5), ("seed", True),
-    ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]),
-    ("ignore_eos", "yes"), ("ignore_eos", 1),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -1),
+        ("max_tokens", 1.5),
+        ("max_tokens", True),
+        ("max_tokens", "4"),
+        ("temperature", -0.1),
+        ("temperature", float("inf")),
+        ("temperature", float("nan")),
+        ("temperature", "hot"),
+        ("temperature", True),
+        ("top_k", -1),
+        ("top_k", 2.0),
+        ("top_k", True),
+        ("top_p", 0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", -0.5),
+        ("top_p", float("nan")),
+        ("top_p", "1"),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("seed", 1.5),
+        ("seed", True),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", [3]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", [True]),
+        ("ignore_eos", "yes"),
+        ("ignore_eos", 1),
+    ],
+)
 def test_every_bad_field_is_named(field: str, value) -> None:
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{field} ") as raised:
         SamplingParams(**{field: value})
-    assert repr(value) in str(raised.value) or field in ("stop", "stop_token_ids")  # and shows what it got
+    assert repr(value) in str(raised.value) or field in (
+        "stop",
+        "stop_token_ids",
+    )  # and shows what it got
 
 
-@pytest.mark.parametrize("kwargs", [
-    {}, {"max_tokens": 1}, {"temperature": 0}, {"temperature": 0.0}, {"temperature": 2}, {"top_k": 0},
-    {"top_k": 1}, {"top_p": 1}, {"top_p": 1e-9}, {"seed": 0}, {"seed": 2**63 - 1}, {"seed": None},
-    {"stop": ()}, {"stop_token_ids": [0, 258]}, {"ignore_eos": True},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"max_tokens": 1},
+        {"temperature": 0},
+        {"temperature": 0.0},
+        {"temperature": 2},
+        {"top_k": 0},
+        {"top_k": 1},
+        {"top_p": 1},
+        {"top_p": 1e-9},
+        {"seed": 0},
+        {"seed": 2**63 - 1},
+        {"seed": None},
+        {"stop": ()},
+        {"stop_token_ids": [0, 258]},
+        {"ignore_eos": True},
+    ],
+)
 def test_good_values_are_accepted(kwargs: dict) -> None:
     params = SamplingParams(**kwargs)
     for name, value in kwargs.items():
@@ -71,13 +122,23 @@ def test_good_values_are_accepted(kwargs: dict) -> None:
 
 def test_defaults() -> None:
     p = SamplingParams()
-    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.stop, p.stop_token_ids, p.ignore_eos) == (
-        16, 1.0, 0, 1.0, None, (), (), False)
+    assert (
+        p.max_tokens,
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        p.seed,
+        p.stop,
+        p.stop_token_ids,
+        p.ignore_eos,
+    ) == (16, 1.0, 0, 1.0, None, (), (), False)
     assert not p.greedy and SamplingParams(temperature=0).greedy
 
 
 def test_stop_fields_become_tuples_and_params_stay_frozen() -> None:
-    assert SamplingParams(stop="END").stop == ("END",)  # one string is one stop string, not its characters
+    assert SamplingParams(stop="END").stop == (
+        "END",
+    )  # one string is one stop string, not its characters
     assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
     assert SamplingParams(stop_token_ids=[10, 13]).stop_token_ids == (10, 13)
     p = SamplingParams(stop=["x"], stop_token_ids=[1])
@@ -89,17 +150,27 @@ def test_stop_fields_become_tuples_and_params_stay_frozen() -> None:
         dataclasses.replace(p, top_k=-2)
 
 
-# -- Sequence bookkeeping ------------------------------------------------------------------------------------
+# -- Sequence bookkeeping
+# ------------------------------------------------------------------------------------
 
 
 def test_a_new_sequence_has_its_whole_prompt_to_compute() -> None:
     seq = make()
     assert seq.token_ids == PROMPT and seq.token_ids is not seq.prompt_token_ids
-    assert (seq.num_prompt_tokens, seq.num_tokens, seq.num_output_tokens, seq.num_uncomputed_tokens) == (3, 3, 0, 3)
+    assert (
+        seq.num_prompt_tokens,
+        seq.num_tokens,
+        seq.num_output_tokens,
+        seq.num_uncomputed_tokens,
+    ) == (3, 3, 0, 3)
     assert seq.status is Status.WAITING and not seq.is_finished and seq.output_token_ids == []
     seq.num_computed_tokens = 3
     seq.append_token(ord("a"))
-    assert seq.num_uncomputed_tokens == 1 and seq.output_token_ids == [ord("a")] and seq.output_text == "a"
+    assert (
+        seq.num_uncomputed_tokens == 1
+        and seq.output_token_ids == [ord("a")]
+        and seq.output_text == "a"
+    )
 
 
 def test_eos_stops_and_carries_no_text() -> None:
@@ -114,7 +185,12 @@ def test_eos_stops_and_carries_no_text() -> None:
 def test_ignore_eos_runs_to_max_tokens() -> None:
     seq = make(max_tokens=4, ignore_eos=True)
     feed(seq, [EOS_ID, ord("a"), EOS_ID, ord("b"), ord("c")])
-    assert seq.finish_reason == LENGTH and seq.output_token_ids == [EOS_ID, ord("a"), EOS_ID, ord("b")]
+    assert seq.finish_reason == LENGTH and seq.output_token_ids == [
+        EOS_ID,
+        ord("a"),
+        EOS_ID,
+        ord("b"),
+    ]
     assert seq.output_text == "ab"
 
 
@@ -136,7 +212,12 @@ def test_stop_token_ids_stop_with_a_reason() -> None:
 def test_max_tokens_finishes_with_length() -> None:
     seq = make(max_tokens=3)
     feed(seq, "abcdef")
-    assert (seq.finish_reason, seq.stop_reason, seq.output_text, seq.num_output_tokens) == (LENGTH, None, "abc", 3)
+    assert (seq.finish_reason, seq.stop_reason, seq.output_text, seq.num_output_tokens) == (
+        LENGTH,
+        None,
+        "abc",
+        3,
+    )
 
 
 def test_max_tokens_one() -> None:
@@ -145,7 +226,9 @@ def test_max_tokens_one() -> None:
     assert seq.finish_reason == LENGTH and seq.output_text == "z"
 
 
-@pytest.mark.parametrize("tokens, reason", [([EOS_ID], STOP), ([ord("X")], STOP), (list(b"ab"), STOP)])
+@pytest.mark.parametrize(
+    "tokens, reason", [([EOS_ID], STOP), ([ord("X")], STOP), (list(b"ab"), STOP)]
+)
 def test_a_stop_on_the_last_allowed_token_is_a_stop(tokens: list[int], reason: str) -> None:
     seq = make(max_tokens=len(tokens), stop_token_ids=[ord("X")], stop="ab")
     feed(seq, tokens)
@@ -174,12 +257,19 @@ def test_the_earliest_stop_string_wins() -> None:
     assert (seq.output_text, seq.stop_reason, seq.num_output_tokens) == ("a", "bcd", 4)
 
 
-@pytest.mark.parametrize("text, stop, want", [
-    ("café!", "é!", "caf"),  # the stop string begins in the middle of a 2-byte character's bytes
-    ("a€b", "€", "a"),  # a 3-byte stop string completes on the last byte of the character
-    ("x🙂y🙂z", "y🙂", "x🙂"),  # 4-byte characters on both sides of the match
-    ("ééé", "éé", ""),
-])
+@pytest.mark.parametrize(
+    "text, stop, want",
+    [
+        (
+            "café!",
+            "é!",
+            "caf",
+        ),  # the stop string begins in the middle of a 2-byte character's bytes
+        ("a€b", "€", "a"),  # a 3-byte stop string completes on the last byte of the character
+        ("x🙂y🙂z", "y🙂", "x🙂"),  # 4-byte characters on both sides of the match
+        ("ééé", "éé", ""),
+    ],
+)
 def test_stop_string_in_a_multi_byte_stream(text: str, stop: str, want: str) -> None:
     seq = make(max_tokens=50, stop=stop)
     deltas = feed(seq, text)
@@ -187,20 +277,28 @@ def test_stop_string_in_a_multi_byte_stream(text: str, stop: str, want: str) -> 
     assert "".join(deltas) == want
     # It finished exactly on the byte that completed the stop string.
     full = text.encode("utf-8")
-    assert bytes(seq.output_token_ids) == full[:full.index(stop.encode("utf-8")) + len(stop.encode("utf-8"))]
+    assert (
+        bytes(seq.output_token_ids)
+        == full[: full.index(stop.encode("utf-8")) + len(stop.encode("utf-8"))]
+    )
 
 
 def test_stop_string_found_far_back_after_a_silent_byte() -> None:
-    # A token that completes no character adds no text; the check after it must not skip the match later.
+    # A token that completes no character adds no text; the check after it must not skip the match
+    # later.
     seq = make(max_tokens=50, stop=["ab\u00e9"])
     feed(seq, "xxab\u00e9yy")
-    assert seq.output_text == "xx" and seq.num_output_tokens == len("xxab".encode()) + 2
+    assert seq.output_text == "xx" and seq.num_output_tokens == len(b"xxab") + 2
 
 
 def test_length_finish_flushes_a_cut_off_character() -> None:
     seq = make(max_tokens=2)
     deltas = feed(seq, [ord("a"), 0xC3])  # the second byte of "é" never comes
-    assert seq.finish_reason == LENGTH and seq.output_text == "a\ufffd" and "".join(deltas) == "a\ufffd"
+    assert (
+        seq.finish_reason == LENGTH
+        and seq.output_text == "a\ufffd"
+        and "".join(deltas) == "a\ufffd"
+    )
 
 
 def test_finish_abort() -> None:
@@ -210,12 +308,20 @@ def test_finish_abort() -> None:
     assert (seq.status, seq.finish_reason, seq.output_text) == (Status.FINISHED, ABORT, "ab")
 
 
-# -- text deltas ---------------------------------------------------------------------------------------------
+# -- text deltas
+# ---------------------------------------------------------------------------------------------
 
 
 def test_deltas_hold_back_a_possible_stop_string_prefix() -> None:
     seq = make(max_tokens=6, stop=["STOP", "ZZ"])  # the longest is 4 characters: hold back 3
-    assert feed(seq, "abcdef") == ["", "", "", "a", "b", "cdef"]  # finished (length): the rest comes out
+    assert feed(seq, "abcdef") == [
+        "",
+        "",
+        "",
+        "a",
+        "b",
+        "cdef",
+    ]  # finished (length): the rest comes out
 
 
 def test_deltas_without_stop_strings_come_at_once() -> None:
@@ -241,13 +347,13 @@ def test_new_token_ids_are_handed_out_once() -> None:
 
 
 def expected_cut(text: str, stops: list[str]) -> tuple[str, str | None]:
-    """Oracle: the text is cut at the first character after which some stop string is complete; the match
-    that starts earliest (the longest one ending there) is cut off."""
+    """Oracle: the text is cut at the first character after which some stop string is complete; the
+    match that starts earliest (the longest one ending there) is cut off."""
     for end in range(1, len(text) + 1):
         done = [s for s in stops if text[:end].endswith(s)]
         if done:
             longest = max(done, key=len)
-            return text[:end - len(longest)], longest
+            return text[: end - len(longest)], longest
     return text, None
 
 
@@ -255,8 +361,10 @@ ALPHABET = "ab\n é€🙂"
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet=ALPHABET, max_size=30),
-       stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3))
+@given(
+    text=st.text(alphabet=ALPHABET, max_size=30),
+    stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=3),
+)
 def test_deltas_concatenate_to_the_final_text(text: str, stops: list[str]) -> None:
     data = text.encode("utf-8")
     seq = make(max_tokens=max(1, len(data)), stop=stops)

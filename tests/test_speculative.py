@@ -1,22 +1,26 @@
-"""Chapter 06: speculative decoding -- the acceptance rule, verify, the drafters, and the engine with them.
+"""Chapter 06: speculative decoding -- the acceptance rule, verify, the drafters, and the engine
+with them.
 
 The load-bearing claims, each tested so that it could fail:
 
-* Greedy: speculation changes the work, never the tokens. With the shipped draft (for every k from 1 to 8),
-  with a useless draft (random weights, or the draft with its output rows shuffled) and with the n-gram
-  drafter, every request's tokens are the plain engine's. The traces show that drafts really were accepted
-  (or, for the useless drafts, that none were), so the identity is not vacuous.
-* Sampling: every emitted token has the target's distribution. Chi-square goodness of fit on synthetic p
-  and q (q != p, with zeros on both sides), for the first token and for the joint (first, next) -- through
-  `verify` and the random streams the engine uses -- and the same test rejects three tempting wrong rules,
-  so it has the power to fail. End to end, the first speculative token of the real models agrees with the
-  target's own distribution.
+* Greedy: speculation changes the work, never the tokens. With the shipped draft (for every k from 1
+  to 8),
+  with a useless draft (random weights, or the draft with its output rows shuffled) and with the
+  n-gram drafter, every request's tokens are the plain engine's. The traces show that drafts really
+  were accepted (or, for the useless drafts, that none were), so the identity is not vacuous.
+* Sampling: every emitted token has the target's distribution. Chi-square goodness of fit on
+  synthetic p
+  and q (q != p, with zeros on both sides), for the first token and for the joint (first, next) --
+  through `verify` and the random streams the engine uses -- and the same test rejects three
+  tempting wrong rules, so it has the power to fail. End to end, the first speculative token of the
+  real models agrees with the target's own distribution.
 * The edges: EOS, a stop token or a stop string inside an accepted run ends the request right there;
   max_tokens is never passed; all blocks come back; seeded tokens do not depend on the batch or on
   preemption; prefix caching and speculation together keep the tokens.
 
-The tests marked ch06.1 grade `accept_or_resample` on hand-made rows (the chi-square tests count too: they
-run the rule through `verify`). `BlockManager.truncate` (ch06.2) is graded in test_block_allocator.py.
+The tests marked ch06.1 grade `accept_or_resample` on hand-made rows (the chi-square tests count
+too: they run the rule through `verify`). `BlockManager.truncate` (ch06.2) is graded in
+test_block_allocator.py.
 """
 
 from __future__ import annotations
@@ -27,17 +31,27 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm import speculative
-from minivllm.checkpoint import load_model
-from minivllm.engine import LLM, EngineConfig, LLMEngine, RequestOutput
-from minivllm.model import ModelConfig, Transformer, init_weights
-from minivllm.sampler import position_uniforms, sample, sample_from_probs
-from minivllm.scheduler import SchedulerConfig
-from minivllm.sequence import SamplingParams, Sequence
-from minivllm.speculative import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, NgramDrafter, Proposal,
-                                  SpeculativeConfig, accept_or_resample, verify)
-from minivllm.stats import chi_square
-from minivllm.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from minivllm.book.stats import chi_square
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLM, LLMEngine
+from minivllm.engine.outputs import RequestOutput
+from minivllm.model.checkpoint import load_model
+from minivllm.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from minivllm.model.transformer import ModelConfig, Transformer, init_weights
+from minivllm.runner import speculative
+from minivllm.runner.sampler import position_uniforms, sample, sample_from_probs
+from minivllm.runner.speculative import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_RESIDUAL,
+    NgramDrafter,
+    Proposal,
+    SpeculativeConfig,
+    accept_or_resample,
+    verify,
+)
+from minivllm.sched.scheduler import SchedulerConfig
+from minivllm.sched.sequence import SamplingParams, Sequence
 
 tok = ByteTokenizer()
 ch06_1 = pytest.mark.exercise("ch06.1")
@@ -46,15 +60,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> float:
-    """p-value of the counts against the distribution (`minivllm.stats.chi_square`). Cells with
+    """p-value of the counts against the distribution (`minivllm.book.stats.chi_square`). Cells with
     probability 0 must be empty (asserted: one such count is already proof of a wrong sampler)."""
-    counts, probs = np.asarray(counts, dtype=np.float64).ravel(), np.asarray(probs, dtype=np.float64).ravel()
+    counts, probs = (
+        np.asarray(counts, dtype=np.float64).ravel(),
+        np.asarray(probs, dtype=np.float64).ravel(),
+    )
     impossible = np.flatnonzero((probs == 0) & (counts > 0))
     assert not impossible.size, f"tokens emitted where the target gives probability 0: {impossible}"
     return chi_square(counts, probs)[2]
 
 
-# -- the acceptance rule on hand-made rows (ch06.1) ---------------------------------------------------------------
+# -- the acceptance rule on hand-made rows (ch06.1)
+# ---------------------------------------------------------------
 
 ALMOST_ONE = 1.0 - 2.0**-53  # the largest uniform position_uniforms can return
 
@@ -67,9 +85,12 @@ def rule(p, q, drafted, u_accept, u_residual) -> tuple[list[bool], list[int]]:
     """accept_or_resample on plain lists; checks the types and shapes of what comes back."""
     n = len(drafted)
     accepted, resampled = accept_or_resample(
-        torch.as_tensor(p, dtype=torch.float64), torch.as_tensor(q, dtype=torch.float64),
-        torch.tensor(drafted, dtype=torch.long), torch.tensor(u_accept, dtype=torch.float64),
-        torch.tensor(u_residual, dtype=torch.float64))
+        torch.as_tensor(p, dtype=torch.float64),
+        torch.as_tensor(q, dtype=torch.float64),
+        torch.tensor(drafted, dtype=torch.long),
+        torch.tensor(u_accept, dtype=torch.float64),
+        torch.tensor(u_residual, dtype=torch.float64),
+    )
     assert accepted.dtype == torch.bool and accepted.shape == (n,)
     assert resampled.dtype == torch.long and resampled.shape == (n,)
     return accepted.tolist(), resampled.tolist()
@@ -94,7 +115,8 @@ def test_a_draft_at_least_as_likely_under_p_is_always_accepted() -> None:
 
 @ch06_1
 def test_acceptance_probability_is_min_1_p_over_q() -> None:
-    # token 0: p/q = 1/3. Sweep u over a fine grid: the accepted fraction must be 1/3 (to the grid's step).
+    # token 0: p/q = 1/3. Sweep u over a fine grid: the accepted fraction must be 1/3 (to the grid's
+    # step).
     m = 3000
     u = [(i + 0.5) / m for i in range(m)]
     accepted, _ = rule([P4] * m, [Q4] * m, [0] * m, u, [0.5] * m)
@@ -102,7 +124,9 @@ def test_acceptance_probability_is_min_1_p_over_q() -> None:
 
 
 @ch06_1
-def test_a_draft_the_drafter_gave_no_probability_is_rejected_and_resampled_from_the_residual() -> None:
+def test_a_draft_the_drafter_gave_no_probability_is_rejected_and_resampled_from_the_residual() -> (
+    None
+):
     p, q = [0.5, 0.25, 0.25, 0.0], [0.0, 0.5, 0.5, 0.0]
     m = 400
     u = [(i + 0.5) / m for i in range(m)]
@@ -114,20 +138,27 @@ def test_a_draft_the_drafter_gave_no_probability_is_rejected_and_resampled_from_
 @ch06_1
 def test_a_draft_the_target_gives_no_probability_is_always_rejected() -> None:
     p, q = [0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]
-    accepted, resampled = rule([p] * 4, [q] * 4, [0, 3, 0, 3], [0.0, 0.0, 0.5, 0.9], [0.0, 0.3, 0.6, ALMOST_ONE])
+    accepted, resampled = rule(
+        [p] * 4, [q] * 4, [0, 3, 0, 3], [0.0, 0.0, 0.5, 0.9], [0.0, 0.3, 0.6, ALMOST_ONE]
+    )
     assert accepted == [False] * 4
     assert set(resampled) <= {1, 2}
 
 
 @ch06_1
 def test_the_residual_draw_is_norm_max_0_p_minus_q() -> None:
-    p, q = [0.1, 0.4, 0.3, 0.0, 0.2], [0.3, 0.1, 0.3, 0.2, 0.1]  # residual (0, 0.3, 0, 0, 0.1) / 0.4
+    p, q = (
+        [0.1, 0.4, 0.3, 0.0, 0.2],
+        [0.3, 0.1, 0.3, 0.2, 0.1],
+    )  # residual (0, 0.3, 0, 0, 0.1) / 0.4
     m = 4000
     u = [(i + 0.5) / m for i in range(m)]
     _, resampled = rule([p] * m, [q] * m, [0] * m, [ALMOST_ONE] * m, u)
     counts = np.bincount(resampled, minlength=5)
     assert counts[[0, 2, 3]].sum() == 0  # never a token where p <= q
-    assert counts[1] == pytest.approx(0.75 * m, abs=1) and counts[4] == pytest.approx(0.25 * m, abs=1)
+    assert counts[1] == pytest.approx(0.75 * m, abs=1) and counts[4] == pytest.approx(
+        0.25 * m, abs=1
+    )
     # Random rows: the resampled token always has p > q.
     generator = torch.Generator().manual_seed(1)
     p = torch.rand(500, 9, generator=generator, dtype=torch.float64) ** 3
@@ -156,8 +187,13 @@ def test_greedy_one_hot_rows_accept_iff_the_draft_is_the_argmax() -> None:
     v = 6
     one_hot = torch.eye(v, dtype=torch.float64)
     targets, drafts = [0, 3, 5, 5, 1], [0, 2, 5, 1, 4]
-    accepted, resampled = rule(one_hot[targets], one_hot[drafts], drafts, [ALMOST_ONE, 0.0, 0.5, 0.0, 0.7],
-                               [0.0, 0.99, 0.5, 0.3, 0.0])
+    accepted, resampled = rule(
+        one_hot[targets],
+        one_hot[drafts],
+        drafts,
+        [ALMOST_ONE, 0.0, 0.5, 0.0, 0.7],
+        [0.0, 0.99, 0.5, 0.3, 0.0],
+    )
     assert accepted == [t == d for t, d in zip(targets, drafts)]
     assert [r for r, a in zip(resampled, accepted) if not a] == [3, 5, 1]  # the target's argmax
 
@@ -172,13 +208,19 @@ def test_rows_are_independent() -> None:
     ur = torch.rand(64, generator=generator, dtype=torch.float64)
     accepted, resampled = rule(p, q, drafted.tolist(), ua.tolist(), ur.tolist())
     order = torch.randperm(64, generator=generator).tolist()
-    shuffled = rule(p[order], q[order], drafted[order].tolist(), ua[order].tolist(), ur[order].tolist())
+    shuffled = rule(
+        p[order], q[order], drafted[order].tolist(), ua[order].tolist(), ur[order].tolist()
+    )
     assert shuffled == ([accepted[i] for i in order], [resampled[i] for i in order])
-    alone = [rule(p[i:i + 1], q[i:i + 1], [int(drafted[i])], [float(ua[i])], [float(ur[i])]) for i in range(0, 64, 9)]
+    alone = [
+        rule(p[i : i + 1], q[i : i + 1], [int(drafted[i])], [float(ua[i])], [float(ur[i])])
+        for i in range(0, 64, 9)
+    ]
     assert alone == [([accepted[i]], [resampled[i]]) for i in range(0, 64, 9)]
 
 
-# -- the emitted distribution: chi-square through verify ----------------------------------------------------------
+# -- the emitted distribution: chi-square through verify
+# ----------------------------------------------------------
 
 N_TRIALS = 20_000
 START = 7  # the sequences' length when they speculate: the position of the first draft
@@ -189,20 +231,26 @@ def normalise(x) -> np.ndarray:
     return x / x.sum(axis=-1, keepdims=True)
 
 
-# V = 8 for the first token: p(5) = 0 (a draft the target refuses), q(2) = 0 (a token only the residual gives).
+# V = 8 for the first token: p(5) = 0 (a draft the target refuses), q(2) = 0 (a token only the
+# residual gives).
 P_FIRST = normalise([0.30, 0.05, 0.15, 0.10, 0.20, 0.00, 0.12, 0.08])
 Q_FIRST = normalise([0.10, 0.25, 0.00, 0.20, 0.05, 0.15, 0.15, 0.10])
 # V = 6 for the joint: p2 and q2 depend on the token before them (differently), each with a zero.
 P1 = normalise([0.30, 0.10, 0.20, 0.00, 0.25, 0.15])
 Q1 = normalise([0.10, 0.30, 0.00, 0.20, 0.15, 0.25])
-P2 = np.stack([np.roll(normalise([0.40, 0.05, 0.00, 0.25, 0.10, 0.20]), x) for x in range(6)])  # P2[x1] = p2(.|x1)
+P2 = np.stack(
+    [np.roll(normalise([0.40, 0.05, 0.00, 0.25, 0.10, 0.20]), x) for x in range(6)]
+)  # P2[x1] = p2(.|x1)
 Q2 = np.stack([np.roll(normalise([0.05, 0.35, 0.20, 0.00, 0.30, 0.10]), 2 * d) for d in range(6)])
 P3 = normalise(np.ones(6))  # the bonus after two accepted drafts: never part of (x1, x2)
 
 
 def sequences(n: int, length: int, seed0: int) -> list[Sequence]:
     params = SamplingParams(max_tokens=64, temperature=1.0)
-    return [Sequence(i, [BOS_ID] * length, params, seed=seed0 + i, eos_token_id=EOS_ID) for i in range(n)]
+    return [
+        Sequence(i, [BOS_ID] * length, params, seed=seed0 + i, eos_token_id=EOS_ID)
+        for i in range(n)
+    ]
 
 
 def draw(probs: np.ndarray, seeds: list[int], position: int) -> np.ndarray:
@@ -213,53 +261,70 @@ def draw(probs: np.ndarray, seeds: list[int], position: int) -> np.ndarray:
 
 def log(probs: np.ndarray) -> torch.Tensor:
     with np.errstate(divide="ignore"):
-        return torch.from_numpy(np.log(probs))  # p = 0 -> -inf: the sampler gives those tokens nothing
+        return torch.from_numpy(
+            np.log(probs)
+        )  # p = 0 -> -inf: the sampler gives those tokens nothing
 
 
 def first_tokens(seed0: int, deterministic: bool) -> np.ndarray:
     """One speculative round (k = 1) per trial; the first emitted token of each."""
     seqs = sequences(N_TRIALS, START, seed0)
     seeds = [s.seed for s in seqs]
-    if deterministic:  # an n-gram style drafter: a guess that is no draw at all, q one-hot (Proposal.probs None)
+    if (
+        deterministic
+    ):  # an n-gram style drafter: a guess that is no draw at all, q one-hot (Proposal.probs None)
         drafts = np.arange(N_TRIALS) % len(P_FIRST)
         proposals = [Proposal((int(d),)) for d in drafts]
     else:
         drafts = draw(np.broadcast_to(Q_FIRST, (N_TRIALS, len(Q_FIRST))), seeds, START)
         q = torch.from_numpy(Q_FIRST)[None]
         proposals = [Proposal((int(d),), q) for d in drafts]
-    logits = log(np.broadcast_to(P_FIRST, (2 * N_TRIALS, len(P_FIRST))))  # [p, bonus p] per sequence
+    logits = log(
+        np.broadcast_to(P_FIRST, (2 * N_TRIALS, len(P_FIRST)))
+    )  # [p, bonus p] per sequence
     runs = verify(logits, seqs, proposals)
     assert all(1 <= len(run) <= 2 for run in runs)
     return np.array([run[0] for run in runs])
 
 
 def joint_tokens(seed0: int, k: int) -> np.ndarray:
-    """(x1, x2) per trial: a round with k drafts d1 ~ q1, d2 ~ q2(.|d1) verified against p1, p2(.|d1), ...;
-    where it emits only x1 (a rejection at d1), a second round from x1 gives x2, as the engine would."""
+    """(x1, x2) per trial: a round with k drafts d1 ~ q1, d2 ~ q2(.|d1) verified against p1,
+    p2(.|d1), ...; where it emits only x1 (a rejection at d1), a second round from x1 gives x2, as the engine would."""
     v = len(P1)
     seqs = sequences(N_TRIALS, START, seed0)
     seeds = [s.seed for s in seqs]
     d1 = draw(np.broadcast_to(Q1, (N_TRIALS, v)), seeds, START)
-    d2 = draw(Q2[d1], seeds, START + 1)  # the drafter's next token, from the distribution given its first
+    d2 = draw(
+        Q2[d1], seeds, START + 1
+    )  # the drafter's next token, from the distribution given its first
     if k == 1:
         proposals = [Proposal((int(a),), torch.from_numpy(Q1)[None]) for a in d1]
         per_seq = [P1[None], P2[d1][:, None]]  # the bonus row is p2(.|d1)
     else:
-        proposals = [Proposal((int(a), int(b)), torch.from_numpy(np.stack([Q1, Q2[a]]))) for a, b in zip(d1, d2)]
+        proposals = [
+            Proposal((int(a), int(b)), torch.from_numpy(np.stack([Q1, Q2[a]])))
+            for a, b in zip(d1, d2)
+        ]
         per_seq = [P1[None], P2[d1][:, None], P3[None]]
     logits = np.concatenate(np.broadcast_arrays(*per_seq), axis=1).reshape(-1, v)
     runs = verify(log(logits), seqs, proposals)
     x1 = np.array([run[0] for run in runs])
     x2 = np.array([run[1] if len(run) > 1 else -1 for run in runs])
-    again = np.flatnonzero(x2 == -1)  # the next round: one draft from q2(.|x1), verified against p2(.|x1)
+    again = np.flatnonzero(
+        x2 == -1
+    )  # the next round: one draft from q2(.|x1), verified against p2(.|x1)
     assert 0 < len(again) < N_TRIALS
     later = sequences(len(again), START, seed0)
     for s, i in zip(later, again):
         s.seed = seeds[i]
         s.append_token(int(x1[i]))
     drafts = draw(Q2[x1[again]], [seeds[i] for i in again], START + 1)
-    proposals = [Proposal((int(d),), torch.from_numpy(Q2[x])[None]) for d, x in zip(drafts, x1[again])]
-    logits = np.concatenate(np.broadcast_arrays(P2[x1[again]][:, None], P3[None, None]), axis=1).reshape(-1, v)
+    proposals = [
+        Proposal((int(d),), torch.from_numpy(Q2[x])[None]) for d, x in zip(drafts, x1[again])
+    ]
+    logits = np.concatenate(
+        np.broadcast_arrays(P2[x1[again]][:, None], P3[None, None]), axis=1
+    ).reshape(-1, v)
     x2[again] = [run[0] for run in verify(log(logits), later, proposals)]
     return x1 * v + x2
 
@@ -285,7 +350,8 @@ def test_next_token_given_the_first_has_the_targets_distribution(k: int) -> None
     assert goodness_of_fit(counts, joint_probs()) > 1e-4
 
 
-# Tempting wrong rules, each plugged into the same harness: the chi-square tests must catch every one.
+# Tempting wrong rules, each plugged into the same harness: the chi-square tests must catch every
+# one.
 def _gathered(p, q, drafted):
     return p.gather(1, drafted.view(-1, 1)).view(-1), q.gather(1, drafted.view(-1, 1)).view(-1)
 
@@ -307,14 +373,18 @@ def resample_from_p_not_the_residual(p, q, drafted, u_accept, u_residual):
     return (q_d > 0) & (u_accept * q_d < p_d), sample_from_probs(p, u_residual)
 
 
-WRONG_RULES = [accept_if_p_above_q, accept_if_p_above_q_else_argmax, resample_from_p_not_the_residual]
+WRONG_RULES = [
+    accept_if_p_above_q,
+    accept_if_p_above_q_else_argmax,
+    resample_from_p_not_the_residual,
+]
 
 
 @pytest.mark.parametrize("wrong", WRONG_RULES, ids=lambda f: f.__name__)
 def test_the_chi_square_tests_reject_wrong_rules(monkeypatch, wrong) -> None:
-    # With a drafter that draws from q. (Against the one-hot drafter, whose guesses cycle evenly through the
-    # vocabulary, the first and third rules happen to emit exactly p: q(d) = 1 means "accept iff p > q" never
-    # accepts, and a uniform d averages the third rule's bias away.)
+    # With a drafter that draws from q. (Against the one-hot drafter, whose guesses cycle evenly
+    # through the vocabulary, the first and third rules happen to emit exactly p: q(d) = 1 means
+    # "accept iff p > q" never accepts, and a uniform d averages the third rule's bias away.)
     monkeypatch.setattr(speculative, "accept_or_resample", wrong)
     first = np.bincount(first_tokens(seed0=1000, deterministic=False), minlength=len(P_FIRST))
     joint = np.bincount(joint_tokens(seed0=50_000, k=2), minlength=len(P1) ** 2)
@@ -323,11 +393,15 @@ def test_the_chi_square_tests_reject_wrong_rules(monkeypatch, wrong) -> None:
         assert zero_cells_hit or goodness_of_fit(counts, probs) < 1e-6
 
 
-# -- verify on hand-made logits -----------------------------------------------------------------------------------
+# -- verify on hand-made logits
+# -----------------------------------------------------------------------------------
 
 
 def greedy_seqs(n: int) -> list[Sequence]:
-    return [Sequence(i, [BOS_ID, 1, 2], SamplingParams(temperature=0), seed=i, eos_token_id=EOS_ID) for i in range(n)]
+    return [
+        Sequence(i, [BOS_ID, 1, 2], SamplingParams(temperature=0), seed=i, eos_token_id=EOS_ID)
+        for i in range(n)
+    ]
 
 
 def one_hot_logits(choices: list[int], v: int = 10) -> torch.Tensor:
@@ -336,8 +410,15 @@ def one_hot_logits(choices: list[int], v: int = 10) -> torch.Tensor:
 
 def test_greedy_verify_keeps_drafts_while_they_are_the_argmax() -> None:
     proposals = [Proposal((4, 5, 6)), Proposal((4, 5, 6)), Proposal((7,)), Proposal(())]
-    choices = [4, 5, 6, 9] + [4, 8, 6, 9] + [3, 2] + [1]  # all kept + bonus 9; rejected at 5 -> 8; at 7 -> 3; none
-    assert verify(one_hot_logits(choices), greedy_seqs(4), proposals) == [[4, 5, 6, 9], [4, 8], [3], [1]]
+    choices = (
+        [4, 5, 6, 9] + [4, 8, 6, 9] + [3, 2] + [1]
+    )  # all kept + bonus 9; rejected at 5 -> 8; at 7 -> 3; none
+    assert verify(one_hot_logits(choices), greedy_seqs(4), proposals) == [
+        [4, 5, 6, 9],
+        [4, 8],
+        [3],
+        [1],
+    ]
     with pytest.raises(ValueError, match="rows of logits"):
         verify(one_hot_logits(choices[:-1]), greedy_seqs(4), proposals)
 
@@ -346,15 +427,28 @@ def test_sampled_verify_without_drafts_is_the_ordinary_sampler() -> None:
     generator = torch.Generator().manual_seed(3)
     logits = torch.randn(64, 259, generator=generator)
     params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95)
-    seqs = [Sequence(i, [BOS_ID] * (3 + i % 5), params, seed=77 + i, eos_token_id=EOS_ID) for i in range(64)]
+    seqs = [
+        Sequence(i, [BOS_ID] * (3 + i % 5), params, seed=77 + i, eos_token_id=EOS_ID)
+        for i in range(64)
+    ]
     runs = verify(logits, seqs, [Proposal()] * 64)
-    want = sample(logits, [0.9] * 64, [40] * 64, [0.95] * 64, [s.seed for s in seqs], [s.num_tokens for s in seqs])
+    want = sample(
+        logits,
+        [0.9] * 64,
+        [40] * 64,
+        [0.95] * 64,
+        [s.seed for s in seqs],
+        [s.num_tokens for s in seqs],
+    )
     assert [run for run in runs] == [[t] for t in want]
 
 
 def test_sampled_verify_uses_the_request_streams() -> None:
     """accept at (seed, position) with STREAM_ACCEPT, resample with STREAM_RESIDUAL, bonus with stream 0."""
-    p, q = normalise([0.2, 0.5, 0.3]), normalise([0.6, 0.2, 0.2])  # a draft of token 0 is kept w.p. 1/3
+    p, q = (
+        normalise([0.2, 0.5, 0.3]),
+        normalise([0.6, 0.2, 0.2]),
+    )  # a draft of token 0 is kept w.p. 1/3
     seqs = sequences(400, START, seed0=9)
     seeds = [s.seed for s in seqs]
     logits = log(np.broadcast_to(p, (800, 3)))
@@ -371,20 +465,29 @@ def test_sampled_verify_uses_the_request_streams() -> None:
     assert 50 < sum(len(run) == 2 for run in runs) < 350
 
 
-# -- the n-gram drafter -------------------------------------------------------------------------------------------
+# -- the n-gram drafter
+# -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tokens, k, max_n, want", [
-    ([1, 2, 5, 1, 2, 6, 1, 2], 3, 2, [6, 1, 2]),  # two earlier matches: the latest wins
-    ([1, 2, 9, 3, 2, 8, 1, 2], 4, 2, [9, 3, 2, 8]),  # a 2-gram match beats a later 1-gram match
-    ([1, 2, 9, 3, 2, 8, 1, 2], 4, 1, [8, 1, 2]),  # ... which is what n = 1 alone finds; fewer than k left
-    ([2, 5, 2], 4, 3, [5, 2]),  # the suffix never matches itself
-    ([9, 4, 2], 4, 3, []),  # no earlier occurrence
-    ([7], 4, 3, []),  # nothing before the suffix at all
-    ([1, 1, 1, 1], 3, 2, [1]),  # overlapping the suffix is fine, but only earlier windows count
-    ([3, 4, 5, 6, 7, 8, 3, 4], 2, 2, [5, 6]),  # cut to k
-    ([3, 4, 5, 6, 7, 8, 3, 4], 0, 2, []),
-])
+@pytest.mark.parametrize(
+    "tokens, k, max_n, want",
+    [
+        ([1, 2, 5, 1, 2, 6, 1, 2], 3, 2, [6, 1, 2]),  # two earlier matches: the latest wins
+        ([1, 2, 9, 3, 2, 8, 1, 2], 4, 2, [9, 3, 2, 8]),  # a 2-gram match beats a later 1-gram match
+        (
+            [1, 2, 9, 3, 2, 8, 1, 2],
+            4,
+            1,
+            [8, 1, 2],
+        ),  # ... which is what n = 1 alone finds; fewer than k left
+        ([2, 5, 2], 4, 3, [5, 2]),  # the suffix never matches itself
+        ([9, 4, 2], 4, 3, []),  # no earlier occurrence
+        ([7], 4, 3, []),  # nothing before the suffix at all
+        ([1, 1, 1, 1], 3, 2, [1]),  # overlapping the suffix is fine, but only earlier windows count
+        ([3, 4, 5, 6, 7, 8, 3, 4], 2, 2, [5, 6]),  # cut to k
+        ([3, 4, 5, 6, 7, 8, 3, 4], 0, 2, []),
+    ],
+)
 def test_ngram_lookup(tokens: list[int], k: int, max_n: int, want: list[int]) -> None:
     assert NgramDrafter(1, max_n).lookup(tokens, k) == want
 
@@ -396,20 +499,24 @@ def test_ngram_lookup_respects_min_n() -> None:
 
 
 def test_ngram_propose_is_deterministic_one_hot() -> None:
-    seqs = [Sequence(0, [1, 2, 3, 1, 2], SamplingParams(), seed=0, eos_token_id=EOS_ID),
-            Sequence(1, [5, 6, 7], SamplingParams(), seed=1, eos_token_id=EOS_ID)]
+    seqs = [
+        Sequence(0, [1, 2, 3, 1, 2], SamplingParams(), seed=0, eos_token_id=EOS_ID),
+        Sequence(1, [5, 6, 7], SamplingParams(), seed=1, eos_token_id=EOS_ID),
+    ]
     proposals = NgramDrafter(1, 3).propose(seqs, [2, 4])
     assert proposals == [Proposal((3, 1)), Proposal(())]
     assert NgramDrafter(1, 3).propose(seqs[:1], [0]) == [Proposal(())]
     assert proposals[0].draft_probs(5).tolist() == [[0, 0, 0, 1, 0], [0, 1, 0, 0, 0]]
 
 
-# -- the engine with real models: greedy output is the plain engine's ---------------------------------------------
+# -- the engine with real models: greedy output is the plain engine's
+# ---------------------------------------------
 
 PROMPTS = [
     "ROMEO:",
     "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
-    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:\n"
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst "
+    "Citizen:\n"
     "You are all resolved rather to die than to famish?",  # 148 tokens: prefilled in chunks next to decodes
     "To be",
     "KING RICHARD III:\nNow is the winter",
@@ -424,25 +531,39 @@ def draft() -> Transformer:
 
 @pytest.fixture(scope="module", params=["random", "shuffled"])
 def bad_draft(request, draft) -> Transformer:
-    """A draft that is almost never right: fresh random weights, or the real draft with its output rows
-    permuted (it still proposes confidently, just the wrong tokens)."""
+    """A draft that is almost never right: fresh random weights, or the real draft with its output
+    rows permuted (it still proposes confidently, just the wrong tokens)."""
     if request.param == "random":
         model = Transformer(draft.config)
         init_weights(model, seed=0)
         return model.eval()
     model = copy.deepcopy(draft)
-    permutation = torch.randperm(draft.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    permutation = torch.randperm(
+        draft.config.vocab_size, generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         model.lm_head.weight.copy_(draft.lm_head.weight[permutation])
     return model
 
 
-def make_engine(model, speculative: SpeculativeConfig | None = None, num_blocks: int = 64, seed: int = 0,
-                **scheduler) -> LLMEngine:
+def make_engine(
+    model,
+    speculative: SpeculativeConfig | None = None,
+    num_blocks: int = 64,
+    seed: int = 0,
+    **scheduler,
+) -> LLMEngine:
     scheduler.setdefault("max_num_seqs", 4)
     scheduler.setdefault("max_num_batched_tokens", 48)  # >= 4 x (1 + 8): every k up to 8 fits
-    return LLMEngine(model, EngineConfig(num_blocks=num_blocks, seed=seed, scheduler=SchedulerConfig(**scheduler),
-                                         speculative=speculative))
+    return LLMEngine(
+        model,
+        EngineConfig(
+            num_blocks=num_blocks,
+            seed=seed,
+            scheduler=SchedulerConfig(**scheduler),
+            speculative=speculative,
+        ),
+    )
 
 
 class Run:
@@ -455,7 +576,10 @@ class Run:
             ids = engine._add_all(prompts, params)
         else:
             params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-            ids = [engine.add_request(p, sp, request_id=i) for p, sp, i in zip(prompts, params, request_ids)]
+            ids = [
+                engine.add_request(p, sp, request_id=i)
+                for p, sp, i in zip(prompts, params, request_ids)
+            ]
         self.rounds: dict[int, list[tuple[int, int, int]]] = {i: [] for i in ids}
         lengths, done = dict.fromkeys(ids, 0), {}
         while engine.has_unfinished():
@@ -463,7 +587,9 @@ class Run:
             for i, proposed, accepted in engine.trace[-1].speculated:
                 assert 0 <= accepted <= proposed
                 self.rounds[i].append((proposed, accepted, len(got[i].token_ids) - lengths[i]))
-                if not got[i].finished:  # its accepted drafts were computed in the verify pass: one token left
+                if not got[
+                    i
+                ].finished:  # its accepted drafts were computed in the verify pass: one token left
                     assert engine.scheduler.sequences[i].is_decoding, f"sequence {i} after a round"
             for i, out in got.items():
                 lengths[i] = len(out.token_ids)
@@ -476,12 +602,14 @@ class Run:
         assert not any(manager.allocator.refcounts)
 
     def _check_books(self) -> None:
-        """After a step every running sequence holds exactly its computed tokens' slots: the slots of
-        rejected drafts are back in the pool; and no block is held that no table holds."""
+        """After a step every running sequence holds exactly its computed tokens' slots: the slots
+        of rejected drafts are back in the pool; and no block is held that no table holds."""
         engine, manager = self.engine, self.engine.manager
         held = [0] * engine.config.num_blocks
         for seq in engine.scheduler.running:
-            assert manager.num_tokens(seq.seq_id) == seq.num_computed_tokens, f"sequence {seq.seq_id}"
+            assert manager.num_tokens(seq.seq_id) == seq.num_computed_tokens, (
+                f"sequence {seq.seq_id}"
+            )
             if seq.num_draft_computed_tokens is not None:
                 assert seq.num_draft_computed_tokens <= seq.num_computed_tokens
         for table in manager.tables.values():
@@ -516,10 +644,15 @@ def plain(plain_run) -> list[list[int]]:
 
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_with_the_draft_model_is_the_plain_engine(target, draft, plain_run, k: int) -> None:
-    run = Run(make_engine(target, SpeculativeConfig("draft", k, draft_model=draft)), PROMPTS, GREEDY)
+    run = Run(
+        make_engine(target, SpeculativeConfig("draft", k, draft_model=draft)), PROMPTS, GREEDY
+    )
     assert run.tokens == plain_run.tokens
     proposed, accepted = run.totals()
-    assert proposed > 0 and accepted > 0.4 * proposed, (proposed, accepted)  # the shipped draft agrees ~80%
+    assert proposed > 0 and accepted > 0.4 * proposed, (
+        proposed,
+        accepted,
+    )  # the shipped draft agrees ~80%
     trace = run.engine.trace
     assert any(r.speculated and r.prefilled for r in trace)  # verify rounds next to prefill chunks
     if k >= 2:
@@ -528,8 +661,12 @@ def test_greedy_with_the_draft_model_is_the_plain_engine(target, draft, plain_ru
 
 
 @pytest.mark.parametrize("k", [1, 5])
-def test_greedy_with_a_useless_draft_is_still_the_plain_engine(target, bad_draft, plain, k: int) -> None:
-    run = Run(make_engine(target, SpeculativeConfig("draft", k, draft_model=bad_draft)), PROMPTS, GREEDY)
+def test_greedy_with_a_useless_draft_is_still_the_plain_engine(
+    target, bad_draft, plain, k: int
+) -> None:
+    run = Run(
+        make_engine(target, SpeculativeConfig("draft", k, draft_model=bad_draft)), PROMPTS, GREEDY
+    )
     assert run.tokens == plain
     proposed, accepted = run.totals()
     assert proposed > 50 and accepted <= 0.02 * proposed, (proposed, accepted)
@@ -537,32 +674,44 @@ def test_greedy_with_a_useless_draft_is_still_the_plain_engine(target, bad_draft
 
 @pytest.mark.parametrize("k", [2, 6])
 def test_greedy_with_the_ngram_drafter_is_the_plain_engine(target, plain, k: int) -> None:
-    run = Run(make_engine(target, SpeculativeConfig("ngram", k, prompt_lookup_max=3)), PROMPTS, GREEDY)
+    run = Run(
+        make_engine(target, SpeculativeConfig("ngram", k, prompt_lookup_max=3)), PROMPTS, GREEDY
+    )
     assert run.tokens == plain
     proposed, accepted = run.totals()
     assert proposed > 0 and accepted > 0, (proposed, accepted)
 
 
 def test_llm_front_door_takes_a_speculative_dict(target, plain) -> None:
-    llm = LLM(target, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=48,
-              speculative={"num_speculative_tokens": 3})  # the draft model loaded by its name
+    llm = LLM(
+        target,
+        num_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=48,
+        speculative={"num_speculative_tokens": 3},
+    )  # the draft model loaded by its name
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
     assert sum(a for r in llm.engine.trace for _, _, a in r.speculated) > 0
     with pytest.raises(ValueError, match="method"):
         LLM(target, speculative={"method": "medusa"})
 
 
-# -- the edges: stops inside an accepted run, max_tokens, the pool ------------------------------------------------
+# -- the edges: stops inside an accepted run, max_tokens, the pool
+# ------------------------------------------------
 
-EOS_PROMPTS = ["First Citizen:\nBefore we proceed any further, hear me speak.\n\nSecond Citizen:\n",
-               "KING RICHARD III:\nNow is the winter", "HAMLET:\nTo be, or not", "First Citizen:\nBefore we proceed",
-               "MACBETH:\nIs this a dagger"]
+EOS_PROMPTS = [
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nSecond Citizen:\n",
+    "KING RICHARD III:\nNow is the winter",
+    "HAMLET:\nTo be, or not",
+    "First Citizen:\nBefore we proceed",
+    "MACBETH:\nIs this a dagger",
+]
 
 
 @pytest.fixture(scope="module")
 def eos_models(target, draft) -> tuple[Transformer, Transformer]:
-    """The shipped models almost never pick EOS greedily (< 5% anywhere in the validation text). These copies
-    pick it wherever they would end a line: EOS's output row is 1.05 x the newline's."""
+    """The shipped models almost never pick EOS greedily (< 5% anywhere in the validation text).
+    These copies pick it wherever they would end a line: EOS's output row is 1.05 x the newline's."""
     models = []
     for model in (target, draft):
         model = copy.deepcopy(model)
@@ -576,38 +725,59 @@ def test_eos_accepted_mid_run_ends_the_request_there(eos_models) -> None:
     target, draft = eos_models
     params = SamplingParams(max_tokens=60, temperature=0)
     want = Run(make_engine(target), EOS_PROMPTS, params).outputs
-    run = Run(make_engine(target, SpeculativeConfig("draft", 4, draft_model=draft)), EOS_PROMPTS, params)
+    run = Run(
+        make_engine(target, SpeculativeConfig("draft", 4, draft_model=draft)), EOS_PROMPTS, params
+    )
     assert run.tokens == [o.token_ids for o in want]
     assert [o.text for o in run.outputs] == [o.text for o in want]
     ended = [i for i, o in enumerate(run.outputs) if o.token_ids[-1] == EOS_ID]
-    assert all(run.outputs[i].finish_reason == "stop" and run.outputs[i].stop_reason is None for i in ended)
+    assert all(
+        run.outputs[i].finish_reason == "stop" and run.outputs[i].stop_reason is None for i in ended
+    )
     assert EOS_ID not in [t for o in run.outputs for t in o.token_ids[:-1]]
     # An accepted EOS cuts its round: the drafts after it and the bonus token are thrown away.
     cut = [i for i in ended if run.cut_rounds(i)]
     assert cut, "no request got EOS as an accepted draft: the workload no longer tests the cut"
-    assert all(run.cut_rounds(i) == run.rounds[run.outputs[i].request_id][-1:] for i in cut)  # only the last round
+    assert all(
+        run.cut_rounds(i) == run.rounds[run.outputs[i].request_id][-1:] for i in cut
+    )  # only the last round
 
 
 STOP_PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "To be", "HAMLET:"]
 
 
-@pytest.mark.parametrize("stop", [{"stop_token_ids": [ord("o")]}, {"stop_token_ids": [ord("t"), ord(",")]},
-                                  {"stop": ["so much"]}, {"stop": ["I will", "the state"]}],
-                         ids=["token-o", "tokens-t-comma", "string-so-much", "strings"])
+@pytest.mark.parametrize(
+    "stop",
+    [
+        {"stop_token_ids": [ord("o")]},
+        {"stop_token_ids": [ord("t"), ord(",")]},
+        {"stop": ["so much"]},
+        {"stop": ["I will", "the state"]},
+    ],
+    ids=["token-o", "tokens-t-comma", "string-so-much", "strings"],
+)
 def test_a_stop_inside_an_accepted_run_ends_the_request_there(target, draft, stop: dict) -> None:
     params = SamplingParams(max_tokens=32, temperature=0, **stop)
     want = Run(make_engine(target), STOP_PROMPTS, params).outputs
-    run = Run(make_engine(target, SpeculativeConfig("draft", 4, draft_model=draft)), STOP_PROMPTS, params)
+    run = Run(
+        make_engine(target, SpeculativeConfig("draft", 4, draft_model=draft)), STOP_PROMPTS, params
+    )
     for out, plain_out in zip(run.outputs, want):
         assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (
-            plain_out.token_ids, plain_out.text, plain_out.finish_reason, plain_out.stop_reason)
+            plain_out.token_ids,
+            plain_out.text,
+            plain_out.finish_reason,
+            plain_out.stop_reason,
+        )
     stopped = [i for i, o in enumerate(run.outputs) if o.finish_reason == "stop"]
     assert any(run.cut_rounds(i) for i in stopped), "no stop fell inside an accepted run"
     for i, out in enumerate(run.outputs):
         for s in params.stop:
             assert s not in out.text
         if "stop_token_ids" in stop and out.finish_reason == "stop":
-            assert out.token_ids[-1] in params.stop_token_ids and out.stop_reason == out.token_ids[-1]
+            assert (
+                out.token_ids[-1] in params.stop_token_ids and out.stop_reason == out.token_ids[-1]
+            )
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
@@ -621,24 +791,33 @@ def test_max_tokens_is_never_passed(target, draft, method: str) -> None:
         want = Run(make_engine(target), prompts, params).tokens
         run = Run(make_engine(target, spec), prompts, params)
         assert run.tokens == want
-        assert all(len(o.token_ids) == max_tokens and o.finish_reason == "length" for o in run.outputs)
+        assert all(
+            len(o.token_ids) == max_tokens and o.finish_reason == "length" for o in run.outputs
+        )
         for rounds in run.rounds.values():
             produced = 1  # the prefill's token
             for proposed, accepted, appended in rounds:
-                assert proposed <= min(k, max_tokens - produced - 1)  # lookahead clipped before the round
+                assert proposed <= min(
+                    k, max_tokens - produced - 1
+                )  # lookahead clipped before the round
                 clipped |= proposed < k and max_tokens - produced - 1 < k
                 produced += appended
     assert clipped
 
 
-PREFIX = "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun of York;\n"
-PREFIXED = [PREFIX + s for s in ["And all the clouds", "Now are our brows", "Grim-visaged war", "Our stern"]]
+PREFIX = "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun "
+"of York;\n"
+PREFIXED = [
+    PREFIX + s for s in ["And all the clouds", "Now are our brows", "Grim-visaged war", "Our stern"]
+]
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_prefix_caching_changes_the_work_not_the_tokens_nor_the_drafts(target, draft, method: str) -> None:
-    """Greedy drafts are a function of the draft model's K/V: a prefix-cache hit must hand the draft model
-    the same K/V it would have computed, so every round (proposed, accepted, appended) is as without caching."""
+def test_prefix_caching_changes_the_work_not_the_tokens_nor_the_drafts(
+    target, draft, method: str
+) -> None:
+    """Greedy drafts are a function of the draft model's K/V: a prefix-cache hit must hand the draft
+    model the same K/V it would have computed, so every round (proposed, accepted, appended) is as without caching."""
     spec = SpeculativeConfig(method, 4, draft_model=draft)
     params = SamplingParams(max_tokens=20, temperature=0)
     want = Run(make_engine(target, max_num_batched_tokens=64), PREFIXED, params).tokens
@@ -651,41 +830,71 @@ def test_prefix_caching_changes_the_work_not_the_tokens_nor_the_drafts(target, d
     assert first.tokens + rest.tokens == want
     assert [o.num_cached_tokens for o in rest.outputs] == [full_blocks] * 3
     assert list(rest.rounds.values()) == list(uncached.rounds.values())
-    # A first request that ends at its prefill never runs the draft model over its prompt: a block it
-    # leaves must not give a later request target K/V without the draft's (the rounds would change).
+    # A first request that ends at its prefill never runs the draft model over its prompt: a block
+    # it leaves must not give a later request target K/V without the draft's (the rounds would
+    # change).
     engine = make_engine(target, spec, max_num_batched_tokens=64, enable_prefix_caching=True)
     Run(engine, PREFIXED[:1], SamplingParams(max_tokens=1, temperature=0))
     rest = Run(engine, PREFIXED[1:], params)
     assert rest.tokens == want[1:] and list(rest.rounds.values()) == list(uncached.rounds.values())
     # All at once: later prompts hit blocks of earlier ones as soon as both models' K/V are in them.
-    together = Run(make_engine(target, spec, max_num_batched_tokens=64, enable_prefix_caching=True), PREFIXED, params)
+    together = Run(
+        make_engine(target, spec, max_num_batched_tokens=64, enable_prefix_caching=True),
+        PREFIXED,
+        params,
+    )
     assert together.tokens == want and sum(r.prefix_hit_tokens for r in together.engine.trace) > 0
     assert sum(a for rounds in together.rounds.values() for _, a, _ in rounds) > 0
 
 
-# -- sampling through the engine ----------------------------------------------------------------------------------
+# -- sampling through the engine
+# ----------------------------------------------------------------------------------
 
-SAMPLED_PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo!", "To be", "HAMLET:", "First Citizen:\nBefore we proceed",
-                   "KING RICHARD III:\nNow is the winter", "What light", "MACBETH:\nIs this a dagger"]
+SAMPLED_PROMPTS = [
+    "ROMEO:",
+    "JULIET:\nO Romeo, Romeo!",
+    "To be",
+    "HAMLET:",
+    "First Citizen:\nBefore we proceed",
+    "KING RICHARD III:\nNow is the winter",
+    "What light",
+    "MACBETH:\nIs this a dagger",
+]
 
 
 def sampled_params() -> list[SamplingParams]:
     params = []
     for i in range(8):
-        seed = None if i == 5 else 100 + i  # one request without a seed: the engine derives it from its id
-        params.append(SamplingParams(max_tokens=14 + i, temperature=(0.7, 1.0, 1.3)[i % 3], top_k=(0, 20)[i % 2],
-                                     top_p=(1.0, 0.9, 1.0, 0.8)[i % 4], seed=seed))
+        seed = (
+            None if i == 5 else 100 + i
+        )  # one request without a seed: the engine derives it from its id
+        params.append(
+            SamplingParams(
+                max_tokens=14 + i,
+                temperature=(0.7, 1.0, 1.3)[i % 3],
+                top_k=(0, 20)[i % 2],
+                top_p=(1.0, 0.9, 1.0, 0.8)[i % 4],
+                seed=seed,
+            )
+        )
     return params
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_seeded_tokens_do_not_depend_on_the_batch_or_on_preemption(target, draft, method: str) -> None:
+def test_seeded_tokens_do_not_depend_on_the_batch_or_on_preemption(
+    target, draft, method: str
+) -> None:
     spec = SpeculativeConfig(method, 4, draft_model=draft)
     params, ids = sampled_params(), list(range(8))
     batch = Run(make_engine(target, spec, num_blocks=64), SAMPLED_PROMPTS, params, request_ids=ids)
     for i in ids:
-        alone = Run(make_engine(target, spec, num_blocks=16), SAMPLED_PROMPTS[i:i + 1], params[i], request_ids=[i])
-        assert alone.tokens == batch.tokens[i:i + 1], f"request {i}"
+        alone = Run(
+            make_engine(target, spec, num_blocks=16),
+            SAMPLED_PROMPTS[i : i + 1],
+            params[i],
+            request_ids=[i],
+        )
+        assert alone.tokens == batch.tokens[i : i + 1], f"request {i}"
     tiny = Run(make_engine(target, spec, num_blocks=7), SAMPLED_PROMPTS, params, request_ids=ids)
     assert sum(len(r.preempted) for r in tiny.engine.trace) >= 3
     assert tiny.tokens == batch.tokens
@@ -707,7 +916,9 @@ def test_the_same_seed_gives_the_same_tokens(target, draft) -> None:
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_greedy_requests_keep_their_tokens_next_to_sampled_ones(target, draft, plain, method: str) -> None:
+def test_greedy_requests_keep_their_tokens_next_to_sampled_ones(
+    target, draft, plain, method: str
+) -> None:
     spec = SpeculativeConfig(method, 4, draft_model=draft)
     greedy = PROMPTS[:3]
     sampled = [SamplingParams(max_tokens=3, temperature=1.0, seed=s) for s in (5, 6)]
@@ -716,17 +927,27 @@ def test_greedy_requests_keep_their_tokens_next_to_sampled_ones(target, draft, p
 
 
 def test_first_speculative_token_has_the_targets_distribution_end_to_end(target, draft) -> None:
-    """Real models at temperature 1: x1 comes from the prefill, x2 from the first verify (a draft from the
-    draft model, accepted or resampled). Their joint must be the target's p(x1) p(x2 | x1)."""
+    """Real models at temperature 1: x1 comes from the prefill, x2 from the first verify (a draft
+    from the draft model, accepted or resampled). Their joint must be the target's p(x1) p(x2 | x1)."""
     prompt = tok.encode("ROMEO:\nI will", add_bos=True)
     n = 1200
-    engine = make_engine(target, SpeculativeConfig("draft", 1, draft_model=draft), num_blocks=300,
-                         max_num_seqs=256, max_num_batched_tokens=2048)
-    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=10_000 + i, ignore_eos=True) for i in range(n)]
+    engine = make_engine(
+        target,
+        SpeculativeConfig("draft", 1, draft_model=draft),
+        num_blocks=300,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+    )
+    params = [
+        SamplingParams(max_tokens=3, temperature=1.0, seed=10_000 + i, ignore_eos=True)
+        for i in range(n)
+    ]
     outs = engine.generate([prompt] * n, params)
     proposed = sum(p for r in engine.trace for _, p, _ in r.speculated)
     accepted = sum(a for r in engine.trace for _, _, a in r.speculated)
-    assert proposed == n and 0.2 * n < accepted < 0.95 * n, accepted  # the draft is often right, not always
+    assert proposed == n and 0.2 * n < accepted < 0.95 * n, (
+        accepted
+    )  # the draft is often right, not always
     v = target.config.vocab_size
     with torch.no_grad():
         p1 = target(torch.tensor(prompt))[-1].double().softmax(-1)
@@ -738,18 +959,25 @@ def test_first_speculative_token_has_the_targets_distribution_end_to_end(target,
     assert goodness_of_fit(counts, joint) > 1e-4
 
 
-# -- configuration errors -----------------------------------------------------------------------------------------
+# -- configuration errors
+# -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"method": "medusa"}, "method must be one of"),
-    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
-    ({"num_speculative_tokens": -2}, "num_speculative_tokens"),
-    ({"num_speculative_tokens": True}, "num_speculative_tokens"),
-    ({"num_speculative_tokens": 2.0}, "num_speculative_tokens"),
-    ({"prompt_lookup_min": 0}, "prompt_lookup_min"),
-    ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "prompt_lookup_min <= prompt_lookup_max"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"method": "medusa"}, "method must be one of"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
+        ({"num_speculative_tokens": -2}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 2.0}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 0}, "prompt_lookup_min"),
+        (
+            {"prompt_lookup_min": 4, "prompt_lookup_max": 3},
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
+    ],
+)
 def test_speculative_config_is_checked(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig(**kwargs)
@@ -765,11 +993,19 @@ def test_a_draft_that_does_not_fit_the_target_is_refused(target) -> None:
         make_engine(target, SpeculativeConfig("draft", 2, draft_model=small_model(vocab_size=100)))
     with pytest.raises(ValueError, match=r"context \(128\) is shorter"):
         make_engine(target, SpeculativeConfig("draft", 2, draft_model=small_model(max_seq_len=128)))
-    make_engine(target, SpeculativeConfig("draft", 2, draft_model=small_model()))  # same vocab and context: fine
+    make_engine(
+        target, SpeculativeConfig("draft", 2, draft_model=small_model())
+    )  # same vocab and context: fine
 
 
 def test_a_budget_too_small_for_the_lookahead_is_refused(target) -> None:
     make_engine(target, max_num_seqs=8, max_num_batched_tokens=32)  # fine without speculation
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) must be >= max_num_seqs \(8\) x 5 tokens"):
-        make_engine(target, SpeculativeConfig("ngram", 4), max_num_seqs=8, max_num_batched_tokens=32)
-    make_engine(target, SpeculativeConfig("ngram", 4), max_num_seqs=8, max_num_batched_tokens=40)  # 8 x 5 fits
+    with pytest.raises(
+        ValueError, match=r"max_num_batched_tokens \(32\) must be >= max_num_seqs \(8\) x 5 tokens"
+    ):
+        make_engine(
+            target, SpeculativeConfig("ngram", 4), max_num_seqs=8, max_num_batched_tokens=32
+        )
+    make_engine(
+        target, SpeculativeConfig("ngram", 4), max_num_seqs=8, max_num_batched_tokens=40
+    )  # 8 x 5 fits

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minivllm.stats import chi_square
+from minivllm.book.stats import chi_square
 
 
 def counts_with_statistic(statistic: float, cells: int) -> tuple[np.ndarray, np.ndarray]:
-    """Counts over `cells` equally likely cells (10,000 expected each) whose Pearson statistic is exactly
-    `statistic`: one cell high, one low, by the same amount."""
+    """Counts over `cells` equally likely cells (10,000 expected each) whose Pearson statistic is
+    exactly `statistic`: one cell high, one low, by the same amount."""
     expected = 10_000.0
     shift = (statistic * expected / 2) ** 0.5
     counts = np.full(cells, expected)
@@ -19,11 +19,20 @@ def counts_with_statistic(statistic: float, cells: int) -> tuple[np.ndarray, np.
     return counts, np.full(cells, 1 / cells)
 
 
-@pytest.mark.parametrize("statistic, dof, upper", [
-    # Critical values from the standard chi-square table (NIST/SEMATECH e-Handbook, 1.3.6.7.4).
-    (3.841, 1, 0.05), (15.137, 1, 1e-4), (11.070, 5, 0.05), (18.307, 10, 0.05), (23.209, 10, 0.01),
-    (124.342, 100, 0.05), (2.706, 1, 0.10), (9.236, 5, 0.10),
-])
+@pytest.mark.parametrize(
+    "statistic, dof, upper",
+    [
+        # Critical values from the standard chi-square table (NIST/SEMATECH e-Handbook, 1.3.6.7.4).
+        (3.841, 1, 0.05),
+        (15.137, 1, 1e-4),
+        (11.070, 5, 0.05),
+        (18.307, 10, 0.05),
+        (23.209, 10, 0.01),
+        (124.342, 100, 0.05),
+        (2.706, 1, 0.10),
+        (9.236, 5, 0.10),
+    ],
+)
 def test_p_values_match_the_tables(statistic: float, dof: int, upper: float) -> None:
     got_statistic, got_dof, p_value = chi_square(*counts_with_statistic(statistic, dof + 1))
     assert got_dof == dof and got_statistic == pytest.approx(statistic)

@@ -20,11 +20,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("minivllm_student_tool", ROOT / "tools" / "student.py")
+_spec = importlib.util.spec_from_file_location(
+    "minivllm_student_tool", ROOT / "tools" / "student.py"
+)
 student = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(student)
 
-MODULE = textwrap.dedent('''\
+MODULE = textwrap.dedent("""\
     def top():
         # EXERCISE ch09.1: return the answer
         ### BEGIN SOLUTION
@@ -42,7 +44,7 @@ MODULE = textwrap.dedent('''\
 
         def after(self):
             return "kept"
-''')
+""")
 
 
 def test_each_region_becomes_one_raise_at_its_indentation() -> None:
@@ -50,10 +52,12 @@ def test_each_region_becomes_one_raise_at_its_indentation() -> None:
     assert "BEGIN SOLUTION" not in text and "return 42" not in text and "side * side" not in text
     assert '    raise NotImplementedError("exercise ch09.1: return the answer")\n' in text
     assert '        raise NotImplementedError("exercise ch09.2: \\"measure\\" the box")\n' in text
-    assert "        # EXERCISE ch09.2: \"measure\" the box\n" in text  # the comment stays
+    assert '        # EXERCISE ch09.2: "measure" the box\n' in text  # the comment stays
     assert 'return "kept"' in text
     assert [(e.id, e.line, e.description) for e in found] == [
-        ("ch09.1", 2, "return the answer"), ("ch09.2", 10, '"measure" the box')]
+        ("ch09.1", 2, "return the answer"),
+        ("ch09.2", 10, '"measure" the box'),
+    ]
     namespace: dict = {}
     exec(compile(text, "toy.py", "exec"), namespace)
     with pytest.raises(NotImplementedError, match="ch09.2"):
@@ -62,29 +66,36 @@ def test_each_region_becomes_one_raise_at_its_indentation() -> None:
 
 def test_one_exercise_may_span_several_regions() -> None:
     text, found = student.stub_source(MODULE.replace("ch09.2", "ch09.1"), "toy.py")
-    assert [e.id for e in found] == ["ch09.1", "ch09.1"] and text.count("raise NotImplementedError") == 2
+    assert [e.id for e in found] == ["ch09.1", "ch09.1"] and text.count(
+        "raise NotImplementedError"
+    ) == 2
 
 
 def test_source_without_regions_is_unchanged() -> None:
     plain = "x = 1  # EXERCISEs live elsewhere\n# exercise for the reader\n"
     assert student.stub_source(plain, "plain.py") == (plain, [])
-    stubbed = student.stub_source(MODULE, "toy.py")[0]  # a student copy, solved or not, has no regions
+    stubbed = student.stub_source(MODULE, "toy.py")[
+        0
+    ]  # a student copy, solved or not, has no regions
     assert student.stub_source(stubbed, "toy.py") == (stubbed, [])
 
 
 EX, BEGIN, END = "# EXERCISE ch09.1: do it", "### BEGIN SOLUTION", "### END SOLUTION"
 
 
-@pytest.mark.parametrize("lines, error", [
-    ([EX, BEGIN, "x = 1"], "m.py:2: ### BEGIN SOLUTION without ### END SOLUTION"),
-    ([EX, BEGIN, EX, BEGIN, END, END], "m.py:4: nested"),
-    (["x = 1", END], "m.py:2: ### END SOLUTION without ### BEGIN SOLUTION"),
-    (["x = 1", BEGIN, END], "m.py:2: ### BEGIN SOLUTION without an '# EXERCISE"),
-    ([EX, "", BEGIN, END], "m.py:3: ### BEGIN SOLUTION without an '# EXERCISE"),
-    (["x = 1", "## BEGIN SOLUTION", END], "m.py:2: malformed marker"),
-    (["# EXERCISE ch09.1 no colon", BEGIN, END], "m.py:1: malformed marker"),
-    (["x = 1", "### begin solution"], "m.py:2: malformed marker"),
-])
+@pytest.mark.parametrize(
+    "lines, error",
+    [
+        ([EX, BEGIN, "x = 1"], "m.py:2: ### BEGIN SOLUTION without ### END SOLUTION"),
+        ([EX, BEGIN, EX, BEGIN, END, END], "m.py:4: nested"),
+        (["x = 1", END], "m.py:2: ### END SOLUTION without ### BEGIN SOLUTION"),
+        (["x = 1", BEGIN, END], "m.py:2: ### BEGIN SOLUTION without an '# EXERCISE"),
+        ([EX, "", BEGIN, END], "m.py:3: ### BEGIN SOLUTION without an '# EXERCISE"),
+        (["x = 1", "## BEGIN SOLUTION", END], "m.py:2: malformed marker"),
+        (["# EXERCISE ch09.1 no colon", BEGIN, END], "m.py:1: malformed marker"),
+        (["x = 1", "### begin solution"], "m.py:2: malformed marker"),
+    ],
+)
 def test_malformed_markers_fail_naming_file_and_line(lines: list[str], error: str) -> None:
     with pytest.raises(student.MarkerError) as raised:
         student.stub_source("\n".join(lines) + "\n", "m.py")
@@ -108,25 +119,33 @@ def test_scrub_notebook_stubs_displayed_solutions(tmp_path: Path) -> None:
     from IPython.display import Code
 
     shown = DisplayFormatter().format(Code(MODULE.rstrip("\n"), language="python"))[0]
-    cell = nbformat.v4.new_code_cell("show(top)", execution_count=1, outputs=[
-        nbformat.v4.new_output("display_data", data=shown),
-        nbformat.v4.new_output("stream", name="stdout", text=MODULE),
-    ])
+    cell = nbformat.v4.new_code_cell(
+        "show(top)",
+        execution_count=1,
+        outputs=[
+            nbformat.v4.new_output("display_data", data=shown),
+            nbformat.v4.new_output("stream", name="stdout", text=MODULE),
+        ],
+    )
     path = tmp_path / "00_toy.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), path)
     assert student.scrub_notebook(path)
     data, stream = nbformat.read(path, as_version=4).cells[0].outputs
     assert "SOLUTION" not in json.dumps(data) + json.dumps(stream)
-    # Exactly what show() renders for the stubbed source, so nbval in the student copy agrees with the stored output.
+    # Exactly what show() renders for the stubbed source, so nbval in the student copy agrees with
+    # the stored output.
     stubbed = student.stub_source(MODULE)[0]
-    assert data["data"] == DisplayFormatter().format(Code(stubbed.rstrip("\n"), language="python"))[0]
+    assert (
+        data["data"] == DisplayFormatter().format(Code(stubbed.rstrip("\n"), language="python"))[0]
+    )
     assert stream["text"] == stubbed
     assert not student.scrub_notebook(path)  # nothing left to scrub
 
 
-# -- the round trip on a toy project: copy, then grade the copy in a subprocess --------------------------
+# -- the round trip on a toy project: copy, then grade the copy in a subprocess
+# --------------------------
 
-TOY_TESTS = '''\
+TOY_TESTS = """\
 import pytest
 from toy import top, Box
 
@@ -140,15 +159,19 @@ def test_size():
 
 def test_unmarked():
     assert Box().after() == "kept"
-'''
+"""
 
 
-def run(args: list[str], cwd: Path, timeout: int = 1200, plugins: bool = True) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], cwd: Path, timeout: int = 1200, plugins: bool = True
+) -> subprocess.CompletedProcess:
     """Run Python in `cwd` with only `cwd/src` in front of the path, so its own package is imported."""
     env = {**os.environ, "PYTHONPATH": str(cwd / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
     if not plugins:  # the toy project needs no installed pytest plugins; loading them costs seconds
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def grade(project: Path, report: Path, plugins: bool = True) -> dict:
@@ -165,8 +188,10 @@ def make_toy_project(root: Path) -> Path:
     (root / "tests" / "test_toy.py").write_text(TOY_TESTS)
     shutil.copy(ROOT / "tests" / "conftest.py", root / "tests" / "conftest.py")
     shutil.copy(ROOT / "tools" / "student.py", root / "tools" / "student.py")
-    (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "--strict-markers -p no:cacheprovider"\n'
-                                         'markers = ["exercise(id): grades one exercise"]\n')
+    (root / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\naddopts = "--strict-markers -p no:cacheprovider"\n'
+        'markers = ["exercise(id): grades one exercise"]\n'
+    )
     return root
 
 
@@ -180,18 +205,25 @@ def test_toy_round_trip(tmp_path: Path) -> None:
         report = grade(project, tmp_path / f"{project.name}.json", plugins=False)
         assert Path(report["packages"]["toy"]).is_relative_to(project)
         assert {name: (t["exercises"], t["outcome"]) for name, t in report["tests"].items()} == {
-            "tests/test_toy.py::test_top": (["ch09.1"], outcome), "tests/test_toy.py::test_size": (["ch09.2"], outcome)}
+            "tests/test_toy.py::test_top": (["ch09.1"], outcome),
+            "tests/test_toy.py::test_size": (["ch09.2"], outcome),
+        }
 
 
 def test_exercise_option_selects_by_marker(tmp_path: Path) -> None:
     toy = make_toy_project(tmp_path)
-    one = run(["-m", "pytest", "tests", "--exercise", "ch09.2", "-q"], toy, timeout=120, plugins=False)
+    one = run(
+        ["-m", "pytest", "tests", "--exercise", "ch09.2", "-q"], toy, timeout=120, plugins=False
+    )
     assert one.returncode == 0 and "1 passed, 2 deselected" in one.stdout, one.stdout + one.stderr
-    typo = run(["-m", "pytest", "tests", "--exercise", "ch9.2", "-q"], toy, timeout=120, plugins=False)
+    typo = run(
+        ["-m", "pytest", "tests", "--exercise", "ch9.2", "-q"], toy, timeout=120, plugins=False
+    )
     assert typo.returncode == pytest.ExitCode.USAGE_ERROR and "exercise(ch9.2)" in typo.stderr
 
 
-# -- the real book: reference passes, student copy fails with the stubs ----------------------------------
+# -- the real book: reference passes, student copy fails with the stubs
+# ----------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -209,32 +241,52 @@ def reports(exercises: list, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     copy = work / "copy"
     student.make_student_copy(ROOT, copy)
     with ThreadPoolExecutor(2) as pool:
-        reference, copied = pool.map(grade, (ROOT, copy), (work / "reference.json", work / "copy.json"))
+        reference, copied = pool.map(
+            grade, (ROOT, copy), (work / "reference.json", work / "copy.json")
+        )
     return reference, copied, copy
 
 
-def test_every_exercise_has_tests_and_every_test_an_exercise(exercises: list, reports: tuple) -> None:
+def test_every_exercise_has_tests_and_every_test_an_exercise(
+    exercises: list, reports: tuple
+) -> None:
     in_source = {e.id for e in exercises}
     in_tests = {i for test in reports[0]["tests"].values() for i in test["exercises"]}
-    assert not in_source - in_tests, f"exercises with no marked test: {sorted(in_source - in_tests)}"
-    assert not in_tests - in_source, f"tests marked with unknown exercises: {sorted(in_tests - in_source)}"
+    assert not in_source - in_tests, (
+        f"exercises with no marked test: {sorted(in_source - in_tests)}"
+    )
+    assert not in_tests - in_source, (
+        f"tests marked with unknown exercises: {sorted(in_tests - in_source)}"
+    )
 
 
 def test_reference_passes_every_exercise_test(reports: tuple) -> None:
     reference = reports[0]
     assert Path(reference["packages"]["minivllm"]).is_relative_to(ROOT / "src")
-    failed = {name: t["message"][-500:] for name, t in reference["tests"].items() if t["outcome"] != "passed"}
+    failed = {
+        name: t["message"][-500:]
+        for name, t in reference["tests"].items()
+        if t["outcome"] != "passed"
+    }
     assert not failed, json.dumps(failed, indent=1)
 
 
 def test_student_copy_fails_every_exercise_test_on_a_stub(reports: tuple) -> None:
     reference, copy_report, copy = reports
     package = Path(copy_report["packages"]["minivllm"])
-    assert package.is_relative_to(copy / "src"), f"the copy's tests imported {package}, not the copy's package"
+    assert package.is_relative_to(copy / "src"), (
+        f"the copy's tests imported {package}, not the copy's package"
+    )
     assert copy_report["tests"].keys() == reference["tests"].keys()
-    wrong = {name: t["outcome"] + ": " + t["message"][-300:] for name, t in copy_report["tests"].items()
-             if t["outcome"] != "failed" or "NotImplementedError" not in t["message"]}
-    assert not wrong, "these exercise tests do not fail on a stub in the student copy:\n" + json.dumps(wrong, indent=1)
+    wrong = {
+        name: t["outcome"] + ": " + t["message"][-300:]
+        for name, t in copy_report["tests"].items()
+        if t["outcome"] != "failed" or "NotImplementedError" not in t["message"]
+    }
+    assert not wrong, (
+        "these exercise tests do not fail on a stub in the student copy:\n"
+        + json.dumps(wrong, indent=1)
+    )
 
 
 def test_student_copy_is_complete_and_free_of_solutions(exercises: list, reports: tuple) -> None:
@@ -244,10 +296,17 @@ def test_student_copy_is_complete_and_free_of_solutions(exercises: list, reports
     leftovers = [p for p in copy.rglob("*") if p.name in {".venv", ".git", "__pycache__", "_build"}]
     assert not leftovers
     # Prose may name the markers; a solution is a marker line in the package or in a cell's output.
-    leaks = [p for p in (copy / "src").rglob("*.py") if any(
-        line.strip() == student.BEGIN for line in p.read_text().splitlines())]
-    leaks += [p for p in (copy / "chapters").glob("*.ipynb") if student.BEGIN in json.dumps(
-        [cell.get("outputs", []) for cell in json.loads(p.read_text())["cells"]])]
+    leaks = [
+        p
+        for p in (copy / "src").rglob("*.py")
+        if any(line.strip() == student.BEGIN for line in p.read_text().splitlines())
+    ]
+    leaks += [
+        p
+        for p in (copy / "chapters").glob("*.ipynb")
+        if student.BEGIN
+        in json.dumps([cell.get("outputs", []) for cell in json.loads(p.read_text())["cells"]])
+    ]
     assert not leaks, f"solutions left in the student copy: {leaks}"
     listing = (copy / "STUDENT.md").read_text()
     assert all(f"`{e.id}`" in listing for e in exercises)

@@ -1,7 +1,7 @@
 """Chapter 01: the byte tokenizer and the streaming decoder.
 
-Tests marked `exercise("ch01.1")` grade `incomplete_utf8_tail` (and the `StreamingDecoder` built on it);
-tests marked `exercise("ch01.2")` grade `ByteTokenizer.decode`. The two never call each other's
+Tests marked `exercise("ch01.1")` grade `incomplete_utf8_tail` (and the `StreamingDecoder` built on
+it); tests marked `exercise("ch01.2")` grade `ByteTokenizer.decode`. The two never call each other's
 exercise, so each fails on its own when its solution is stubbed out.
 """
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.tokenizer import (
+from minivllm.model.tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -61,8 +61,12 @@ def can_complete(data: bytes) -> bool:
     if not data or strict_utf8(data):
         return False
     # Any valid lead byte has a valid second byte among 80, 90, A0; later bytes accept any of 80-BF.
-    return any(strict_utf8(data + bytes([filler]) * missing) and len((data + bytes([filler]) * missing).decode()) == 1
-               for filler in (0x80, 0x90, 0xA0) for missing in (1, 2, 3))
+    return any(
+        strict_utf8(data + bytes([filler]) * missing)
+        and len((data + bytes([filler]) * missing).decode()) == 1
+        for filler in (0x80, 0x90, 0xA0)
+        for missing in (1, 2, 3)
+    )
 
 
 def expected_tail(data: bytes) -> int:
@@ -74,7 +78,12 @@ def expected_tail(data: bytes) -> int:
 
 
 def test_vocabulary_layout():
-    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (
+        BOS_ID,
+        EOS_ID,
+        PAD_ID,
+        VOCAB_SIZE,
+    )
     assert sorted(SPECIAL_TOKENS.values()) == [256, 257, 258] and VOCAB_SIZE == 259
 
 
@@ -162,7 +171,9 @@ def test_decode_replaces_invalid_bytes(data, text):
 @pytest.mark.exercise("ch01.2")
 @given(st.lists(st.integers(-3, 2 * VOCAB_SIZE), max_size=40))
 def test_decode_never_raises(ids):
-    assert tok.decode(ids) == bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+    assert tok.decode(ids) == bytes(i for i in ids if 0 <= i < 256).decode(
+        "utf-8", errors="replace"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,15 +184,35 @@ def test_decode_never_raises(ids):
 @pytest.mark.parametrize(
     ("data", "tail"),
     [
-        (b"", 0), (b"a", 0), (b"\xc3\xa9", 0), (b"\xe2\x82\xac", 0), (b"\xf0\x9f\x99\x82", 0),
-        (b"\xc3", 1), (b"\xe2", 1), (b"\xe2\x82", 2), (b"\xf0", 1), (b"\xf0\x9f", 2), (b"\xf0\x9f\x99", 3),
-        (b"ok\xf0\x9f\x99", 3), (b"\xe2\x82\xac\xe2", 1), (b"\xc3\xa9\xc3", 1),
-        (b"\xe0\xa0", 2), (b"\xed\x9f", 2), (b"\xf4\x8f\xbf", 3),  # the edges of the narrow ranges
-        (b"\x80", 0), (b"\x80\x80\x80", 0), (b"\xc0", 0), (b"\xc1", 0), (b"\xf5", 0), (b"\xff", 0),
-        (b"\xe0\x80", 0), (b"\xf0\x8f", 0),  # overlong: can never become valid
+        (b"", 0),
+        (b"a", 0),
+        (b"\xc3\xa9", 0),
+        (b"\xe2\x82\xac", 0),
+        (b"\xf0\x9f\x99\x82", 0),
+        (b"\xc3", 1),
+        (b"\xe2", 1),
+        (b"\xe2\x82", 2),
+        (b"\xf0", 1),
+        (b"\xf0\x9f", 2),
+        (b"\xf0\x9f\x99", 3),
+        (b"ok\xf0\x9f\x99", 3),
+        (b"\xe2\x82\xac\xe2", 1),
+        (b"\xc3\xa9\xc3", 1),
+        (b"\xe0\xa0", 2),
+        (b"\xed\x9f", 2),
+        (b"\xf4\x8f\xbf", 3),  # the edges of the narrow ranges
+        (b"\x80", 0),
+        (b"\x80\x80\x80", 0),
+        (b"\xc0", 0),
+        (b"\xc1", 0),
+        (b"\xf5", 0),
+        (b"\xff", 0),
+        (b"\xe0\x80", 0),
+        (b"\xf0\x8f", 0),  # overlong: can never become valid
         (b"\xed\xa0", 0),  # a surrogate
         (b"\xf4\x90", 0),  # past U+10FFFF
-        (b"\xe2A", 0), (b"\xe2\x82\xac\xac", 0),
+        (b"\xe2A", 0),
+        (b"\xe2\x82\xac\xac", 0),
     ],
 )
 def test_incomplete_utf8_tail_cases(data, tail):
@@ -204,7 +235,8 @@ def test_streaming_splits_at_every_position(chars):
     emitted = ""
     for k, piece in enumerate(pieces, start=1):
         emitted += piece
-        # After k bytes you have exactly the characters whose bytes have all arrived: never half of one.
+        # After k bytes you have exactly the characters whose bytes have all arrived: never half of
+        # one.
         assert emitted == text.encode("utf-8")[:k].decode("utf-8", errors="ignore")
         assert "\ufffd" not in emitted
 
@@ -215,10 +247,18 @@ def test_streaming_splits_at_every_position(chars):
     [
         (b"a\x80b", ["a", "\ufffd", "b"], ""),  # a lone continuation byte is wrong at once
         (b"\xc0\xaf", ["\ufffd", "\ufffd"], ""),  # overlong
-        (b"\xed\xa0\x80", ["", "\ufffd\ufffd", "\ufffd"], ""),  # surrogate: wrong as soon as A0 arrives
+        (
+            b"\xed\xa0\x80",
+            ["", "\ufffd\ufffd", "\ufffd"],
+            "",
+        ),  # surrogate: wrong as soon as A0 arrives
         (b"\xf5\x80", ["\ufffd", "\ufffd"], ""),  # F5 and above start nothing
         (b"\xe2\x82A", ["", "", "\ufffdA"], ""),  # truncated, then ASCII: one U+FFFD
-        (b"ok\xf0\x9f\x99", ["o", "k", "", "", ""], "\ufffd"),  # truncated at the end: flush says so
+        (
+            b"ok\xf0\x9f\x99",
+            ["o", "k", "", "", ""],
+            "\ufffd",
+        ),  # truncated at the end: flush says so
     ],
 )
 def test_streaming_invalid_bytes(data, pieces, rest):
@@ -228,7 +268,14 @@ def test_streaming_invalid_bytes(data, pieces, rest):
 @pytest.mark.exercise("ch01.1")
 def test_special_tokens_do_not_disturb_a_pending_character():
     decoder = StreamingDecoder()
-    assert [decoder.push(i) for i in [BOS_ID, 0xE2, 0x82, EOS_ID, 0xAC, PAD_ID]] == ["", "", "", "", "€", ""]
+    assert [decoder.push(i) for i in [BOS_ID, 0xE2, 0x82, EOS_ID, 0xAC, PAD_ID]] == [
+        "",
+        "",
+        "",
+        "",
+        "€",
+        "",
+    ]
     assert decoder.flush() == ""
 
 
@@ -264,7 +311,8 @@ def test_pushed_text_is_final(prefix, suffix):
     decoder = StreamingDecoder()
     emitted = "".join(decoder.push(i) for i in prefix)
     assert bytes(prefix + suffix).decode("utf-8", errors="replace").startswith(emitted)
-    # ... and nothing is held back that is already decided: only a character that can still complete.
+    # ... and nothing is held back that is already decided: only a character that can still
+    # complete.
     assert decoder.pending == b"" or can_complete(decoder.pending)
 
 

@@ -6,9 +6,16 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from minivllm import corpus
-from minivllm.train import PRESETS, bits_per_byte, encode_plays, learning_rate, train, write_model_card
-from minivllm.tokenizer import ByteTokenizer
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.training import corpus
+from minivllm.training.train import (
+    PRESETS,
+    bits_per_byte,
+    encode_plays,
+    learning_rate,
+    train,
+    write_model_card,
+)
 
 SPEECHES = "ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:\nAy me!\n\n" * 40
 
@@ -20,7 +27,9 @@ def toy_plays():
 def test_scenes_are_wrapped_in_bos_and_eos():
     tokens = encode_plays(toy_plays(), ByteTokenizer())
     assert tokens[0] == ByteTokenizer.bos_id and tokens[-1] == ByteTokenizer.eos_id
-    assert (tokens == ByteTokenizer.bos_id).sum() == 2 and (tokens == ByteTokenizer.eos_id).sum() == 2
+    assert (tokens == ByteTokenizer.bos_id).sum() == 2 and (
+        tokens == ByteTokenizer.eos_id
+    ).sum() == 2
 
 
 def test_learning_rate_warms_up_then_decays():
@@ -41,16 +50,26 @@ def test_a_few_steps_reduce_the_loss_and_are_reproducible(tmp_path):
     again, _ = train(cfg, tokens, SPEECHES, progress=False)
     assert torch.equal(model.lm_head.weight, again.lm_head.weight)
 
-    report = {"train_plays": 1, "train_bytes": 10, "train_sha256": "x", "validation_bytes": 5,
-              "validation_sha256": "y", "train_seconds": 1.0, "machine": "test", "validation_bits_per_byte": after,
-              "parameters": model.num_parameters()}
+    report = {
+        "train_plays": 1,
+        "train_bytes": 10,
+        "train_sha256": "x",
+        "validation_bytes": 5,
+        "validation_sha256": "y",
+        "train_seconds": 1.0,
+        "machine": "test",
+        "validation_bits_per_byte": after,
+        "parameters": model.num_parameters(),
+    }
     write_model_card(tmp_path, "tiny", cfg, model, report)
     assert "Validation bits per byte" in (tmp_path / "MODEL_CARD.md").read_text()
-    assert json.loads((tmp_path / "training.json").read_text())["parameters"] == model.num_parameters()
+    assert (
+        json.loads((tmp_path / "training.json").read_text())["parameters"] == model.num_parameters()
+    )
 
 
 def _fresh(cfg):
-    from minivllm.model import Transformer, init_weights
+    from minivllm.model.transformer import Transformer, init_weights
 
     model = Transformer(cfg.model)
     init_weights(model, cfg.seed)
@@ -58,7 +77,7 @@ def _fresh(cfg):
 
 
 def test_bits_per_byte_of_a_uniform_model_is_log2_vocab():
-    from minivllm.model import Transformer
+    from minivllm.model.transformer import Transformer
 
     model = Transformer(PRESETS["tiny"].model)
     for p in model.parameters():

@@ -35,11 +35,19 @@ def copy_chapters() -> list[Path]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--strict", action="store_true", help="treat Sphinx warnings as errors")
-    parser.add_argument("--no-execute", action="store_true", help="accepted for clarity: the build never executes")
+    parser.add_argument(
+        "--no-execute", action="store_true", help="accepted for clarity: the build never executes"
+    )
     args = parser.parse_args()
     copy_chapters()
     shutil.rmtree(BOOK / "_build", ignore_errors=True)
-    command = [str(Path(sys.executable).parent / "jupyter-book"), "build", str(BOOK), "--path-output", str(BOOK)]
+    command = [
+        str(Path(sys.executable).parent / "jupyter-book"),
+        "build",
+        str(BOOK),
+        "--path-output",
+        str(BOOK),
+    ]
     if args.strict:
         command += ["--warningiserror", "--keep-going"]
     result = subprocess.run(command)

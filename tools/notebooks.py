@@ -1,10 +1,12 @@
-"""The notebook pipeline: `chapters/NN_slug.py` (source) -> executed `chapters/NN_slug.ipynb` (committed).
+"""The notebook pipeline: `chapters/NN_slug.py` (source) -> executed `chapters/NN_slug.ipynb`
+(committed).
 
-    python tools/notebooks.py execute [chapters/00_model.py ...]   sync .py -> .ipynb and execute in place
-    python tools/notebooks.py check                                 fail if a pair drifted or a cell is unrun
+    python tools/notebooks.py execute [chapters/00_model.py ...]   sync .py -> .ipynb and execute in
+    place python tools/notebooks.py check                                 fail if a pair drifted or
+    a cell is unrun
 
-Execution happens in `chapters/` with a fresh kernel per notebook, cells in order, no timing metadata,
-so running it twice on the same machine gives the same outputs.
+Execution happens in `chapters/` with a fresh kernel per notebook, cells in order, no timing
+metadata, so running it twice on the same machine gives the same outputs.
 """
 
 from __future__ import annotations
@@ -42,10 +44,17 @@ def stable_cell_ids(nb: nbformat.NotebookNode) -> None:
 def execute(py_path: Path) -> None:
     nb = jupytext.read(py_path)
     stable_cell_ids(nb)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     started = time.perf_counter()
     client = NotebookClient(
-        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", record_timing=False,
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        record_timing=False,
         resources={"metadata": {"path": str(CHAPTERS)}},
     )
     client.execute()
@@ -64,10 +73,18 @@ def problems() -> list[str]:
             continue
         stored = nbformat.read(ipynb, as_version=4)
         if cell_sources(stored) != cell_sources(jupytext.read(py_path)):
-            found.append(f"{ipynb.name} does not hold the same cells as {py_path.name}: run `make notebooks`")
-        unrun = [i for i, c in enumerate(stored.cells) if c.cell_type == "code" and c.source.strip() and c.execution_count is None]
+            found.append(
+                f"{ipynb.name} does not hold the same cells as {py_path.name}: run `make notebooks`"
+            )
+        unrun = [
+            i
+            for i, c in enumerate(stored.cells)
+            if c.cell_type == "code" and c.source.strip() and c.execution_count is None
+        ]
         if unrun:
-            found.append(f"{ipynb.name}: code cells {unrun} were never executed: run `make notebooks`")
+            found.append(
+                f"{ipynb.name}: code cells {unrun} were never executed: run `make notebooks`"
+            )
     return found
 
 

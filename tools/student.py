@@ -1,9 +1,11 @@
 """Course mode: write a student copy of the book with every exercise's solution stubbed out.
 
-    python tools/student.py DEST [--force]     write the student copy to DEST (`make student DEST=dir`)
-    python tools/student.py --grade [--json F] run the exercise tests here; a pass/fail table per exercise
+    python tools/student.py DEST [--force]     write the student copy to DEST (`make student
+    DEST=dir`) python tools/student.py --grade [--json F] run the exercise tests here; a pass/fail
+    table per exercise
 
-Solutions live in the package source between nbgrader-style markers, right after an EXERCISE comment:
+Solutions live in the package source between nbgrader-style markers, right after an EXERCISE
+comment:
 
     # EXERCISE ch00.1: RMSNorm -- divide x by its root-mean-square, times self.weight
     ### BEGIN SOLUTION
@@ -28,12 +30,34 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 EXERCISE = re.compile(r"^\s*# EXERCISE (?P<id>[\w.-]+): (?P<description>\S.*?)\s*$")
-# Comments that look like markers but are not exactly one would silently ship a solution: refuse them.
+# Comments that look like markers but are not exactly one would silently ship a solution: refuse
+# them.
 NEAR_MISS = re.compile(r"#+\s*((?i:BEGIN SOLUTION|END SOLUTION)|EXERCISE\b)")
-# What a student copy holds, when it exists here; everything else (.venv, .git, student/) stays behind.
-COPIED = ("src", "tests", "chapters", "book", "tools", "benchmarks", "pyproject.toml", "environment.yml",
-          "jupytext.toml", "Makefile", "README.md", "LICENSE", ".gitignore")
-SKIPPED = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
+# What a student copy holds, when it exists here; everything else (.venv, .git, student/) stays
+# behind.
+COPIED = (
+    "src",
+    "tests",
+    "chapters",
+    "book",
+    "tools",
+    "benchmarks",
+    "pyproject.toml",
+    "environment.yml",
+    "jupytext.toml",
+    "Makefile",
+    "README.md",
+    "LICENSE",
+    ".gitignore",
+)
+SKIPPED = {
+    "__pycache__",
+    ".ipynb_checkpoints",
+    ".pytest_cache",
+    ".hypothesis",
+    ".mypy_cache",
+    ".ruff_cache",
+}
 
 
 class Exercise(NamedTuple):
@@ -60,11 +84,17 @@ def stub_source(text: str, where: str = "<string>") -> tuple[str, list[Exercise]
         marker, comment, above = line.strip(), above, None
         if marker == BEGIN:
             if opened:
-                raise MarkerError(f"{where}:{number}: nested {BEGIN} (the region at line {opened} is still open)")
+                raise MarkerError(
+                    f"{where}:{number}: nested {BEGIN} (the region at line {opened} is still open)"
+                )
             if comment is None:
-                raise MarkerError(f"{where}:{number}: {BEGIN} without an '# EXERCISE <id>: <what>' line above it")
+                raise MarkerError(
+                    f"{where}:{number}: {BEGIN} without an '# EXERCISE <id>: <what>' line above it"
+                )
             indent = line[: len(line) - len(line.lstrip())]
-            message = json.dumps(f"exercise {comment.id}: {comment.description}", ensure_ascii=False)
+            message = json.dumps(
+                f"exercise {comment.id}: {comment.description}", ensure_ascii=False
+            )
             out.append(f"{indent}raise NotImplementedError({message})\n")
             found.append(comment)
             opened = number
@@ -86,8 +116,10 @@ def stub_source(text: str, where: str = "<string>") -> tuple[str, list[Exercise]
 def _exercise_comment(line: str, where: str, number: int) -> Exercise:
     match = EXERCISE.match(line)
     if not match:
-        raise MarkerError(f"{where}:{number}: malformed marker {line.strip()!r}; "
-                          f"expected '# EXERCISE <id>: <what>', {BEGIN!r} or {END!r}")
+        raise MarkerError(
+            f"{where}:{number}: malformed marker {line.strip()!r}; "
+            f"expected '# EXERCISE <id>: <what>', {BEGIN!r} or {END!r}"
+        )
     return Exercise(match["id"], Path(where), number, match["description"])
 
 
@@ -106,10 +138,14 @@ def find_exercises(root: Path) -> list[Exercise]:
 def check_destination(root: Path, dest: Path, force: bool) -> None:
     root, dest = root.resolve(), dest.resolve()
     if root.is_relative_to(dest):
-        raise SystemExit(f"refusing to write the student copy into {dest}: it is (or contains) the repository")
+        raise SystemExit(
+            f"refusing to write the student copy into {dest}: it is (or contains) the repository"
+        )
     for name in COPIED:
         if dest.is_relative_to(root / name):
-            raise SystemExit(f"refusing to write the student copy inside {root / name}: it would copy itself")
+            raise SystemExit(
+                f"refusing to write the student copy inside {root / name}: it would copy itself"
+            )
     if dest.exists() and any(dest.iterdir()) and not force:
         raise SystemExit(f"{dest} is not empty; pass --force to write over it")
 
@@ -120,6 +156,7 @@ def _ignore(root: Path):
         if Path(directory).resolve() == root / "book":  # the HTML book's build outputs
             skipped |= {"_build", "chapters"} & set(names)
         return skipped
+
     return ignore
 
 
@@ -149,10 +186,15 @@ def scrub_notebook(path: Path) -> bool:
             if output.output_type == "stream" and BEGIN in output.text:
                 output.text, changed = stub_source(output.text, where)[0], True
             elif BEGIN in output.get("data", {}).get("text/plain", ""):
-                # The displayed text has no final newline; the stub line brings one, so add and drop one.
+                # The displayed text has no final newline; the stub line brings one, so add and drop
+                # one.
                 stubbed = stub_source(output.data["text/plain"] + "\n", where)[0][:-1]
-                # Rebuild every format (html, latex) the way show() renders it, from the stubbed text.
-                output.data, changed = DisplayFormatter().format(Code(stubbed, language="python"))[0], True
+                # Rebuild every format (html, latex) the way show() renders it, from the stubbed
+                # text.
+                output.data, changed = (
+                    DisplayFormatter().format(Code(stubbed, language="python"))[0],
+                    True,
+                )
     if changed:
         nbformat.write(nb, path)
     return changed
@@ -177,20 +219,36 @@ def make_student_copy(src_root: Path, dest: Path, force: bool = False) -> list[E
 
 
 def student_readme(exercises: list[Exercise]) -> str:
-    ordered = sorted(exercises, key=lambda e: [int(n) for n in re.findall(r"\d+", e.id)])  # ch01.2 < ch01.10
+    ordered = sorted(
+        exercises, key=lambda e: [int(n) for n in re.findall(r"\d+", e.id)]
+    )  # ch01.2 < ch01.10
     rows = [f"| `{e.id}` | `{e.path.as_posix()}:{e.line}` | {e.description} |" for e in ordered]
     first = ordered[0].id if ordered else "ch00.1"
-    return "\n".join([
-        "# Student copy", "",
-        "Each exercise below is a `raise NotImplementedError(...)` in the package source, right under its",
-        "`# EXERCISE` comment. Replace the `raise` with your code, then run that exercise's tests:", "",
-        "```bash", f"{'pytest --exercise ' + first:<34}# one exercise (repeat --exercise for more)",
-        f"{'pytest -m exercise':<34}# every exercise's tests",
-        f"{'python tools/student.py --grade':<34}# a pass/fail table per exercise", "```", "",
-        "The chapters (`chapters/*.ipynb`) call the package, so cells that need an unsolved exercise fail",
-        "until you solve it.", "",
-        "| exercise | where | what to implement |", "|---|---|---|", *rows, "",
-    ])
+    return "\n".join(
+        [
+            "# Student copy",
+            "",
+            "Each exercise below is a `raise NotImplementedError(...)` in the package source, "
+            "right under its",
+            "`# EXERCISE` comment. Replace the `raise` with your code, then run that exercise's "
+            "tests:",
+            "",
+            "```bash",
+            f"{'pytest --exercise ' + first:<34}# one exercise (repeat --exercise for more)",
+            f"{'pytest -m exercise':<34}# every exercise's tests",
+            f"{'python tools/student.py --grade':<34}# a pass/fail table per exercise",
+            "```",
+            "",
+            "The chapters (`chapters/*.ipynb`) call the package, so cells that need an unsolved "
+            "exercise fail",
+            "until you solve it.",
+            "",
+            "| exercise | where | what to implement |",
+            "|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
 
 
 class _Recorder:
@@ -218,12 +276,29 @@ def grade(root: Path, extra: list[str]) -> dict:
 
     recorder = _Recorder()
     # Collect only the test files that use the marker: importing every test module costs minutes.
-    files = [str(path) for path in sorted((root / "tests").rglob("test_*.py")) if "mark.exercise(" in path.read_text()]
-    args = [*(files or [str(root / "tests")]), "-m", "exercise", "-q", "-p", "no:cacheprovider", *extra]
+    files = [
+        str(path)
+        for path in sorted((root / "tests").rglob("test_*.py"))
+        if "mark.exercise(" in path.read_text()
+    ]
+    args = [
+        *(files or [str(root / "tests")]),
+        "-m",
+        "exercise",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *extra,
+    ]
     exit_code = pytest.main(args, plugins=[recorder])
-    # Which copy of each package under src/ the tests really imported (PYTHONPATH or an installed one).
+    # Which copy of each package under src/ the tests really imported (PYTHONPATH or an installed
+    # one).
     names = [init.parent.name for init in (root / "src").glob("*/__init__.py")]
-    packages = {name: str(Path(sys.modules[name].__file__).resolve()) for name in names if name in sys.modules}
+    packages = {
+        name: str(Path(sys.modules[name].__file__).resolve())
+        for name in names
+        if name in sys.modules
+    }
     return {"exit_code": int(exit_code), "tests": recorder.tests, "packages": packages}
 
 
@@ -232,16 +307,22 @@ def grade_table(report: dict) -> str:
     for test in report["tests"].values():
         for exercise in test["exercises"]:
             per_exercise.setdefault(exercise, []).append(test["outcome"])
-    return "\n".join(f"{exercise:<10} {outcomes.count('passed')}/{len(outcomes)} tests passed"
-                     for exercise, outcomes in sorted(per_exercise.items()))
+    return "\n".join(
+        f"{exercise:<10} {outcomes.count('passed')}/{len(outcomes)} tests passed"
+        for exercise, outcomes in sorted(per_exercise.items())
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("dest", nargs="?", type=Path, help="where to write the student copy")
     parser.add_argument("--force", action="store_true", help="write into a non-empty DEST")
-    parser.add_argument("--grade", action="store_true", help="run the exercise tests here and report per exercise")
-    parser.add_argument("--json", type=Path, help="with --grade: also write the full report to this file")
+    parser.add_argument(
+        "--grade", action="store_true", help="run the exercise tests here and report per exercise"
+    )
+    parser.add_argument(
+        "--json", type=Path, help="with --grade: also write the full report to this file"
+    )
     args, extra = parser.parse_known_args(argv)
     if args.grade:
         report = grade(ROOT, extra)
@@ -255,9 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         exercises = make_student_copy(ROOT, args.dest, args.force)
     except MarkerError as error:
         raise SystemExit(f"error: {error}")
-    print(f"wrote a student copy to {args.dest.resolve()}: {len(exercises)} solution regions stubbed")
+    print(
+        f"wrote a student copy to {args.dest.resolve()}: {len(exercises)} solution regions stubbed"
+    )
     for exercise in exercises:
-        print(f"  {exercise.id:<8} {exercise.path.as_posix()}:{exercise.line}  {exercise.description}")
+        print(
+            f"  {exercise.id:<8} {exercise.path.as_posix()}:{exercise.line}  {exercise.description}"
+        )
     print(f"see {args.dest / 'STUDENT.md'}")
     return 0
 

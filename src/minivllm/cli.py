@@ -16,15 +16,18 @@ import sys
 
 import torch
 
-from .checkpoint import CheckpointError, load_model
-from .engine import EngineConfig, LLMEngine
-from .scheduler import SchedulerConfig
-from .sequence import SamplingParams
-from .speculative import SpeculativeConfig
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.checkpoint import CheckpointError, load_model
+from minivllm.runner.speculative import SpeculativeConfig
+from minivllm.sched.scheduler import SchedulerConfig
+from minivllm.sched.sequence import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minivllm", description="A small vLLM-style inference engine.")
+    parser = argparse.ArgumentParser(
+        prog="minivllm", description="A small vLLM-style inference engine."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="continue a prompt, streaming the text")
     gen.add_argument("prompt", help="the text to continue (a BOS token is put in front)")
@@ -35,40 +38,81 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-scene token")
+    gen.add_argument(
+        "--ignore-eos", action="store_true", help="keep going past the end-of-scene token"
+    )
     add_engine_arguments(gen)
     srv = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     srv.add_argument("--model", default="target", help="'target', 'draft', or a weights directory")
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    srv.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)"
+    )
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--served-model-name", default=None,
-                     help="the name clients pass as `model` (default: the --model value)")
-    srv.add_argument("--num-blocks", type=int, default=EngineConfig.num_blocks, help="KV-cache blocks of 16 tokens")
-    srv.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs, help="requests running at once")
-    srv.add_argument("--enable-prefix-caching", action="store_true", help="reuse the K/V of shared prompt prefixes")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: the --model value)",
+    )
+    srv.add_argument(
+        "--num-blocks",
+        type=int,
+        default=EngineConfig.num_blocks,
+        help="KV-cache blocks of 16 tokens",
+    )
+    srv.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help="requests running at once",
+    )
+    srv.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="reuse the K/V of shared prompt prefixes",
+    )
+    srv.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     add_engine_arguments(srv)
     return parser
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--speculative", choices=["draft", "ngram"], default=None,
-                        help="speculative decoding: the shipped draft model, or n-gram prompt lookup (default: off)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k, draft tokens per step")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--speculative",
+        choices=["draft", "ngram"],
+        default=None,
+        help="speculative decoding: the shipped draft model, or n-gram prompt lookup (default: "
+        "off)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="k, draft tokens per step"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if not args.speculative:
         return None
-    return SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    return SpeculativeConfig(
+        method=args.speculative, num_speculative_tokens=args.num_speculative_tokens
+    )
 
 
 def generate(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     engine = LLMEngine(load_model(args.model), EngineConfig(speculative=speculative_config(args)))
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
@@ -84,16 +128,26 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine `serve` runs: every setting checked here, before the server starts listening."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    per_decode = 1 + (args.num_speculative_tokens if args.speculative else 0)  # a full batch must fit one step
-    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
-                                max_num_batched_tokens=max(SchedulerConfig.max_num_batched_tokens,
-                                                           args.max_num_seqs * per_decode))
-    config = EngineConfig(num_blocks=args.num_blocks, scheduler=scheduler, speculative=speculative_config(args))
+    per_decode = 1 + (
+        args.num_speculative_tokens if args.speculative else 0
+    )  # a full batch must fit one step
+    scheduler = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=max(
+            SchedulerConfig.max_num_batched_tokens, args.max_num_seqs * per_decode
+        ),
+    )
+    config = EngineConfig(
+        num_blocks=args.num_blocks, scheduler=scheduler, speculative=speculative_config(args)
+    )
     return LLMEngine(load_model(args.model), config)
 
 
 def serve(args: argparse.Namespace) -> None:
-    from .server import serve as serve_http  # FastAPI and uvicorn load only for this command
+    from minivllm.serving.server import (
+        serve as serve_http,  # FastAPI and uvicorn load only for this command
+    )
 
     engine = build_serving_engine(args)
     serve_http(engine, args.served_model_name or args.model, args.host, args.port, args.log_level)

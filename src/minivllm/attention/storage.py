@@ -1,0 +1,106 @@
+"""TODO split from paged_cache.py"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from minivllm.model.transformer import ModelConfig
+
+
+class PagedKVStorage:
+    """The single K/V tensor of a paged cache; written through slots, read through block tables."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}"
+            )
+        self.config, self.num_blocks, self.block_size, self.dtype = (
+            config,
+            num_blocks,
+            block_size,
+            dtype,
+        )
+        shape = (config.n_layers, 2, num_blocks, block_size, config.n_kv_heads, config.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return tensor_bytes(self.kv)
+
+    def _slots_view(self, layer: int) -> torch.Tensor:
+        """`[2, num_slots, n_kv_heads, head_dim]`: one layer's blocks laid end to end (a view, no copy)."""
+        if not 0 <= layer < self.config.n_layers:
+            raise IndexError(f"layer {layer} is outside the model's {self.config.n_layers} layers")
+        return self.kv[layer].view(2, self.num_slots, self.config.n_kv_heads, self.config.head_dim)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scatter `k`, `v` (`[T, n_kv_heads, head_dim]`) into this layer's slots (`[T]`, long)."""
+        slots = torch.as_tensor(slots, dtype=torch.long)
+        if slots.dim() != 1 or k.shape[0] != slots.shape[0] or v.shape != k.shape:
+            raise ValueError(
+                f"write needs slots [T] and k, v [T, heads, dim] with the same T; got slots "
+                f"{tuple(slots.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if len(slots) and not (0 <= int(slots.min()) and int(slots.max()) < self.num_slots):
+            raise IndexError(
+                f"slots {slots.tolist()} fall outside the {self.num_slots} slots "
+                f"({self.num_blocks} blocks of {self.block_size})"
+            )
+        flat = self._slots_view(layer)
+        flat[0, slots] = k.to(self.dtype)
+        flat[1, slots] = v.to(self.dtype)
+
+    def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at the given slots (any shape of long indices), `[*slots.shape, n_kv_heads,
+        head_dim]`: the gather a batched attention needs, with block tables already turned into slots."""
+        flat = self._slots_view(layer)
+        picked = flat.index_select(1, slots.reshape(-1))
+        shape = (*slots.shape, self.config.n_kv_heads, self.config.head_dim)
+        return picked[0].view(shape), picked[1].view(shape)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: block `src` into block `dst`, K and V of every layer."""
+        for block in (src, dst):
+            if not 0 <= block < self.num_blocks:
+                raise IndexError(f"block {block} is outside the pool of {self.num_blocks} blocks")
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
+    def gather(
+        self, layer: int, block_table: Sequence[int], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values of a sequence, `[length, n_kv_heads, head_dim]` each,
+        read through its block table: logical block i lives in physical block `block_table[i]`."""
+        held = len(block_table) * self.block_size
+        if not 0 <= length <= held:
+            raise ValueError(
+                f"gather of {length} tokens, but the block table {list(block_table)} holds {held}"
+            )
+        heads, dim = self.config.n_kv_heads, self.config.head_dim
+        # EXERCISE ch03.3: gather -- read this sequence's first `length` K/V rows through its block table
+        ### BEGIN SOLUTION
+        used = -(-length // self.block_size)  # blocks that hold any of the tokens
+        blocks = torch.tensor(list(block_table[:used]), dtype=torch.long)
+        # [2, used, block_size, heads, dim] in table order -> lay the blocks end to end -> cut to
+        # length.
+        rows = self.kv[layer][:, blocks].reshape(2, used * self.block_size, heads, dim)[:, :length]
+        return rows[0], rows[1]
+
+    ### END SOLUTION
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

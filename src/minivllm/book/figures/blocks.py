@@ -1,0 +1,93 @@
+"""Figures the chapters draw: the block pool and block tables, request timelines, speculative
+rounds, and chapter 07's kernel: its launch hierarchy and which thread read which slot of the cache.
+
+Colour = sequence id, from `minivllm.book`'s palette, in every chapter. A block held by more than
+one sequence (prefix sharing, fork) is hatched and labelled with its reference count.
+"""
+
+from __future__ import annotations
+
+from matplotlib.axes import Axes
+from matplotlib.patches import ConnectionPatch, Rectangle
+
+from minivllm.book import FREE_COLOR, sequence_color
+from minivllm.kv.block_manager import BlockManager
+
+
+def block_owners(manager: BlockManager) -> dict[int, list[int]]:
+    """Physical block -> the sequences whose tables hold it, in seq-id order."""
+    owners: dict[int, list[int]] = {}
+    for seq_id in sorted(manager.tables):
+        for block in manager.tables[seq_id].blocks:
+            owners.setdefault(block, []).append(seq_id)
+    return owners
+
+
+def _cell(ax: Axes, x: float, y: float, color: str, label: str, shared: bool = False) -> None:
+    ax.add_patch(
+        Rectangle(
+            (x, y), 0.92, 0.92, facecolor=color, edgecolor="white", hatch="///" if shared else None
+        )
+    )
+    ax.text(x + 0.46, y + 0.46, label, ha="center", va="center", fontsize=7)
+
+
+def draw_block_pool(
+    ax: Axes, manager: BlockManager, columns: int = 8, title: str = "block pool"
+) -> dict[int, tuple]:
+    """The physical pool as a grid, block 0 top left; returns each block's cell centre (for arrows)."""
+    owners, centres = block_owners(manager), {}
+    num_blocks = manager.allocator.num_blocks
+    rows = -(-num_blocks // columns)
+    for block in range(num_blocks):
+        x, y = block % columns, rows - 1 - block // columns
+        holders = owners.get(block, [])
+        color = sequence_color(holders[0]) if holders else FREE_COLOR
+        label = f"{block}" + (f"\n×{len(holders)}" if len(holders) > 1 else "")
+        _cell(ax, x, y, color, label, shared=len(holders) > 1)
+        centres[block] = (x + 0.46, y + 0.46)
+    ax.set_xlim(-0.1, columns)
+    ax.set_ylim(-0.1, rows)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"{title}: {manager.num_free} of {num_blocks} free", fontsize=9)
+    return centres
+
+
+def draw_block_tables(
+    ax: Axes,
+    manager: BlockManager,
+    pool_ax: Axes | None = None,
+    pool_centres: dict[int, tuple] | None = None,
+) -> None:
+    """One row per sequence: its logical blocks, each labelled with the physical block it maps to.
+    With `pool_ax`, an arrow runs from every logical block to its physical block."""
+    seq_ids = sorted(manager.tables)
+    width = max((len(manager.tables[s].blocks) for s in seq_ids), default=1)
+    for row, seq_id in enumerate(seq_ids):
+        y = len(seq_ids) - 1 - row
+        ax.text(-0.2, y + 0.46, f"seq {seq_id}", ha="right", va="center", fontsize=8)
+        for logical, block in enumerate(manager.tables[seq_id].blocks):
+            _cell(ax, logical, y, sequence_color(seq_id), f"→{block}")
+            if pool_ax is not None and pool_centres is not None:
+                ax.figure.add_artist(
+                    ConnectionPatch(
+                        xyA=(logical + 0.9, y + 0.46),
+                        coordsA=ax.transData,
+                        xyB=pool_centres[block],
+                        coordsB=pool_ax.transData,
+                        color=sequence_color(seq_id),
+                        alpha=0.45,
+                        lw=0.8,
+                        arrowstyle="-|>",
+                        mutation_scale=6,
+                    )
+                )
+    ax.set_xlim(-1.6, max(width, 1))
+    ax.set_ylim(-0.1, max(len(seq_ids), 1))
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title("block tables (logical → physical)", fontsize=9)
+
+
+# The fate of a draft token in speculative decoding (chapter 06).

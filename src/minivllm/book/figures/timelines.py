@@ -1,0 +1,119 @@
+"""TODO split from plots.py"""
+
+from __future__ import annotations
+
+from matplotlib.axes import Axes
+from matplotlib.patches import Rectangle
+
+from minivllm.book import sequence_color
+
+# How each request state is drawn in a timeline: (alpha of the sequence's colour, hatch); None =
+# grey.
+_STATE_STYLE = {
+    "decode": (1.0, None),
+    "prefill": (1.0, "////"),
+    "unscheduled": (0.35, None),
+    "stalled": (0.35, "xx"),
+    "preempted": (None, "xx"),
+    "waiting": (None, None),
+    "recompute": (0.6, "\\\\"),
+}
+
+
+def draw_gantt(ax: Axes, records, title: str = "requests over steps", label_every: int = 1) -> None:
+    """One row per request, one cell per step: grey while waiting, hatched while its prompt is
+    prefilled, solid while it decodes, pale while running but not scheduled (stalled: crossed);
+    grey and crossed once preempted, pale and back-hatched while it recomputes."""
+    from minivllm.engine.trace import request_timeline
+
+    timeline = request_timeline(records)
+    seq_ids = sorted(timeline)
+    for row, seq_id in enumerate(seq_ids):
+        y = len(seq_ids) - 1 - row
+        for step, state in sorted(timeline[seq_id].items()):
+            alpha, hatch = _STATE_STYLE[state]
+            color = "#d9d9d9" if alpha is None else sequence_color(seq_id)
+            ax.add_patch(
+                Rectangle(
+                    (step - 0.5, y),
+                    1,
+                    0.8,
+                    facecolor=color,
+                    alpha=alpha or 1.0,
+                    hatch=hatch,
+                    edgecolor="white" if hatch else "none",
+                    lw=0,
+                )
+            )
+    ax.set_xlim(0.5, max((max(t) for t in timeline.values()), default=1) + 0.5)
+    ax.set_ylim(-0.2, len(seq_ids))
+    ticks = [y for y in range(len(seq_ids)) if (len(seq_ids) - 1 - y) % label_every == 0]
+    ax.set_yticks(
+        [y + 0.4 for y in ticks],
+        [f"req {seq_ids[len(seq_ids) - 1 - y]}" for y in ticks],
+        fontsize=7,
+    )
+    ax.set_xlabel("engine step")
+    ax.grid(False)
+    ax.set_title(title, fontsize=10)
+
+
+def draw_flat_batch(ax: Axes, batch, token_text: list[str], seq_ids: list[int]) -> None:
+    """The flattened batch of one step: each new token a cell coloured by its sequence, with its
+    position above and its cache slot below; brackets show each sequence's query range."""
+    starts = batch.query_start.tolist()
+    for i, seq_id in enumerate(seq_ids):
+        for row in range(starts[i], starts[i + 1]):
+            ax.add_patch(Rectangle((row, 0), 0.94, 1, facecolor=sequence_color(seq_id), alpha=0.85))
+            ax.text(
+                row + 0.47,
+                0.5,
+                token_text[row],
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
+            ax.text(row + 0.47, 1.15, str(int(batch.positions[row])), ha="center", fontsize=6)
+            ax.text(
+                row + 0.47,
+                -0.35,
+                str(int(batch.slot_mapping[row])),
+                ha="center",
+                fontsize=6,
+                color="#555555",
+            )
+        kind = "decode" if i < batch.num_decodes else "prefill"
+        ax.text(
+            (starts[i] + starts[i + 1]) / 2, 1.6, f"seq {seq_id}\n{kind}", ha="center", fontsize=7
+        )
+    ax.text(-0.6, 1.15, "position", ha="right", fontsize=7)
+    ax.text(-0.6, 0.5, "token", ha="right", va="center", fontsize=7)
+    ax.text(-0.6, -0.35, "slot", ha="right", fontsize=7, color="#555555")
+    ax.set_xlim(-0.2, starts[-1])
+    ax.set_ylim(-0.6, 2.3)
+    ax.axis("off")
+
+
+def draw_batch_places(ax: Axes, records, places: int, title: str) -> None:
+    """Which request sits in which batch place at each step; a place is held from a request's first
+    scheduled step until it finishes, and grey where nobody uses it."""
+    place: dict[int, int] = {}
+    for col, record in enumerate(records):
+        for seq_id in [*record.decoded, *(s for s, _ in record.prefilled)]:
+            if seq_id not in place:
+                place[seq_id] = min(set(range(places)) - set(place.values()))
+        taken = {p: s for s, p in place.items()}
+        for row in range(places):
+            color = sequence_color(taken[row]) if row in taken else "#eeeeee"
+            ax.add_patch(Rectangle((col, places - 1 - row), 1, 0.9, color=color, lw=0))
+        for seq_id, _ in record.finished:
+            del place[seq_id]
+    ax.set_xlim(0, len(records))
+    ax.set_ylim(-0.1, places)
+    ax.set_yticks(
+        [places - 1 - r + 0.45 for r in range(places)], [f"place {r}" for r in range(places)]
+    )
+    ax.set_xlabel("engine step")
+    ax.grid(False)
+    ax.set_title(title, fontsize=10)

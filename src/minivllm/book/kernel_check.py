@@ -1,0 +1,96 @@
+"""Checking a paged-attention kernel: inputs that can catch it out, and what it must compute
+(chapter 07).
+
+A kernel that reads the wrong slot of a zero-filled cache, or of blocks laid out in order, can still
+give the right answer. So `random_inputs` fills everything with fresh random numbers and scatters
+each sequence's blocks over the pool in shuffled order, leaving spare blocks nobody owns;
+`kernel_error` poisons the output with NaN before the launch, so an element the kernel forgets to
+write cannot pass, and compares with `reference_attention`: gather each sequence's K/V through its
+block table, then the model's own plain softmax attention. The tests, chapter 07 and the benchmark
+all check the kernels here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from minivllm.attention.cuda.launch import DEFAULT_THREADS, paged_attention
+from minivllm.model.transformer import attention_reference
+
+
+def random_inputs(
+    context_lens: SequenceOf[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    spare_blocks: int = 2,
+    device: str = "cpu",
+) -> list[torch.Tensor]:
+    """[q, key_cache, value_cache, block_tables, context_lens] for one decode query per sequence, in
+    the kernel's layout; every sequence's blocks are scattered over a pool with `spare_blocks` unowned ones."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator)
+    key_cache, value_cache = (
+        torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+        for _ in range(2)
+    )
+    order = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(context_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for seq, count in enumerate(blocks_per_seq):
+        tables[seq, :count] = order[used : used + count]
+        used += count
+    lens = torch.tensor(list(context_lens), dtype=torch.int32)
+    return [
+        t.to(device)
+        for t in (q.to(dtype), key_cache.to(dtype), value_cache.to(dtype), tables, lens)
+    ]
+
+
+def reference_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """What the kernels compute, the plain way, in float32 on the CPU: gather each sequence's K/V
+    through its block table, then the model's softmax attention (grouped-query: it repeats the K/V heads)."""
+    block_size = key_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for seq, length in enumerate(context_lens.tolist()):
+        positions = torch.arange(length)
+        blocks, slots = (
+            block_tables[seq].cpu().long()[positions // block_size],
+            positions % block_size,
+        )
+        keys, values = (
+            key_cache.cpu().float()[blocks, slots],
+            value_cache.cpu().float()[blocks, slots],
+        )
+        out[seq] = attention_reference(
+            q[seq].cpu().float()[None], keys, values, torch.ones(1, length, dtype=torch.bool)
+        )[0]
+    return out
+
+
+def kernel_error(
+    inputs: SequenceOf[torch.Tensor],
+    partition_size: int | None = None,
+    threads: int = DEFAULT_THREADS,
+) -> float:
+    """Launch the kernel on `inputs` into a NaN-poisoned output; its max error relative to the
+    reference's largest element. Raises AssertionError if the kernel left any output element unwritten."""
+    out = torch.full_like(inputs[0], float("nan"))
+    paged_attention(*inputs, partition_size=partition_size, threads=threads, out=out)
+    unwritten = int(out.isnan().sum())
+    assert unwritten == 0, f"the kernel left {unwritten} output elements unwritten"
+    expected = reference_attention(*inputs)
+    return float((out.cpu().float() - expected).abs().max() / expected.abs().max())

@@ -1,0 +1,48 @@
+"""A chi-square goodness-of-fit test, for checking that a sampler draws from the distribution it
+claims (chapter 06 and its tests). torch has the regularised incomplete gamma function, so no scipy
+is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def chi_square(
+    counts: Sequence[int], probs: Sequence[float], min_expected: float = 5.0
+) -> tuple[float, int, float]:
+    """Pearson's test of observed `counts` against a distribution `probs` over the same cells.
+
+    Returns (statistic, degrees of freedom, p-value): the p-value is the chance that a sampler truly
+    drawing from `probs` shows a deviation at least this large. Cells expected fewer than
+    `min_expected` times are pooled into one, the usual rule for the chi-square approximation to
+    hold. A count in a cell of probability 0 is an impossible draw: the p-value is then 0.
+    """
+    counts = torch.as_tensor(counts, dtype=torch.float64)
+    probs = torch.as_tensor(probs, dtype=torch.float64)
+    if counts.shape != probs.shape or counts.dim() != 1:
+        raise ValueError(
+            f"counts {tuple(counts.shape)} and probs {tuple(probs.shape)} must be the same 1-d "
+            "shape"
+        )
+    if bool((counts[probs == 0] > 0).any()):
+        return float("inf"), 0, 0.0
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < min_expected
+    observed_cells = torch.cat([counts[~small], counts[small].sum().view(1)])
+    expected_cells = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = expected_cells > 0
+    observed_cells, expected_cells = observed_cells[keep], expected_cells[keep]
+    statistic = float(((observed_cells - expected_cells) ** 2 / expected_cells).sum())
+    dof = len(observed_cells) - 1
+    if dof < 1:
+        raise ValueError("fewer than two cells with enough expected counts: draw more samples")
+    p_value = float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64),
+            torch.tensor(statistic / 2, dtype=torch.float64),
+        )
+    )
+    return statistic, dof, p_value

@@ -1,0 +1,106 @@
+"""Step traces: one plain record per engine step, what the chapters plot (chapters 04, 05, 08).
+
+A `StepRecord` says what a step did (who was admitted, who decoded, who prefilled how many tokens,
+who finished and why, who was stalled or preempted) and how the engine stood afterwards (who is
+running and waiting, blocks used and free). Records are plain data: they export to JSON lines and
+back, so a trace can be saved from a server and plotted in a notebook. The two timings are the only
+fields that vary from run to run; `to_dict(timings=False)` leaves them out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    admitted: tuple[int, ...]
+    decoded: tuple[int, ...]  # sequences that computed the token they sampled last step
+    prefilled: tuple[tuple[int, int], ...]  # (sequence, prompt tokens computed this step)
+    finished: tuple[tuple[int, str], ...]  # (sequence, finish reason)
+    stalled: tuple[int, ...]
+    preempted: tuple[int, ...]
+    resumed: tuple[int, ...]  # admitted again after a preemption
+    running: tuple[int, ...]  # after the step
+    waiting: tuple[int, ...]  # after the step, in queue order
+    num_batched_tokens: int
+    prefix_hit_tokens: int
+    recomputed_tokens: int  # computed again because a preemption had thrown their K/V away
+    blocks_used: int  # after the step: finished sequences have let go
+    blocks_free: int
+    # Speculative decoding (chapter 06): (sequence, draft tokens proposed, of them accepted) per
+    # verify.
+    speculated: tuple[tuple[int, int, int], ...] = ()
+    forward_s: float = 0.0  # time in the target model's forward pass
+    draft_s: float = 0.0  # time the drafter took to propose (0 without speculative decoding)
+    step_s: float = (
+        0.0  # time of the whole step: schedule, build the batch, forward, sample, update
+    )
+
+    def to_dict(self, timings: bool = True) -> dict:
+        record = asdict(self)
+        if not timings:
+            del record["forward_s"], record["draft_s"], record["step_s"]
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict) -> StepRecord:
+        tuples = {
+            "prefilled",
+            "finished",
+            "speculated",
+        }  # JSON turns tuples of pairs into lists of lists
+        values = {}
+        for f in fields(cls):
+            if f.name not in record:
+                continue
+            value = record[f.name]
+            if isinstance(value, list):
+                value = tuple(tuple(v) for v in value) if f.name in tuples else tuple(value)
+            values[f.name] = value
+        return cls(**values)
+
+
+def write_jsonl(records: Iterable[StepRecord], path: str | Path, timings: bool = True) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record.to_dict(timings)) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[StepRecord]:
+    with open(path, encoding="utf-8") as source:
+        return [StepRecord.from_dict(json.loads(line)) for line in source if line.strip()]
+
+
+# What a request was doing in a step, for timelines.
+STATES = ("waiting", "prefill", "decode", "unscheduled", "stalled", "preempted", "recompute")
+
+
+def request_timeline(records: Iterable[StepRecord]) -> dict[int, dict[int, str]]:
+    """Request -> {step: state} for every step it was in the engine, from arrival to finish.
+
+    "preempted" covers the step it lost its blocks and the steps it then waits; "recompute" the
+    prefill of its prompt and output after it is admitted again; "unscheduled" a running sequence
+    the step had no token budget left for.
+    """
+    timeline: dict[int, dict[int, str]] = {}
+    evicted: set[int] = set()  # preempted and not admitted again yet
+    recomputing: set[int] = set()  # admitted again, not decoding yet
+    for r in records:
+        evicted |= set(r.preempted)
+        evicted -= set(r.resumed)
+        recomputing |= set(r.resumed)
+        states = {s: "preempted" if s in evicted else "waiting" for s in r.waiting}
+        states.update({s: "unscheduled" for s in r.running})
+        states.update({s: "recompute" if s in recomputing else "prefill" for s, _ in r.prefilled})
+        states.update({s: "decode" for s in r.decoded})
+        recomputing -= set(r.decoded)
+        states.update({s: "stalled" for s in r.stalled})
+        states.update({s: "preempted" for s in r.preempted})
+        for seq_id, state in states.items():
+            timeline.setdefault(seq_id, {})[r.step] = state
+    return timeline

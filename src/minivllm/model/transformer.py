@@ -1,0 +1,246 @@
+"""A Llama-architecture transformer in plain torch, with attention as a seam the caller fills in.
+
+The model turns token ids into logits. Inside each decoder layer it computes the query, key and
+value vectors, rotates q and k by their positions (RoPE), and then hands `(layer, q, k, v)` to an
+*attention object supplied by the caller*. That object decides where keys and values live and which
+of them each query may see:
+
+* chapter 00 -- `CausalAttention`: no cache, every call sees only the tokens it was given;
+* chapter 02 -- a contiguous KV cache;
+* chapter 03 -- a paged KV cache read through a block table;
+* chapter 04 -- a flattened (varlen) batch of many sequences over the paged cache.
+
+So later chapters add attention objects; they never edit this file. The tensors crossing the seam
+have any leading shape (`[T]` for one sequence, `[B, T]` for a padded batch, `[N]` for a flattened
+batch) followed by `(heads, head_dim)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 259
+    d_model: int = 256
+    n_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    d_ff: int = 512
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    bos_token_id: int = 256
+    eos_token_id: int = 257
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_group_size(self) -> int:
+        """How many query heads share one key/value head (grouped-query attention)."""
+        return self.n_heads // self.n_kv_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Attention(Protocol):
+    """The seam. `q` is `[..., T, n_heads, head_dim]`, `k` and `v` are `[..., T, n_kv_heads,
+    head_dim]`, already rotated. Returns `[..., T, n_heads, head_dim]`."""
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def expand_kv_heads(kv: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`[..., S, n_kv_heads, D]` -> `[..., S, n_kv_heads * group_size, D]`: query head h reads
+    kv head h // group_size."""
+    return kv if group_size == 1 else kv.repeat_interleave(group_size, dim=-2)
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Plain softmax attention, written out so every later backend can be checked against it.
+
+    `q`: `[T, H, D]`, `k`, `v`: `[S, H_kv, D]`, `mask`: `[T, S]` boolean, True where a query may
+    look.
+    """
+    k = expand_kv_heads(k, q.shape[-2] // k.shape[-2])
+    v = expand_kv_heads(v, q.shape[-2] // v.shape[-2])
+    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(dim=-1), v)
+
+
+class CausalAttention:
+    """No cache: the tokens of this call attend to themselves, causally. Chapter 00's attention, and
+    the one training uses (a `[B, T]` batch of independent windows)."""
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # SDPA wants [..., heads, T, D]; enable_gqa lets 8 query heads share 2 kv heads without a
+        # copy.
+        out = F.scaled_dot_product_attention(
+            q.transpose(-3, -2),
+            k.transpose(-3, -2),
+            v.transpose(-3, -2),
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return out.transpose(-3, -2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # EXERCISE ch00.1: RMSNorm -- divide x by the root-mean-square of its last dimension (plus eps), times self.weight
+        ### BEGIN SOLUTION
+        # Scale each vector to unit root-mean-square, then by a learned gain; no mean, no bias.
+        rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return x * rms * self.weight
+        ### END SOLUTION
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, `[..., T, head_dim]`, for the given integer positions."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (`[..., T, heads, head_dim]`) by position. Pairs are (i, i + head_dim/2), the
+    "rotate half" layout Hugging Face's Llama uses, so our weights load there unchanged."""
+    # EXERCISE ch00.2: RoPE -- rotate each pair (x[i], x[i + half]) by the angle whose cos/sin are given
+    ### BEGIN SOLUTION
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
+    ### END SOLUTION
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim,
+        )
+        self.q_proj = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
+
+    def forward(self, x, cos, sin, layer: int, attention: Attention) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(layer, q, k, v)  # <- the seam
+        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.self_attn = SelfAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x, cos, sin, attention: Attention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.index, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers, final norm. Named `model` inside `Transformer` so that parameter
+    names match Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention: Attention | None = None,
+    ) -> torch.Tensor:
+        """Logits `[..., T, vocab]` for `input_ids` `[..., T]` at `positions` (default `0..T-1`)."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[-1]).expand_as(input_ids)
+        attention = attention if attention is not None else CausalAttention()
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attention)
+        return self.lm_head(self.model.norm(x))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def init_weights(model: Transformer, seed: int) -> None:
+    """GPT-2 style initialisation: N(0, 0.02), residual projections scaled down by depth."""
+    generator = torch.Generator().manual_seed(seed)
+    residual_std = 0.02 / (2 * model.config.n_layers) ** 0.5
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(param)
+        else:
+            std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            with torch.no_grad():
+                param.copy_(torch.randn(param.shape, generator=generator) * std)

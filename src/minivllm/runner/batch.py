@@ -1,0 +1,105 @@
+"""TODO split from model_runner.py"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.attention.batch import VarlenBatch
+from minivllm.kv.block_manager import BlockManager
+from minivllm.sched.plan import StepPlan
+from minivllm.sched.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class BatchPiece:
+    """Run `token_ids` of sequence `seq_id` at positions `start, start+1, ...`; the logits of the
+    last `num_logits` of them are wanted (0: none, 1: the next token, k + 1: a speculative verify)."""
+
+    seq_id: int
+    start: int
+    token_ids: SequenceOf[int]
+    num_logits: int
+
+
+def build_batch(
+    plan: StepPlan,
+    sequences: Mapping[int, Sequence],
+    manager: BlockManager,
+    drafts: Mapping[int, SequenceOf[int]] | None = None,
+) -> VarlenBatch:
+    """Lay the plan's chunks end to end: decodes first (the plan's order), then prefill chunks. A
+    chunk with lookahead slots carries its sequence's draft tokens (chapter 06) after its own."""
+    if not plan.chunks:
+        raise ValueError(f"step {plan.step} schedules nothing: there is no batch to build")
+    drafts = drafts or {}
+    pieces = []
+    for chunk in plan.chunks:
+        draft = list(drafts.get(chunk.seq_id, ()))
+        if len(draft) > chunk.num_lookahead:
+            raise ValueError(
+                f"sequence {chunk.seq_id} brings {len(draft)} draft tokens but the plan reserved "
+                f"{chunk.num_lookahead} slots for them"
+            )
+        own = sequences[chunk.seq_id].token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        pieces.append(
+            BatchPiece(
+                chunk.seq_id, chunk.start, own + draft, (1 + len(draft)) if chunk.samples else 0
+            )
+        )
+    return pack_batch(pieces, manager)
+
+
+def pack_batch(pieces: SequenceOf[BatchPiece], manager: BlockManager) -> VarlenBatch:
+    """Flatten pieces into one `VarlenBatch`, in the order given. Every position a piece runs must
+    already have a slot in its block table."""
+    input_ids, positions, slots, query_start, context_lens, tables, logits_indices = (
+        [],
+        [],
+        [],
+        [0],
+        [],
+        [],
+        [],
+    )
+    for piece in pieces:
+        end = piece.start + len(piece.token_ids)
+        # EXERCISE ch04.3: flatten one chunk -- its token ids, positions and slots; where it ends; its context
+        ### BEGIN SOLUTION
+        input_ids += list(piece.token_ids)
+        positions += range(piece.start, end)
+        slots += manager.slot_mapping(piece.seq_id, range(piece.start, end))
+        query_start.append(query_start[-1] + len(piece.token_ids))
+        context_lens.append(
+            end
+        )  # everything before the chunk is in the cache, and the chunk joins it
+        ### END SOLUTION
+        tables.append(manager.block_table(piece.seq_id))
+        # The last token predicts the next one; with drafts, each of the last k + 1 rows is checked.
+        logits_indices += range(query_start[-1] - piece.num_logits, query_start[-1])
+    width = max(len(t) for t in tables)
+    return VarlenBatch(
+        input_ids=torch.tensor(input_ids),
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        query_start=torch.tensor(query_start),
+        context_lens=torch.tensor(context_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        num_decodes=_leading_single_tokens(pieces),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        block_size=manager.block_size,
+    )
+
+
+def _leading_single_tokens(pieces: SequenceOf[BatchPiece]) -> int:
+    """How many pieces at the front have one token: the attention's decode group. (A one-token
+    prefill chunk that happens to follow them is attended the same way, correctly.)"""
+    count = 0
+    for piece in pieces:
+        if len(piece.token_ids) != 1:
+            break
+        count += 1
+    return count

@@ -1,0 +1,361 @@
+"""One engine, many clients: the engine on a thread of its own, requests in and text out through
+queues (chapter 08).
+
+A web server answers every client from one asyncio event loop. `LLMEngine` is synchronous, its
+`step()` computes for milliseconds, and it is not thread-safe. So the two live apart:
+
+* ONE **engine thread** owns the engine and makes every call on it. With nothing to do it sleeps on
+  a
+  condition variable (no busy spinning); while any request is unfinished it steps.
+* The asyncio side never touches the engine. It puts *functions* in the engine thread's **inbox** --
+  "add these requests", "abort those", "read the trace" -- and gets each result back through a
+  future. The engine thread runs its whole inbox before every step, so an abort frees its blocks
+  before the next forward pass, and a prompt that can never fit fails in `add_request` (a
+  ValueError) before any response has started: the server can still answer 400.
+* After each step the engine thread takes each request's new text from its `Sequence` -- whole UTF-8
+  characters only (chapter 01's streaming decoder) and never a piece of a stop string -- and hands
+  the step's `TextDelta`s to the event loop with ONE `call_soon_threadsafe` per step, not one per
+  token: one wake-up of the loop, which puts each delta on the queue of the `RequestStream` that
+  waits for it.
+
+If `step()` raises, the engine's state can no longer be trusted and the AsyncEngine is **dead**:
+every open stream gets an `EngineDeadError`, so does every new request, and the server answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as SequenceOf
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.outputs import RequestOutput, TextDelta
+from minivllm.engine.trace import StepRecord
+from minivllm.sched.sequence import SamplingParams, Sequence
+from minivllm.serving.metrics import ServingMetrics
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped -- the engine failed, or was closed -- and will run nothing more."""
+
+
+class RequestStream:
+    """The asyncio side of one client's request: one or more engine requests (a completion may have
+    several prompts) whose `TextDelta`s arrive on one queue, in the order the steps produced them.
+
+        async with stream:                # leaving early -- an error, a cancelled task, a client
+        that
+            async for delta in stream:    # went away -- aborts every request still running
+                ...
+    """
+
+    def __init__(self, engine: AsyncEngine, request_ids: tuple[int, ...]) -> None:
+        self.request_ids = request_ids
+        self.num_prompt_tokens: dict[
+            int, int
+        ] = {}  # filled in by the engine thread when it adds them
+        self.loop = asyncio.get_running_loop()
+        self._engine = engine
+        self._queue: asyncio.Queue[TextDelta | BaseException] = asyncio.Queue()
+        self._unfinished = set(request_ids)
+
+    def put_nowait(self, item: TextDelta | BaseException) -> None:
+        """Called on the event loop (see AsyncEngine._hand_over)."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TextDelta:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        if item.finish_reason is not None:
+            self._unfinished.discard(item.request_id)
+        return item
+
+    def abort(self) -> None:
+        """Stop whatever is still running; a no-op once every request has finished."""
+        if self._unfinished:
+            self._engine.abort(self._unfinished)
+            self._unfinished.clear()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.abort()  # no await in here: it must run to the end even in a task being cancelled
+
+
+@dataclass
+class _Request:
+    """The engine thread's bookkeeping for one unfinished request."""
+
+    seq: Sequence
+    stream: RequestStream
+    arrival: float  # time.perf_counter() when the client's request reached add_request
+    last_output: float | None = None
+
+
+class AsyncEngine:
+    """An `LLMEngine` for asyncio code, run by a thread of its own:
+
+    async_engine = AsyncEngine(LLMEngine(load_model("target")))
+    stream = await async_engine.add_request("ROMEO:\n", SamplingParams(max_tokens=40))
+    async with stream:
+        async for delta in stream:
+            print(delta.text, end="")
+    async_engine.close()
+    """
+
+    def __init__(
+        self, engine: LLMEngine, metrics: ServingMetrics | None = None, max_trace: int = 100_000
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServingMetrics()
+        self.max_trace = (
+            max_trace  # step records kept (a server runs for days; a trace must not grow forever)
+        )
+        self.error: EngineDeadError | None = None
+        self._inbox: list[tuple[Future, Callable[[LLMEngine], object]]] = []
+        self._wakeup = threading.Condition()
+        self._closing = False
+        self._requests: dict[int, _Request] = {}  # touched by the engine thread only
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        self._thread.start()
+
+    # -- the asyncio side
+    # ----------------------------------------------------------------------------
+    async def add_request(
+        self,
+        prompts: str | SequenceOf[str | list[int]],
+        params: SamplingParams | SequenceOf[SamplingParams],
+    ) -> RequestStream:
+        """Queue one prompt (a str) or several (a list; a token-id prompt must be inside a list),
+        with one SamplingParams for all or one each. All are added or none: a bad one raises the
+        engine's
+        ValueError (or TypeError), saying what to change. Raises EngineDeadError when the engine is dead."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one each"
+            )
+        stream, arrival = (
+            RequestStream(self, tuple(next(self._ids) for _ in prompts)),
+            time.perf_counter(),
+        )
+        try:
+            await asyncio.wrap_future(
+                self.submit(lambda engine: self._add(stream, prompts, params, arrival))
+            )
+        except asyncio.CancelledError:
+            stream.abort()  # the caller gave up while we waited: if its requests got in, stop them
+            raise
+        return stream
+
+    def abort(self, request_ids: Iterable[int]) -> None:
+        """Stop these requests (finished or unknown ones are skipped); their blocks are free before
+        the
+        next step. Returns at once: the engine thread does the work."""
+        ids = tuple(request_ids)
+        self.submit(lambda engine: self._abort(ids))  # a dead engine's refusal is nobody's business
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run `fn(engine)` on the engine thread, between two steps; its result (or exception) comes
+        back in the future. When the engine is dead the future holds the EngineDeadError at once."""
+        future: Future[T] = Future()
+        with self._wakeup:
+            if self.error is not None:
+                future.set_exception(self.error)
+            else:
+                self._inbox.append((future, fn))
+                self._wakeup.notify()
+        return future
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` between two steps, waiting for the result: for code outside the event loop
+        (a
+        test, a notebook). Once the engine thread has stopped nothing changes the engine: `fn` runs here."""
+        try:
+            return self.submit(fn).result()
+        except EngineDeadError:
+            return fn(self.engine)
+
+    async def acall(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`call` for coroutines: awaits the engine thread instead of blocking the event loop."""
+        try:
+            return await asyncio.wrap_future(self.submit(fn))
+        except EngineDeadError:
+            return fn(self.engine)
+
+    def blocks_in_use(self) -> int:
+        return self.call(lambda engine: engine.manager.allocator.num_used)
+
+    def trace(self) -> list[StepRecord]:
+        """A copy of the engine's step trace (the last `max_trace` steps)."""
+        return self.call(lambda engine: list(engine.trace))
+
+    async def render_metrics(self) -> str:
+        return await self.acall(self._render_metrics)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def close(self, timeout: float | None = 30) -> None:
+        """Stop the engine thread: requests still running are aborted (their blocks freed) and their
+        streams end with EngineDeadError. Waits for the step in progress."""
+        with self._wakeup:
+            self._closing = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> AsyncEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- the engine thread
+    # ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._inbox or self._closing or self.engine.has_unfinished()):
+                    self._wakeup.wait()
+                inbox, self._inbox, closing = self._inbox, [], self._closing
+            for future, fn in inbox:
+                if (
+                    future.set_running_or_notify_cancel()
+                ):  # False: its caller cancelled it while it waited
+                    try:
+                        future.set_result(fn(self.engine))
+                    except (
+                        Exception
+                    ) as error:  # the caller's error (a bad request), not the engine's
+                        future.set_exception(error)
+            if closing:
+                return self._stop(EngineDeadError("the engine was closed"))
+            try:
+                self._step()
+            except Exception as error:
+                return self._stop(EngineDeadError(f"the engine failed and was stopped: {error!r}"))
+
+    def _step(self) -> None:
+        engine, before = self.engine, len(self.engine.trace)
+        outputs = engine.step()
+        for record in engine.trace[before:]:
+            self.metrics.preemptions.inc(len(record.preempted))
+        if len(engine.trace) > 2 * self.max_trace:
+            del engine.trace[: -self.max_trace]
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Each output's new text to its stream: one hand-over per event loop for the whole step."""
+        now, batches = time.perf_counter(), {}
+        for out in outputs:
+            request = self._requests.get(out.request_id)
+            if request is None:
+                continue  # aborted, or not ours
+            seq = request.seq
+            delta = TextDelta(
+                out.request_id, seq.take_text_delta(), seq.take_new_token_ids(), out.finish_reason
+            )
+            self._observe(request, delta, now)
+            if delta.finish_reason is not None:
+                del self._requests[out.request_id]
+            batches.setdefault(request.stream.loop, []).append((request.stream, delta))
+        for loop, items in batches.items():
+            self._send(loop, items)
+
+    def _send(
+        self, loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, object]]
+    ) -> None:
+        try:
+            loop.call_soon_threadsafe(_hand_over, items)
+        except RuntimeError:  # the loop is closed: nobody will ever read these streams
+            self._abort([d.request_id for _, d in items if isinstance(d, TextDelta)])
+
+    def _observe(self, request: _Request, delta: TextDelta, now: float) -> None:
+        if request.last_output is None:
+            self.metrics.first_token(
+                now - request.arrival, request.seq.num_prompt_tokens, request.seq.num_cached_tokens
+            )
+        since_last = None if request.last_output is None else now - request.last_output
+        self.metrics.tokens(len(delta.token_ids), since_last)
+        request.last_output = now
+        if delta.finish_reason is not None:
+            self.metrics.finished(delta.finish_reason, now - request.arrival)
+
+    def _add(
+        self, stream: RequestStream, prompts: list, params: list[SamplingParams], arrival: float
+    ) -> None:
+        added = []
+        try:
+            for request_id, prompt, p in zip(stream.request_ids, prompts, params):
+                self.engine.add_request(prompt, p, request_id=request_id)
+                added.append(request_id)
+        except Exception:
+            for (
+                request_id
+            ) in added:  # all or none: one error for the client, no half-started answer
+                self.engine.abort(request_id)
+            raise
+        for request_id in added:
+            seq = self.engine.scheduler.sequences[
+                request_id
+            ]  # as LLMEngine.stream: the text comes from here
+            stream.num_prompt_tokens[request_id] = seq.num_prompt_tokens
+            self._requests[request_id] = _Request(seq, stream, arrival)
+
+    def _abort(self, request_ids: Iterable[int]) -> None:
+        now = time.perf_counter()
+        for request_id in request_ids:
+            request = self._requests.pop(request_id, None)
+            if request is not None:
+                self.engine.abort(request_id)
+                self.metrics.finished("abort", now - request.arrival)
+
+    def _stop(self, error: EngineDeadError) -> None:
+        """No more steps: fail what waits in the inbox, and end every open stream with `error`."""
+        with self._wakeup:
+            self.error = error
+            inbox, self._inbox = self._inbox, []
+        for future, _ in inbox:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        requests, self._requests = self._requests, {}
+        with contextlib.suppress(Exception):  # give the blocks back; a failed engine may refuse
+            for request_id in requests:
+                self.engine.abort(request_id)
+        for stream in {r.stream for r in requests.values()}:
+            self._send(stream.loop, [(stream, error)])
+
+    def _render_metrics(self, engine: LLMEngine) -> str:
+        used = engine.manager.allocator.num_used
+        self.metrics.engine_state(
+            len(engine.scheduler.running),
+            len(engine.scheduler.waiting),
+            used / engine.config.num_blocks,
+        )
+        return self.metrics.render()
+
+
+def _hand_over(items: list[tuple[RequestStream, TextDelta | BaseException]]) -> None:
+    """On the event loop: one step's deltas onto their streams' queues."""
+    for stream, item in items:
+        stream.put_nowait(item)

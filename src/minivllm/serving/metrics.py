@@ -1,0 +1,220 @@
+"""What a server tells its monitoring: metrics in Prometheus's text format (chapter 08).
+
+Prometheus scrapes `GET /metrics` every few seconds and keeps each number as a time series. The text
+format is simple enough to write by hand: per metric a `# HELP` line, a `# TYPE` line, then one
+`name{label="value"} number` line per series. Three kinds are enough for a server:
+
+* a **counter** only goes up (tokens generated, requests finished); Prometheus derives rates from
+  it,
+  so a restart or a missed scrape loses nothing;
+* a **gauge** is a value now (requests running, share of the KV cache in use);
+* a **histogram** counts observations per bucket: `_bucket{le="x"}` is how many were <= x
+  (cumulative,
+  ending at `le="+Inf"`), with `_sum` and `_count` beside. Quantiles -- p50 or p99 time to first
+  token -- are estimated from the buckets, and buckets from many servers can simply be added.
+
+Names start with `minivllm:` as vLLM's start with `vllm:`; a colon is legal in a metric name
+(`[a-zA-Z_:][a-zA-Z0-9_:]*`). Nothing here knows the engine: `ServingMetrics` is told plain numbers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def format_value(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def format_labels(labels: Labels) -> str:
+    if not labels:
+        return ""
+    escaped = (v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for _, v in labels)
+    return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(labels, escaped)) + "}"
+
+
+class Counter:
+    kind = "counter"
+
+    def __init__(self, name: str, help: str) -> None:
+        self.name, self.help = name, help
+        self.values: dict[Labels, float] = {}
+
+    def inc(self, amount: float = 1, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up, got inc({amount})")
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0) + amount
+
+    def total(self) -> float:
+        return sum(self.values.values())
+
+    def samples(self) -> Iterable[tuple[str, Labels, float]]:
+        for labels, value in sorted(self.values.items()):
+            yield self.name, labels, value
+        if not self.values:
+            yield self.name, (), 0
+
+
+class Gauge:
+    kind = "gauge"
+
+    def __init__(self, name: str, help: str) -> None:
+        self.name, self.help, self.value = name, help, 0.0
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def samples(self) -> Iterable[tuple[str, Labels, float]]:
+        yield self.name, (), self.value
+
+
+class Histogram:
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, buckets: SequenceOf[float]) -> None:
+        if list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"{name}: bucket bounds must be increasing, got {list(buckets)}")
+        self.name, self.help = name, help
+        self.bounds = (*buckets, math.inf)
+        self.counts = [0] * len(self.bounds)  # per bucket, not cumulative: observe() touches one
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += (
+            1  # the first bucket with value <= bound
+        )
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def samples(self) -> Iterable[tuple[str, Labels, float]]:
+        cumulative = 0
+        for bound, count in zip(self.bounds, self.counts):
+            cumulative += count
+            yield f"{self.name}_bucket", (("le", format_value(bound)),), cumulative
+        yield f"{self.name}_sum", (), self.sum
+        yield f"{self.name}_count", (), cumulative
+
+
+def render(metrics: Iterable[Counter | Gauge | Histogram]) -> str:
+    """The Prometheus text exposition of `metrics` (content type `text/plain; version=0.0.4`)."""
+    lines = []
+    for metric in metrics:
+        lines += [f"# HELP {metric.name} {metric.help}", f"# TYPE {metric.name} {metric.kind}"]
+        lines += [
+            f"{name}{format_labels(labels)} {format_value(value)}"
+            for name, labels, value in metric.samples()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# Bucket bounds in seconds, spanning this CPU engine's range (a decode step of a few ms to tens of
+# ms).
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0)
+FINISH_REASONS = ("stop", "length", "abort", "cache_full")  # the engine's, see sequence.py
+
+
+class ServingMetrics:
+    """The metrics of one server. The engine thread reports events as plain numbers; `render` writes
+    them out. Not thread-safe: call it from one thread (the AsyncEngine's engine thread)."""
+
+    def __init__(self) -> None:
+        self.running = Gauge("minivllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = Gauge(
+            "minivllm:num_requests_waiting", "Requests waiting to be admitted (or re-admitted)."
+        )
+        self.kv_cache_usage = Gauge(
+            "minivllm:kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full)."
+        )
+        self.preemptions = Counter(
+            "minivllm:num_preemptions_total", "Sequences preempted (their K/V thrown away)."
+        )
+        self.prefix_queries = Counter(
+            "minivllm:prefix_cache_queries_total", "Prompt tokens of admitted requests."
+        )
+        self.prefix_hits = Counter(
+            "minivllm:prefix_cache_hits_total", "Of those, tokens found in the prefix cache."
+        )
+        self.prefix_hit_rate = Gauge(
+            "minivllm:prefix_cache_hit_rate", "Prefix cache hits / queries, since start."
+        )
+        self.prompt_tokens = Counter(
+            "minivllm:prompt_tokens_total", "Prompt tokens of requests that started."
+        )
+        self.generation_tokens = Counter("minivllm:generation_tokens_total", "Tokens generated.")
+        self.request_success = Counter(
+            "minivllm:request_success_total", "Requests finished, by finish reason."
+        )
+        for (
+            reason
+        ) in FINISH_REASONS:  # every series exists from the start, so a rate never has a gap
+            self.request_success.inc(0, finished_reason=reason)
+        self.e2e_latency = Histogram(
+            "minivllm:e2e_request_latency_seconds",
+            "Arrival to last token, per request.",
+            E2E_BUCKETS,
+        )
+        self.ttft = Histogram(
+            "minivllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.itl = Histogram(
+            "minivllm:inter_token_latency_seconds",
+            "Time between a request's consecutive outputs (a speculative step may bring several "
+            "tokens at once).",
+            ITL_BUCKETS,
+        )
+
+    def engine_state(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_cache_usage.set(kv_cache_usage)
+
+    def first_token(self, seconds: float, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's prefill is done: its prompt has been looked up in the prefix cache and run."""
+        self.ttft.observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
+
+    def tokens(self, count: int, since_last: float | None) -> None:
+        """`count` new tokens of one request; `since_last` is the time since its previous output."""
+        self.generation_tokens.inc(count)
+        if since_last is not None:
+            self.itl.observe(since_last)
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self.request_success.inc(finished_reason=reason)
+        self.e2e_latency.observe(seconds)
+
+    def render(self) -> str:
+        queries = self.prefix_queries.total()
+        self.prefix_hit_rate.set(self.prefix_hits.total() / queries if queries else 0.0)
+        return render(
+            [
+                self.running,
+                self.waiting,
+                self.kv_cache_usage,
+                self.preemptions,
+                self.prefix_queries,
+                self.prefix_hits,
+                self.prefix_hit_rate,
+                self.prompt_tokens,
+                self.generation_tokens,
+                self.request_success,
+                self.e2e_latency,
+                self.ttft,
+                self.itl,
+            ]
+        )
