@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from minivllm.model.transformer import ModelConfig, Transformer
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # src/minivllm/weights
 
 
 class CheckpointError(ValueError):

@@ -30,7 +30,7 @@ WHEEL_LICENSE = (
 VALIDATION_PLAYS = ("macbeth", "twelfth-night")
 """Held out whole: a tragedy and a comedy the model never trains on."""
 
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"  # src/minivllm/data
 SHIPPED_VALIDATION = DATA_DIR / "shakespeare_validation.txt.gz"
 
 _DIRECTION_LINE = re.compile(r"^[_*\\]*\[[^\]]*\][_*]*\s*$")
