@@ -11,11 +11,13 @@ STUDENT_FLAGS ?=
 export OMP_NUM_THREADS ?= 2
 export PYTHONHASHSEED := 0
 
-.PHONY: book test lab notebooks student bench serve check-notebooks clean help
+.PHONY: book test lint lab notebooks student bench serve check-notebooks clean help
 
 help:
 	@echo "make book       install, execute every chapter, build the HTML book (book/_build/html)"
-	@echo "make test       install, run unit + property tests, strict nbval, the student-mode check"
+	@echo "make test       install, ruff (lint + format check), unit + property tests, strict nbval,"
+	@echo "                the student-mode check"
+	@echo "make lint       ruff check and ruff format --check (what make test runs first)"
 	@echo "make lab        JupyterLab on chapters/"
 	@echo "make notebooks  sync chapters/*.py -> .ipynb and execute in place"
 	@echo "make student DEST=dir [STUDENT_FLAGS=--force]   a student copy with the exercises stubbed out"
@@ -38,7 +40,13 @@ book: $(BOOK_STAMP)
 	$(PY) tools/notebooks.py execute
 	$(PY) tools/build_book.py
 
-test: $(DEV_STAMP)
+LINTED := src tests benchmarks tools chapters
+
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+
+test: lint
 	$(PY) -m pytest -p no:randomly tests chapters --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --durations=10
 

@@ -18,7 +18,7 @@ import torch
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLM, LLMEngine
-from minivllm.engine.outputs import RequestOutput
+from minivllm.engine.processing import RequestOutput
 from minivllm.engine.trace import read_jsonl, write_jsonl
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer

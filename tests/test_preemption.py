@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.outputs import RequestOutput
+from minivllm.engine.processing import RequestOutput
 from minivllm.engine.trace import StepRecord, request_timeline
 from minivllm.kv.block_manager import BlockManager
 from minivllm.sched.plan import ScheduledChunk, StepPlan

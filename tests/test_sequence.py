@@ -7,11 +7,13 @@ No torch here: a `Sequence` is fed byte tokens by hand, exactly as the scheduler
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minivllm.engine.processing import OutputProcessor, RequestOutput
 from minivllm.model.tokenizer import BOS_ID, EOS_ID
 from minivllm.sched.sequence import (
     ABORT,
@@ -29,6 +31,15 @@ def make(**params) -> Sequence:
     return Sequence(7, list(PROMPT), SamplingParams(**params), seed=0, eos_token_id=EOS_ID)
 
 
+_processors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def take(seq: Sequence) -> RequestOutput:
+    """The sequence's output as the engine makes it after a step: its stream cursor (kept by an
+    OutputProcessor, one per sequence here) hands out only what is new since the last output."""
+    return _processors.setdefault(seq, OutputProcessor()).output(seq)
+
+
 def feed(seq: Sequence, tokens) -> list[str]:
     """Append tokens (a str is fed as its UTF-8 bytes) until the sequence finishes; the text delta
     after each append. Tokens left over once it finished are not fed."""
@@ -38,7 +49,7 @@ def feed(seq: Sequence, tokens) -> list[str]:
     for token in tokens:
         assert not seq.is_finished, "fed a token to a finished sequence"
         seq.append_token(token)
-        deltas.append(seq.take_text_delta())
+        deltas.append(take(seq).new_text)
         if seq.is_finished:
             break
     return deltas
@@ -327,7 +338,7 @@ def test_deltas_hold_back_a_possible_stop_string_prefix() -> None:
 def test_deltas_without_stop_strings_come_at_once() -> None:
     seq = make(max_tokens=4)
     assert feed(seq, "abcd") == ["a", "b", "c", "d"]
-    assert seq.take_text_delta() == ""  # nothing is handed out twice
+    assert take(seq).new_text == ""  # nothing is handed out twice
 
 
 def test_multi_byte_characters_are_emitted_whole() -> None:
@@ -338,12 +349,12 @@ def test_multi_byte_characters_are_emitted_whole() -> None:
 
 def test_new_token_ids_are_handed_out_once() -> None:
     seq = make(max_tokens=5)
-    assert seq.take_new_token_ids() == ()
+    assert take(seq).new_token_ids == ()
     seq.append_token(1)
     seq.append_token(2)
-    assert seq.take_new_token_ids() == (1, 2) and seq.take_new_token_ids() == ()
+    assert take(seq).new_token_ids == (1, 2) and take(seq).new_token_ids == ()
     seq.append_token(3)
-    assert seq.take_new_token_ids() == (3,)
+    assert take(seq).new_token_ids == (3,)
 
 
 def expected_cut(text: str, stops: list[str]) -> tuple[str, str | None]:

@@ -34,7 +34,7 @@ import torch
 from minivllm.book.stats import chi_square
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLM, LLMEngine
-from minivllm.engine.outputs import RequestOutput
+from minivllm.engine.processing import RequestOutput
 from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from minivllm.model.transformer import ModelConfig, Transformer, init_weights

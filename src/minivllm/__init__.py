@@ -1,0 +1,47 @@
+"""minivllm: a small vLLM-style inference engine, built one layer at a time by the book in chapters/.
+
+The public surface is vLLM's:
+
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM("target")
+    for out in llm.generate(["ROMEO:\\n"], SamplingParams(max_tokens=60, temperature=0.8, seed=1)):
+        print(out.text)
+
+The names below are imported on first use (PEP 562), not here: `import minivllm.kv` must stay free
+of torch, and the package's `__init__` runs before every submodule. ARCHITECTURE.md maps the rest.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_HOMES = {
+    "LLM": "minivllm.engine.llm_engine",
+    "LLMEngine": "minivllm.engine.llm_engine",
+    "EngineConfig": "minivllm.engine.config",
+    "RequestOutput": "minivllm.engine.processing",
+    "SamplingParams": "minivllm.sched.sequence",
+    "SchedulerConfig": "minivllm.sched.scheduler",
+    "SpeculativeConfig": "minivllm.runner.speculative",
+}
+__all__ = sorted(_HOMES)
+
+if TYPE_CHECKING:
+    from minivllm.engine.config import EngineConfig
+    from minivllm.engine.llm_engine import LLM, LLMEngine
+    from minivllm.engine.processing import RequestOutput
+    from minivllm.runner.speculative import SpeculativeConfig
+    from minivllm.sched.scheduler import SchedulerConfig
+    from minivllm.sched.sequence import SamplingParams
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -20,19 +20,25 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as SequenceOf
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.engine.config import EngineConfig, _resolve_device
-from minivllm.engine.outputs import RequestOutput, TextDelta
+from minivllm.engine.processing import (
+    InputProcessor,
+    OutputProcessor,
+    RequestLimits,
+    RequestOutput,
+    TextDelta,
+)
 from minivllm.engine.trace import StepRecord
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import ByteTokenizer
-from minivllm.model.transformer import Transformer
+from minivllm.model.transformer import ModelConfig, Transformer
 from minivllm.runner.batch import build_batch
 from minivllm.runner.model_runner import ModelRunner
 from minivllm.runner.sampler import derive_seed
@@ -84,6 +90,8 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(scheduler_config, self.manager)
         self.runner = ModelRunner(model, self.storage, self.manager, backend)
+        self.inputs = InputProcessor(self.tokenizer, request_limits(model.config, config))
+        self.outputs = OutputProcessor()
         self.trace: list[StepRecord] = []
         self._next_id = 0
 
@@ -97,9 +105,7 @@ class LLMEngine:
     ) -> int:
         """Queue a request and return its id. Everything is checked first; a bad request raises
         ValueError saying what to change, and the engine is left exactly as it was."""
-        params = self._params(params)
-        prompt_ids = self._prompt_ids(prompt)
-        self._check_fits(prompt_ids, params)
+        prompt_ids, params = self.inputs.process(prompt, params)
         request_id = self._next_id if request_id is None else request_id
         if request_id in self.scheduler.sequences:
             raise ValueError(f"request id {request_id} is already in use by an unfinished request")
@@ -111,67 +117,23 @@ class LLMEngine:
         self._next_id = max(self._next_id, request_id + 1)
         return request_id
 
-    @staticmethod
-    def _params(params: SamplingParams | None) -> SamplingParams:
-        if params is None:
-            return SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        return params
-
-    def _prompt_ids(self, prompt: str | SequenceOf[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_bos=True)
-        elif isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = list(prompt)
-        else:
-            raise TypeError("prompt must be a string or a list of token ids (ints)")
-        if not ids:
-            raise ValueError(
-                "the prompt is empty: give at least one token (a string prompt gets BOS first)"
-            )
-        vocab = self.model.config.vocab_size
-        if bad := [t for t in ids if not 0 <= t < vocab]:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
-        return ids
-
-    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        total = len(prompt_ids) + params.max_tokens
-        context = self.model.config.max_seq_len
-        if total > context:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context of {context} tokens: shorten the prompt or lower "
-                "max_tokens"
-            )
-        scheduler = self.config.scheduler
-        if not scheduler.chunked_prefill and len(prompt_ids) > scheduler.max_num_batched_tokens:
-            raise ValueError(
-                f"the prompt ({len(prompt_ids)} tokens) is longer than max_num_batched_tokens "
-                f"({scheduler.max_num_batched_tokens}) and chunked prefill is off, so it could "
-                "never "
-                f"be scheduled: raise the budget or turn chunked_prefill on"
-            )
-        # The prompt must fit the whole cache with room for one new token. Beyond that max_tokens is
-        # an upper bound (EOS may come first); a sequence that outgrows the cache alone ends
-        # "cache_full".
-        blocks = self.manager.blocks_needed(0, len(prompt_ids) + 1)
-        if blocks > self.config.num_blocks:
-            raise ValueError(
-                f"the prompt ({len(prompt_ids)} tokens) needs {blocks} KV-cache blocks with its "
-                "first "
-                f"new token, but the whole cache has {self.config.num_blocks}: it could never run; "
-                f"build a bigger cache or shorten the prompt"
-            )
-
     def abort(self, request_id: int) -> RequestOutput:
         """Stop a request now; its blocks go back to the pool at once."""
-        return self._output(self.scheduler.abort(request_id))
+        return self.outputs.output(self.scheduler.abort(request_id))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """How the engine stands between two steps, for metrics (the server's /metrics)."""
+        used = self.config.num_blocks - self.manager.num_free
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=self.config.num_blocks,
+            blocks_used=used,
+            kv_cache_usage=used / self.config.num_blocks,
+        )
 
     # -- the step
     # ------------------------------------------------------------------------------------
@@ -207,7 +169,7 @@ class LLMEngine:
                 plan, finished, speculated, forward_s, draft_s, time.perf_counter() - started
             )
         )
-        return [self._output(seq) for seq in stepped]
+        return [self.outputs.output(seq) for seq in stepped]
 
     def _propose(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> dict[int, Proposal]:
         """The drafter's tokens for every chunk with lookahead slots (none without speculation)."""
@@ -266,21 +228,6 @@ class LLMEngine:
             step_s=step_s,
         )
 
-    @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            token_ids=seq.output_token_ids,
-            text=seq.output_text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_preemptions=seq.num_preemptions,
-            finish_message=seq.finish_message,
-        )
-
     # -- whole workloads
     # -----------------------------------------------------------------------------
     def generate(
@@ -305,22 +252,17 @@ class LLMEngine:
         """Yield each request's new text as the steps produce it (whole characters only, and never a
         piece of a stop string); the last delta of a request carries its finish reason."""
         ids = set(self._add_all(prompts, params))
-        sequences = dict(self.scheduler.sequences)
+        unfinished = set(ids)
         try:
-            while any(not sequences[i].is_finished for i in ids):
+            while unfinished:
                 for out in self.step():
                     if out.request_id in ids:
-                        seq = sequences[out.request_id]
-                        yield TextDelta(
-                            seq.seq_id,
-                            seq.take_text_delta(),
-                            seq.take_new_token_ids(),
-                            seq.finish_reason,
-                        )
+                        if out.finished:
+                            unfinished.discard(out.request_id)
+                        yield out.delta()
         finally:  # a consumer that stops early must not leave its requests holding blocks
-            for i in ids:
-                if not sequences[i].is_finished:
-                    self.abort(i)
+            for i in unfinished:
+                self.abort(i)
 
     def _add_all(self, prompts, params) -> list[int]:
         if isinstance(prompts, str):
@@ -332,7 +274,7 @@ class LLMEngine:
                 "each"
             )
         for prompt, p in zip(prompts, param_list):  # check them all before queueing any
-            self._check_fits(self._prompt_ids(prompt), self._params(p))
+            self.inputs.process(prompt, p)
         return [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
 
 
@@ -375,3 +317,24 @@ class LLM:
         self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         return self.engine.generate(prompts, sampling_params)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    blocks_used: int
+    kv_cache_usage: float  # fraction of the KV-cache blocks in use
+
+
+def request_limits(model_config: ModelConfig, config: EngineConfig) -> RequestLimits:
+    """What a request may ask of this engine: the model's vocabulary and context, the cache."""
+    scheduler = config.scheduler
+    return RequestLimits(
+        vocab_size=model_config.vocab_size,
+        max_model_len=model_config.max_seq_len,
+        max_prompt_blocks=config.num_blocks,
+        block_size=config.block_size,
+        max_unchunked_prompt=None if scheduler.chunked_prefill else scheduler.max_num_batched_tokens,
+    )

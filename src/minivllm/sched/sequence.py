@@ -118,8 +118,6 @@ class Sequence:
     finish_message: str | None = None  # why, in words, when the engine ended it (cache_full)
     output_text: str = ""
     _decoder: StreamingDecoder = field(default_factory=StreamingDecoder, repr=False)
-    _text_sent: int = field(default=0, repr=False)  # chars of output_text already handed out
-    _tokens_sent: int = field(default=0, repr=False)  # output tokens already handed out
     _text_checked: int = field(default=0, repr=False)  # chars already searched for stop strings
 
     def __post_init__(self) -> None:
@@ -199,19 +197,3 @@ class Sequence:
             self._decoder.flush()
         )  # a cut-off character is shown as U+FFFD, not lost
         self.status, self.finish_reason, self.stop_reason = Status.FINISHED, reason, stop_reason
-
-    def take_text_delta(self) -> str:
-        """Text not handed out yet. While the request runs, hold back a tail that could still turn
-        out to be the start of a stop string, so streamed text never has to be taken back."""
-        end = len(self.output_text)
-        if not self.is_finished and self.params.stop:
-            end -= max(len(s) for s in self.params.stop) - 1
-        delta = self.output_text[self._text_sent : max(end, self._text_sent)]
-        self._text_sent += len(delta)
-        return delta
-
-    def take_new_token_ids(self) -> tuple[int, ...]:
-        """Output token ids not handed out yet."""
-        new = tuple(self.token_ids[self.num_prompt_tokens + self._tokens_sent :])
-        self._tokens_sent += len(new)
-        return new

@@ -12,8 +12,8 @@ A web server answers every client from one asyncio event loop. `LLMEngine` is sy
   future. The engine thread runs its whole inbox before every step, so an abort frees its blocks
   before the next forward pass, and a prompt that can never fit fails in `add_request` (a
   ValueError) before any response has started: the server can still answer 400.
-* After each step the engine thread takes each request's new text from its `Sequence` -- whole UTF-8
-  characters only (chapter 01's streaming decoder) and never a piece of a stop string -- and hands
+* After each step the engine thread takes each request's new text from the step's outputs (the
+  engine's `OutputProcessor`: whole UTF-8 characters only, never a piece of a stop string) and hands
   the step's `TextDelta`s to the event loop with ONE `call_soon_threadsafe` per step, not one per
   token: one wake-up of the loop, which puts each delta on the queue of the `RequestStream` that
   waits for it.
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.outputs import RequestOutput, TextDelta
+from minivllm.engine.processing import RequestOutput, TextDelta
 from minivllm.engine.trace import StepRecord
-from minivllm.sched.sequence import SamplingParams, Sequence
+from minivllm.sched.sequence import SamplingParams
 from minivllm.serving.metrics import ServingMetrics
 
 T = TypeVar("T")
@@ -103,7 +103,6 @@ class RequestStream:
 class _Request:
     """The engine thread's bookkeeping for one unfinished request."""
 
-    seq: Sequence
     stream: RequestStream
     arrival: float  # time.perf_counter() when the client's request reached add_request
     last_output: float | None = None
@@ -203,7 +202,7 @@ class AsyncEngine:
             return fn(self.engine)
 
     def blocks_in_use(self) -> int:
-        return self.call(lambda engine: engine.manager.allocator.num_used)
+        return self.call(lambda engine: engine.stats().blocks_used)
 
     def trace(self) -> list[StepRecord]:
         """A copy of the engine's step trace (the last `max_trace` steps)."""
@@ -271,11 +270,8 @@ class AsyncEngine:
             request = self._requests.get(out.request_id)
             if request is None:
                 continue  # aborted, or not ours
-            seq = request.seq
-            delta = TextDelta(
-                out.request_id, seq.take_text_delta(), seq.take_new_token_ids(), out.finish_reason
-            )
-            self._observe(request, delta, now)
+            delta = out.delta()
+            self._observe(request, out, now)
             if delta.finish_reason is not None:
                 del self._requests[out.request_id]
             batches.setdefault(request.stream.loop, []).append((request.stream, delta))
@@ -290,37 +286,34 @@ class AsyncEngine:
         except RuntimeError:  # the loop is closed: nobody will ever read these streams
             self._abort([d.request_id for _, d in items if isinstance(d, TextDelta)])
 
-    def _observe(self, request: _Request, delta: TextDelta, now: float) -> None:
+    def _observe(self, request: _Request, out: RequestOutput, now: float) -> None:
         if request.last_output is None:
             self.metrics.first_token(
-                now - request.arrival, request.seq.num_prompt_tokens, request.seq.num_cached_tokens
+                now - request.arrival, len(out.prompt_token_ids), out.num_cached_tokens
             )
         since_last = None if request.last_output is None else now - request.last_output
-        self.metrics.tokens(len(delta.token_ids), since_last)
+        self.metrics.tokens(len(out.new_token_ids), since_last)
         request.last_output = now
-        if delta.finish_reason is not None:
-            self.metrics.finished(delta.finish_reason, now - request.arrival)
+        if out.finish_reason is not None:
+            self.metrics.finished(out.finish_reason, now - request.arrival)
 
     def _add(
         self, stream: RequestStream, prompts: list, params: list[SamplingParams], arrival: float
     ) -> None:
-        added = []
+        added: dict[int, int] = {}  # request id -> prompt tokens
         try:
             for request_id, prompt, p in zip(stream.request_ids, prompts, params):
-                self.engine.add_request(prompt, p, request_id=request_id)
-                added.append(request_id)
+                prompt_ids, p = self.engine.inputs.process(prompt, p)  # the engine's own checks
+                self.engine.add_request(prompt_ids, p, request_id=request_id)
+                added[request_id] = len(prompt_ids)
         except Exception:
-            for (
-                request_id
-            ) in added:  # all or none: one error for the client, no half-started answer
+            # All or none: one error for the client, no half-started answer.
+            for request_id in added:
                 self.engine.abort(request_id)
             raise
+        stream.num_prompt_tokens.update(added)
         for request_id in added:
-            seq = self.engine.scheduler.sequences[
-                request_id
-            ]  # as LLMEngine.stream: the text comes from here
-            stream.num_prompt_tokens[request_id] = seq.num_prompt_tokens
-            self._requests[request_id] = _Request(seq, stream, arrival)
+            self._requests[request_id] = _Request(stream, arrival)
 
     def _abort(self, request_ids: Iterable[int]) -> None:
         now = time.perf_counter()
@@ -346,12 +339,8 @@ class AsyncEngine:
             self._send(stream.loop, [(stream, error)])
 
     def _render_metrics(self, engine: LLMEngine) -> str:
-        used = engine.manager.allocator.num_used
-        self.metrics.engine_state(
-            len(engine.scheduler.running),
-            len(engine.scheduler.waiting),
-            used / engine.config.num_blocks,
-        )
+        stats = engine.stats()
+        self.metrics.engine_state(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
         return self.metrics.render()
 
 

@@ -202,3 +202,4 @@ def merge_partitions(out, partial_out, max_logits, exp_sums):
                 acc += w * partial_out[seq, head, p, d]
                 weight_total += w
         out[seq, head, d] = acc / weight_total
+        ### END SOLUTION

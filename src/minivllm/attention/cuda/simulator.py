@@ -49,7 +49,6 @@ def _install_simulator_shuffle() -> None:
 
 if SIMULATOR:
     _install_simulator_shuffle()
-    ### END SOLUTION
 
 
 @contextmanager

@@ -1,0 +1,188 @@
+"""What goes into the engine and what comes out of it, in one place (chapter 04; used by chapter 08).
+
+`InputProcessor` turns a caller's prompt and `SamplingParams` into checked token ids *before* the
+scheduler sees them: a bad request raises an error that says what to change, and nothing in the
+engine changes. `OutputProcessor` turns a `Sequence` into the `RequestOutput` the caller gets after
+a step, and keeps each request's **stream cursor**: how much of its text and how many of its tokens
+were handed out already, so that every output also carries just what is new since the last one.
+`LLMEngine` and the server's `AsyncEngine` both use these two, so a rule about requests (a limit, a
+new parameter, how a stop string is held back) is written once. The same split is vLLM's
+`InputProcessor` / `OutputProcessor` (vllm/v1/engine/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.sched.sequence import SamplingParams, Sequence
+
+Prompt = str | SequenceOf[int]
+
+
+@dataclass
+class RequestOutput:
+    """A request as the caller sees it after a step: everything so far, and what is new."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens
+    text: str  # generated text (a stop string is cut off)
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or "cache_full"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+    finish_message: str | None = None  # why the engine ended it, for finish_reason "cache_full"
+    new_text: str = ""  # text since this request's last output (see OutputProcessor)
+    new_token_ids: tuple[int, ...] = ()  # tokens since this request's last output
+
+    def delta(self) -> TextDelta:
+        """The streamed piece of this output."""
+        return TextDelta(self.request_id, self.new_text, self.new_token_ids, self.finish_reason)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """One piece of a streamed response: the new text of one request since its last delta."""
+
+    request_id: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the engine can ever run, for the checks at the door."""
+
+    vocab_size: int
+    max_model_len: int  # the model's context: prompt + output tokens
+    max_prompt_blocks: int  # KV-cache blocks a prompt may need, with its first new token
+    block_size: int
+    max_unchunked_prompt: int | None = None  # without chunked prefill: the step's token budget
+
+
+class InputProcessor:
+    """Checks and tokenises requests before they reach the scheduler."""
+
+    def __init__(self, tokenizer: ByteTokenizer, limits: RequestLimits) -> None:
+        self.tokenizer, self.limits = tokenizer, limits
+
+    def process(
+        self, prompt: Prompt, params: SamplingParams | None
+    ) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the params, both checked; raises TypeError or ValueError."""
+        params = self.params(params)
+        prompt_ids = self.prompt_ids(prompt)
+        self.check_fits(prompt_ids, params)
+        return prompt_ids, params
+
+    @staticmethod
+    def params(params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        return params
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_bos=True)
+        elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = list(prompt)
+        else:
+            raise TypeError("prompt must be a string or a list of token ids (ints)")
+        if not ids:
+            raise ValueError(
+                "the prompt is empty: give at least one token (a string prompt gets BOS first)"
+            )
+        vocab = self.limits.vocab_size
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        return ids
+
+    def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request that could never run to the end: longer than the model's context, or
+        a prompt the cache (or, without chunked prefill, one step) can never hold."""
+        limits, length = self.limits, len(prompt_ids)
+        total = length + params.max_tokens
+        if total > limits.max_model_len:
+            raise ValueError(
+                f"prompt ({length} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the model's context of {limits.max_model_len} tokens: shorten the prompt or "
+                "lower max_tokens"
+            )
+        budget = limits.max_unchunked_prompt
+        if budget is not None and length > budget:
+            raise ValueError(
+                f"the prompt ({length} tokens) is longer than max_num_batched_tokens ({budget}) "
+                "and chunked prefill is off, so it could never be scheduled: raise the budget or "
+                "turn chunked_prefill on"
+            )
+        # The prompt must fit the whole cache with room for one new token. Beyond that max_tokens
+        # is an upper bound (EOS may come first); a sequence that outgrows the cache alone ends
+        # "cache_full".
+        blocks = -(-(length + 1) // limits.block_size)
+        if blocks > limits.max_prompt_blocks:
+            raise ValueError(
+                f"the prompt ({length} tokens) needs {blocks} KV-cache blocks with its first new "
+                f"token, but the whole cache has {limits.max_prompt_blocks}: it could never run; "
+                "build a bigger cache or shorten the prompt"
+            )
+
+
+@dataclass
+class _Cursor:
+    text_sent: int = 0  # characters of the output text already handed out
+    tokens_sent: int = 0  # output tokens already handed out
+
+
+@dataclass
+class OutputProcessor:
+    """Makes each step's `RequestOutput`s and keeps every unfinished request's stream cursor."""
+
+    cursors: dict[int, _Cursor] = field(default_factory=dict)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The request's state now, with what is new since its last output. A finished request's
+        cursor is dropped: its last output is its final one."""
+        cursor = self.cursors.setdefault(seq.seq_id, _Cursor())
+        new_text, new_token_ids = _take_text(seq, cursor), _take_tokens(seq, cursor)
+        if seq.is_finished:
+            del self.cursors[seq.seq_id]
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            token_ids=seq.output_token_ids,
+            text=seq.output_text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            finish_message=seq.finish_message,
+            new_text=new_text,
+            new_token_ids=new_token_ids,
+        )
+
+
+def _take_text(seq: Sequence, cursor: _Cursor) -> str:
+    """Text not handed out yet. While the request runs, hold back a tail that could still turn out
+    to be the start of a stop string, so streamed text never has to be taken back."""
+    end = len(seq.output_text)
+    if not seq.is_finished and seq.params.stop:
+        end -= max(len(s) for s in seq.params.stop) - 1
+    delta = seq.output_text[cursor.text_sent : max(end, cursor.text_sent)]
+    cursor.text_sent += len(delta)
+    return delta
+
+
+def _take_tokens(seq: Sequence, cursor: _Cursor) -> tuple[int, ...]:
+    """Output token ids not handed out yet."""
+    new = tuple(seq.token_ids[seq.num_prompt_tokens + cursor.tokens_sent :])
+    cursor.tokens_sent += len(new)
+    return new
