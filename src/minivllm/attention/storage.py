@@ -98,8 +98,7 @@ class PagedKVStorage:
         # length.
         rows = self.kv[layer][:, blocks].reshape(2, used * self.block_size, heads, dim)[:, :length]
         return rows[0], rows[1]
-
-    ### END SOLUTION
+        ### END SOLUTION
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -46,6 +46,7 @@ def cached_causal_mask(start: int, new_tokens: int) -> torch.Tensor:
     query_positions = torch.arange(start, start + new_tokens)[:, None]
     key_positions = torch.arange(start + new_tokens)[None, :]
     return key_positions <= query_positions
+    ### END SOLUTION
 
 
 class ContiguousKVCache:

@@ -31,8 +31,6 @@ from minivllm.model.transformer import Transformer
 from minivllm.stages.contiguous import cached_causal_mask
 from minivllm.stages.naive import check_request, pick_token
 
-### END SOLUTION
-
 
 def paged_attention_reference(
     q: torch.Tensor, storage: PagedKVStorage, layer: int, block_table: Sequence[int], start: int
