@@ -3,8 +3,8 @@
     python benchmarks/kv_memory.py [--requests 200] [--seeds 0 1 2] [--arena-slots 8192]
     [--block-sizes 8 16 32]
 
-Replays one seeded request stream per seed through `minivllm.book.arena`: once with a contiguous arena of
-`arena-slots` slots, and once per block size with a paged pool of the same memory
+Replays one seeded request stream per seed through `minivllm.book.arena`: once with a contiguous
+arena of `arena-slots` slots, and once per block size with a paged pool of the same memory
 (num_blocks = arena_slots // block_size). Prints one row per run, then per block size the
 concurrency ratio paged / contiguous averaged over seeds. A second table measures prefix caching
 (`BlockManager.allocate_cached`): requests sharing a 256-token system prompt, all held at once.
@@ -51,7 +51,8 @@ def ratio(a: float, b: float) -> float | None:
 def prefix_caching(
     block_sizes: list[int], num_requests: int = 32, system_len: int = 256, seed: int = 0
 ) -> list[dict]:
-    """Admit `num_requests` prompts (shared system prompt + distinct user part) one after another, held."""
+    """Admit `num_requests` prompts (shared system prompt + distinct user part) one after another,
+    all held."""
     rng = random.Random(seed)
     system = [rng.randrange(256) for _ in range(system_len)]
     prompts = [

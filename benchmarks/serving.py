@@ -15,8 +15,7 @@ is slower and far noisier. At concurrency c, c clients share one list of request
 next one, reads its stream to `[DONE]`, and sends the next, until the list is done (a closed loop: c
 requests in flight, then a tail as the last ones finish). A level has max(--min-requests, c x
 --requests-per-client) requests: the first of one seeded workload (prompts are 16-200-byte slices of
-the held-out plays, BOS first;
---output-tokens generated each, greedy, ignore_eos).
+the held-out plays, BOS first; --output-tokens generated each, greedy, ignore_eos).
 
 What is measured, from the client's side of the socket:
 
@@ -83,8 +82,7 @@ FULL_BATCH = 64  # the server's max_num_seqs, and the offline engine's at full b
 GOAL_CLIENTS, GOAL_SHARE = 64, 0.80
 
 
-# -- the server
-# --------------------------------------------------------------------------------------
+# -- the server ------------------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -122,8 +120,7 @@ def start_server(threads: int) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
-# -- the clients (minivllm.serving.client: closed-loop streaming clients that time every chunk)
-# ------------------
+# -- the clients (minivllm.serving.client: closed-loop streaming clients that time every chunk) ----
 
 
 def run_server(url: str, requests: list[Request], concurrency: int) -> dict:
@@ -162,8 +159,7 @@ def percentiles(seconds: list[float]) -> dict:
     }
 
 
-# -- the offline engine
-# ------------------------------------------------------------------------------
+# -- the offline engine ----------------------------------------------------------------------------
 
 
 def run_offline(model: Transformer, requests: list[Request], max_num_seqs: int) -> dict:
@@ -184,8 +180,7 @@ def run_offline(model: Transformer, requests: list[Request], max_num_seqs: int) 
     }
 
 
-# -- the report
-# --------------------------------------------------------------------------------------
+# -- the report ------------------------------------------------------------------------------------
 
 
 def tps(result: dict) -> float:
@@ -213,11 +208,11 @@ def level_row(c: int, requests: list[Request], server: dict, same: dict, full: d
 
 
 def paired_share(server: dict, offline: dict) -> float:
-    """The median over repeats of server / offline throughput within one repeat: runs taken a minute
-    apart share the machine's mood, so on a shared machine this is steadier than a ratio of two bests."""
-    ratios = [
-        o["seconds"] / s["seconds"] for s, o in zip(server["runs"], offline["runs"])
-    ]  # the same tokens
+    """The median over repeats of server / offline throughput within one repeat: runs taken a
+    minute apart share the machine's mood, so on a shared machine this is steadier than a ratio of
+    two bests."""
+    # both runs of a repeat serve the same tokens, so a ratio of seconds is one of throughputs
+    ratios = [o["seconds"] / s["seconds"] for s, o in zip(server["runs"], offline["runs"])]
     return round(statistics.median(ratios), 3)
 
 
@@ -304,12 +299,13 @@ def main() -> None:
         run_offline(model, warm, 2)
         for repeat in range(args.repeats):
             for c, requests in levels.items():
+                # called below, within this iteration; the defaults pin requests and c (B023)
                 systems = {
-                    ("server", c): lambda: run_server(url, requests, c),
-                    ("offline", c): lambda: run_offline(model, requests, c),
+                    ("server", c): lambda r=requests, c=c: run_server(url, r, c),
+                    ("offline", c): lambda r=requests, c=c: run_offline(model, r, c),
                 }
                 if c != FULL_BATCH:
-                    systems[("full", c)] = lambda: run_offline(model, requests, FULL_BATCH)
+                    systems[("full", c)] = lambda r=requests: run_offline(model, r, FULL_BATCH)
                 for key, run in systems.items():
                     runs[key].append(result := run())
                     print(
@@ -377,9 +373,10 @@ def write_json(args: argparse.Namespace, levels: dict, rows: list[dict], goal: d
                     "seed": args.seed,
                     "quick": args.quick,
                     "requests_per_level": {str(c): len(r) for c, r in levels.items()},
-                    "prompt_source": "byte slices of minivllm.training.corpus.shipped_validation_text() "
-                    "(16-200 bytes), cut "
-                    "at UTF-8 character boundaries; BOS first",
+                    "prompt_source": (
+                        "byte slices of minivllm.training.corpus.shipped_validation_text() "
+                        "(16-200 bytes), cut at UTF-8 character boundaries; BOS first"
+                    ),
                     "output_tokens": args.output_tokens,
                     "sampling": "greedy (temperature 0), ignore_eos",
                     "clients": "closed loop: each client sends its next request when its last "

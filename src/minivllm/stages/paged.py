@@ -69,8 +69,8 @@ class PagedAttention:
 
     def prepare(self, start: int, num_new: int) -> None:
         """Before a forward pass over `num_new` tokens at positions `start..`: grow the block table
-        (all
-        or nothing; `OutOfBlocks` propagates), copy shared blocks we are about to write, map the slots."""
+        (all or nothing; `OutOfBlocks` propagates), copy shared blocks we are about to write, map
+        the slots."""
         end = start + num_new
         if self.seq_id not in self.manager:
             self.manager.allocate(self.seq_id, end)
@@ -119,7 +119,8 @@ def stream_paged(
     eos_id: int | None = None,
     use_prefix_cache: bool = False,
 ) -> Iterator[int]:
-    """`stream_cached` over the paged cache; the sequence's blocks are freed when it ends, however it ends."""
+    """`stream_cached` over the paged cache; the sequence's blocks are freed when it ends, however
+    it ends."""
     check_request(model, prompt_ids, max_new_tokens)
     if seq_id in manager:
         raise ValueError(f"sequence {seq_id} already has a block table: use a fresh seq_id")
