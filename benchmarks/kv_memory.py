@@ -121,9 +121,8 @@ def main() -> None:
         ratios[str(bs)] = {k: round(v, 3) if v is not None else None for k, v in means.items()}
         fmt = lambda v: f"{v:.2f}x" if v is not None else "n/a"  # noqa: E731
         print(
-            f"  bs={bs:<3} while queued {fmt(means['saturated'])}   whole-run mean "
-            f"{fmt(means['mean'])}   "
-            f"peak {fmt(means['peak'])}"
+            f"  bs={bs:<3} while queued {fmt(means['saturated'])}   "
+            f"whole-run mean {fmt(means['mean'])}   peak {fmt(means['peak'])}"
         )
 
     prefix = prefix_caching(args.block_sizes)
@@ -133,14 +132,13 @@ def main() -> None:
     )
     print(
         f"{'bs':>4} {'prompt tok':>10} {'cached tok':>10} {'hit rate %':>10} "
-        f"{'blocks no-cache':>15} "
-        f"{'blocks used':>11} {'saved':>6} {'saved %':>7}"
+        f"{'blocks no-cache':>15} {'blocks used':>11} {'saved':>6} {'saved %':>7}"
     )
     for p in prefix:
         print(
             f"{p['block_size']:>4} {p['prompt_tokens']:>10} {p['cached_tokens']:>10} "
-            f"{100 * p['hit_rate']:>10.1f} "
-            f"{p['blocks_without_cache']:>15} {p['blocks_used']:>11} {p['blocks_saved']:>6} "
+            f"{100 * p['hit_rate']:>10.1f} {p['blocks_without_cache']:>15} "
+            f"{p['blocks_used']:>11} {p['blocks_saved']:>6} "
             f"{100 * p['blocks_saved_fraction']:>7.1f}"
         )
 

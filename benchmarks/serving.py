@@ -1,10 +1,9 @@
 """Serving: the OpenAI-compatible server under 1-64 concurrent streaming clients, against the
 offline engine (chapter 08).
 
-    python benchmarks/serving.py [--concurrency 1 8 32 64] [--requests-per-client 2] [--min-requests
-    16]
-                                 [--output-tokens 32 96] [--threads 1] [--repeats 3] [--seed 0]
-                                 [--quick] [--out PATH]
+    python benchmarks/serving.py [--concurrency 1 8 32 64] [--requests-per-client 2]
+                                 [--min-requests 16] [--output-tokens 32 96] [--threads 1]
+                                 [--repeats 3] [--seed 0] [--quick] [--out PATH]
 
 The server runs as `minivllm serve` in a process of its own (the shipped target model, default
 engine: 2048 blocks, max_num_seqs 64, a 512-token budget per step, `--threads` torch threads); the
@@ -219,9 +218,8 @@ def paired_share(server: dict, offline: dict) -> float:
 def print_table(rows: list[dict]) -> None:
     print(
         f"\n{'clients':>7} {'requests':>8} {'tokens':>7} {'tok/s':>7} {'offline(c)':>10} "
-        f"{'share':>6} "
-        f"{'offline(64)':>11} {'share':>6} {'paired':>6} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
-        f"{'p99':>7}  differ"
+        f"{'share':>6} {'offline(64)':>11} {'share':>6} {'paired':>6} "
+        f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  differ"
     )
     for r in rows:
         print(
@@ -232,8 +230,8 @@ def print_table(rows: list[dict]) -> None:
             f"{100 * r['share_of_offline_full_batch']:>5.1f}% "
             f"{100 * r['share_of_offline_full_batch_paired_median']:>5.1f}% "
             f"{r['ttft_ms']['p50']:>7.1f}ms {r['ttft_ms']['p99']:>5.1f}ms "
-            f"{r['itl_ms']['p50']:>6.1f}ms "
-            f"{r['itl_ms']['p99']:>5.1f}ms  {r['texts_differing_from_offline']}/{r['requests']}"
+            f"{r['itl_ms']['p50']:>6.1f}ms {r['itl_ms']['p99']:>5.1f}ms  "
+            f"{r['texts_differing_from_offline']}/{r['requests']}"
         )
 
 
@@ -346,9 +344,8 @@ def main() -> None:
     if goal is not None:
         print(
             f"\ngoal: the server at {GOAL_CLIENTS} clients reaches {100 * goal['value']:.1f} % of "
-            "the offline engine "
-            f"at full batch, best against best ({100 * goal['paired_median']:.1f} %, the median of "
-            "paired runs; "
+            "the offline engine at full batch, best against best "
+            f"({100 * goal['paired_median']:.1f} %, the median of paired runs; "
             f"goal >= {100 * GOAL_SHARE:.0f} %): {'met' if goal['met'] else 'NOT met'}"
         )
     if args.out_path is None:
@@ -365,8 +362,8 @@ def write_json(args: argparse.Namespace, levels: dict, rows: list[dict], goal: d
                 "benchmark": "serving",
                 "machine": machine_record(
                     "wall clock on a shared machine; the server, its clients and the offline "
-                    "engine "
-                    "share the same cores (server and clients in two processes, over loopback)",
+                    "engine share the same cores (server and clients in two processes, over "
+                    "loopback)",
                     torch_threads=args.threads,
                 ),
                 "workload": {
@@ -379,23 +376,26 @@ def write_json(args: argparse.Namespace, levels: dict, rows: list[dict], goal: d
                     ),
                     "output_tokens": args.output_tokens,
                     "sampling": "greedy (temperature 0), ignore_eos",
-                    "clients": "closed loop: each client sends its next request when its last "
-                    "stream ends",
+                    "clients": (
+                        "closed loop: each client sends its next request when its last stream ends"
+                    ),
                 },
                 "config": {
-                    "server": f"minivllm serve --max-num-seqs {FULL_BATCH} --threads "
-                    f"{args.threads} (2048 blocks, "
-                    f"budget 512)",
+                    "server": (
+                        f"minivllm serve --max-num-seqs {FULL_BATCH} --threads {args.threads} "
+                        "(2048 blocks, budget 512)"
+                    ),
                     "repeats": args.repeats,
-                    "throughput": "generated tokens (usage) / wall seconds of the level (best of "
-                    "repeats)",
+                    "throughput": (
+                        "generated tokens (usage) / wall seconds of the level (best of repeats)"
+                    ),
                     "ttft": "request sent -> first chunk with text, client side",
                     "itl": "gaps between a stream's consecutive text chunks, pooled",
                 },
                 "notes": [
                     "the server's engine thread and event loop share one GIL: the loop's 100-120 "
-                    "us of CPU per "
-                    "streamed token lengthens the engine's forward passes (see the docstring)"
+                    "us of CPU per streamed token lengthens the engine's forward passes (see the "
+                    "docstring)"
                 ],
                 "results": rows,
                 "goals": {"share_of_offline_at_64_clients": goal},

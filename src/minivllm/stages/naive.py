@@ -47,8 +47,7 @@ def check_request(model: Transformer, prompt_ids: list[int], max_new_tokens: int
     if len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            "model's "
-            f"context of {limit} tokens: shorten the prompt or ask for fewer tokens"
+            f"model's context of {limit} tokens: shorten the prompt or ask for fewer tokens"
         )
 
 

@@ -92,8 +92,7 @@ class PagedAttention:
         if k.shape[0] != len(self.slots):
             raise ValueError(
                 f"layer {layer} got {k.shape[0]} new tokens but prepare() mapped "
-                f"{len(self.slots)}: "
-                f"call prepare(start, num_new) before every forward pass"
+                f"{len(self.slots)}: call prepare(start, num_new) before every forward pass"
             )
         self.storage.write(layer, self.slots, k, v)
         return paged_attention_reference(
