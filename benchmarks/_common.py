@@ -1,5 +1,6 @@
-"""Helpers the benchmark scripts share (not a benchmark itself: `make bench` skips files starting
-with _): the seeded workload of validation-text prompts, machine and source records, best-of-N runs."""
+"""Helpers the benchmark scripts share (not a benchmark itself: `make bench` skips files
+starting with _): the seeded workload of validation-text prompts, machine and source records,
+best-of-N runs."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def source_version() -> dict:
 
 
 def machine_record(note: str, **extra) -> dict:
-    """Where the numbers were measured: the platform, cores, torch and its threads, the load average
-    at the end and the source commit; `extra` adds or overrides fields (a benchmark's own versions, say)."""
+    """Where the numbers were measured: the platform, cores, torch and its threads, the load
+    average at the end and the source commit; `extra` adds or overrides fields (a benchmark's own
+    versions, say)."""
     import platform
 
     import torch
@@ -95,7 +97,8 @@ def make_workload(
     prompt_bytes: tuple[int, int] = (16, 200),
     output_tokens: tuple[int, int] = (32, 256),
 ) -> list[Request]:
-    """Seeded requests: a random slice of the validation text as the prompt, a uniform output length."""
+    """Seeded requests: a random slice of the validation text as the prompt, a uniform output
+    length."""
     data = shipped_validation_text().encode("utf-8")
     rng = np.random.default_rng(seed)
     tokenizer, requests = ByteTokenizer(), []

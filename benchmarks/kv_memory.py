@@ -3,8 +3,8 @@
     python benchmarks/kv_memory.py [--requests 200] [--seeds 0 1 2] [--arena-slots 8192]
     [--block-sizes 8 16 32]
 
-Replays one seeded request stream per seed through `minivllm.book.arena`: once with a contiguous arena of
-`arena-slots` slots, and once per block size with a paged pool of the same memory
+Replays one seeded request stream per seed through `minivllm.book.arena`: once with a contiguous
+arena of `arena-slots` slots, and once per block size with a paged pool of the same memory
 (num_blocks = arena_slots // block_size). Prints one row per run, then per block size the
 concurrency ratio paged / contiguous averaged over seeds. A second table measures prefix caching
 (`BlockManager.allocate_cached`): requests sharing a 256-token system prompt, all held at once.
@@ -51,7 +51,8 @@ def ratio(a: float, b: float) -> float | None:
 def prefix_caching(
     block_sizes: list[int], num_requests: int = 32, system_len: int = 256, seed: int = 0
 ) -> list[dict]:
-    """Admit `num_requests` prompts (shared system prompt + distinct user part) one after another, held."""
+    """Admit `num_requests` prompts (shared system prompt + distinct user part) one after another,
+    all held."""
     rng = random.Random(seed)
     system = [rng.randrange(256) for _ in range(system_len)]
     prompts = [
@@ -120,9 +121,8 @@ def main() -> None:
         ratios[str(bs)] = {k: round(v, 3) if v is not None else None for k, v in means.items()}
         fmt = lambda v: f"{v:.2f}x" if v is not None else "n/a"  # noqa: E731
         print(
-            f"  bs={bs:<3} while queued {fmt(means['saturated'])}   whole-run mean "
-            f"{fmt(means['mean'])}   "
-            f"peak {fmt(means['peak'])}"
+            f"  bs={bs:<3} while queued {fmt(means['saturated'])}   "
+            f"whole-run mean {fmt(means['mean'])}   peak {fmt(means['peak'])}"
         )
 
     prefix = prefix_caching(args.block_sizes)
@@ -132,14 +132,13 @@ def main() -> None:
     )
     print(
         f"{'bs':>4} {'prompt tok':>10} {'cached tok':>10} {'hit rate %':>10} "
-        f"{'blocks no-cache':>15} "
-        f"{'blocks used':>11} {'saved':>6} {'saved %':>7}"
+        f"{'blocks no-cache':>15} {'blocks used':>11} {'saved':>6} {'saved %':>7}"
     )
     for p in prefix:
         print(
             f"{p['block_size']:>4} {p['prompt_tokens']:>10} {p['cached_tokens']:>10} "
-            f"{100 * p['hit_rate']:>10.1f} "
-            f"{p['blocks_without_cache']:>15} {p['blocks_used']:>11} {p['blocks_saved']:>6} "
+            f"{100 * p['hit_rate']:>10.1f} {p['blocks_without_cache']:>15} "
+            f"{p['blocks_used']:>11} {p['blocks_saved']:>6} "
             f"{100 * p['blocks_saved_fraction']:>7.1f}"
         )
 

@@ -1,10 +1,9 @@
 """Serving: the OpenAI-compatible server under 1-64 concurrent streaming clients, against the
 offline engine (chapter 08).
 
-    python benchmarks/serving.py [--concurrency 1 8 32 64] [--requests-per-client 2] [--min-requests
-    16]
-                                 [--output-tokens 32 96] [--threads 1] [--repeats 3] [--seed 0]
-                                 [--quick] [--out PATH]
+    python benchmarks/serving.py [--concurrency 1 8 32 64] [--requests-per-client 2]
+                                 [--min-requests 16] [--output-tokens 32 96] [--threads 1]
+                                 [--repeats 3] [--seed 0] [--quick] [--out PATH]
 
 The server runs as `minivllm serve` in a process of its own (the shipped target model, default
 engine: 2048 blocks, max_num_seqs 64, a 512-token budget per step, `--threads` torch threads); the
@@ -15,8 +14,7 @@ is slower and far noisier. At concurrency c, c clients share one list of request
 next one, reads its stream to `[DONE]`, and sends the next, until the list is done (a closed loop: c
 requests in flight, then a tail as the last ones finish). A level has max(--min-requests, c x
 --requests-per-client) requests: the first of one seeded workload (prompts are 16-200-byte slices of
-the held-out plays, BOS first;
---output-tokens generated each, greedy, ignore_eos).
+the held-out plays, BOS first; --output-tokens generated each, greedy, ignore_eos).
 
 What is measured, from the client's side of the socket:
 
@@ -83,8 +81,7 @@ FULL_BATCH = 64  # the server's max_num_seqs, and the offline engine's at full b
 GOAL_CLIENTS, GOAL_SHARE = 64, 0.80
 
 
-# -- the server
-# --------------------------------------------------------------------------------------
+# -- the server ------------------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -122,8 +119,7 @@ def start_server(threads: int) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
-# -- the clients (minivllm.serving.client: closed-loop streaming clients that time every chunk)
-# ------------------
+# -- the clients (minivllm.serving.client: closed-loop streaming clients that time every chunk) ----
 
 
 def run_server(url: str, requests: list[Request], concurrency: int) -> dict:
@@ -162,8 +158,7 @@ def percentiles(seconds: list[float]) -> dict:
     }
 
 
-# -- the offline engine
-# ------------------------------------------------------------------------------
+# -- the offline engine ----------------------------------------------------------------------------
 
 
 def run_offline(model: Transformer, requests: list[Request], max_num_seqs: int) -> dict:
@@ -184,8 +179,7 @@ def run_offline(model: Transformer, requests: list[Request], max_num_seqs: int) 
     }
 
 
-# -- the report
-# --------------------------------------------------------------------------------------
+# -- the report ------------------------------------------------------------------------------------
 
 
 def tps(result: dict) -> float:
@@ -213,20 +207,19 @@ def level_row(c: int, requests: list[Request], server: dict, same: dict, full: d
 
 
 def paired_share(server: dict, offline: dict) -> float:
-    """The median over repeats of server / offline throughput within one repeat: runs taken a minute
-    apart share the machine's mood, so on a shared machine this is steadier than a ratio of two bests."""
-    ratios = [
-        o["seconds"] / s["seconds"] for s, o in zip(server["runs"], offline["runs"])
-    ]  # the same tokens
+    """The median over repeats of server / offline throughput within one repeat: runs taken a
+    minute apart share the machine's mood, so on a shared machine this is steadier than a ratio of
+    two bests."""
+    # both runs of a repeat serve the same tokens, so a ratio of seconds is one of throughputs
+    ratios = [o["seconds"] / s["seconds"] for s, o in zip(server["runs"], offline["runs"])]
     return round(statistics.median(ratios), 3)
 
 
 def print_table(rows: list[dict]) -> None:
     print(
         f"\n{'clients':>7} {'requests':>8} {'tokens':>7} {'tok/s':>7} {'offline(c)':>10} "
-        f"{'share':>6} "
-        f"{'offline(64)':>11} {'share':>6} {'paired':>6} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
-        f"{'p99':>7}  differ"
+        f"{'share':>6} {'offline(64)':>11} {'share':>6} {'paired':>6} "
+        f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7}  differ"
     )
     for r in rows:
         print(
@@ -237,8 +230,8 @@ def print_table(rows: list[dict]) -> None:
             f"{100 * r['share_of_offline_full_batch']:>5.1f}% "
             f"{100 * r['share_of_offline_full_batch_paired_median']:>5.1f}% "
             f"{r['ttft_ms']['p50']:>7.1f}ms {r['ttft_ms']['p99']:>5.1f}ms "
-            f"{r['itl_ms']['p50']:>6.1f}ms "
-            f"{r['itl_ms']['p99']:>5.1f}ms  {r['texts_differing_from_offline']}/{r['requests']}"
+            f"{r['itl_ms']['p50']:>6.1f}ms {r['itl_ms']['p99']:>5.1f}ms  "
+            f"{r['texts_differing_from_offline']}/{r['requests']}"
         )
 
 
@@ -304,12 +297,13 @@ def main() -> None:
         run_offline(model, warm, 2)
         for repeat in range(args.repeats):
             for c, requests in levels.items():
+                # called below, within this iteration; the defaults pin requests and c (B023)
                 systems = {
-                    ("server", c): lambda: run_server(url, requests, c),
-                    ("offline", c): lambda: run_offline(model, requests, c),
+                    ("server", c): lambda r=requests, c=c: run_server(url, r, c),
+                    ("offline", c): lambda r=requests, c=c: run_offline(model, r, c),
                 }
                 if c != FULL_BATCH:
-                    systems[("full", c)] = lambda: run_offline(model, requests, FULL_BATCH)
+                    systems[("full", c)] = lambda r=requests: run_offline(model, r, FULL_BATCH)
                 for key, run in systems.items():
                     runs[key].append(result := run())
                     print(
@@ -350,9 +344,8 @@ def main() -> None:
     if goal is not None:
         print(
             f"\ngoal: the server at {GOAL_CLIENTS} clients reaches {100 * goal['value']:.1f} % of "
-            "the offline engine "
-            f"at full batch, best against best ({100 * goal['paired_median']:.1f} %, the median of "
-            "paired runs; "
+            "the offline engine at full batch, best against best "
+            f"({100 * goal['paired_median']:.1f} %, the median of paired runs; "
             f"goal >= {100 * GOAL_SHARE:.0f} %): {'met' if goal['met'] else 'NOT met'}"
         )
     if args.out_path is None:
@@ -369,36 +362,40 @@ def write_json(args: argparse.Namespace, levels: dict, rows: list[dict], goal: d
                 "benchmark": "serving",
                 "machine": machine_record(
                     "wall clock on a shared machine; the server, its clients and the offline "
-                    "engine "
-                    "share the same cores (server and clients in two processes, over loopback)",
+                    "engine share the same cores (server and clients in two processes, over "
+                    "loopback)",
                     torch_threads=args.threads,
                 ),
                 "workload": {
                     "seed": args.seed,
                     "quick": args.quick,
                     "requests_per_level": {str(c): len(r) for c, r in levels.items()},
-                    "prompt_source": "byte slices of minivllm.training.corpus.shipped_validation_text() "
-                    "(16-200 bytes), cut "
-                    "at UTF-8 character boundaries; BOS first",
+                    "prompt_source": (
+                        "byte slices of minivllm.training.corpus.shipped_validation_text() "
+                        "(16-200 bytes), cut at UTF-8 character boundaries; BOS first"
+                    ),
                     "output_tokens": args.output_tokens,
                     "sampling": "greedy (temperature 0), ignore_eos",
-                    "clients": "closed loop: each client sends its next request when its last "
-                    "stream ends",
+                    "clients": (
+                        "closed loop: each client sends its next request when its last stream ends"
+                    ),
                 },
                 "config": {
-                    "server": f"minivllm serve --max-num-seqs {FULL_BATCH} --threads "
-                    f"{args.threads} (2048 blocks, "
-                    f"budget 512)",
+                    "server": (
+                        f"minivllm serve --max-num-seqs {FULL_BATCH} --threads {args.threads} "
+                        "(2048 blocks, budget 512)"
+                    ),
                     "repeats": args.repeats,
-                    "throughput": "generated tokens (usage) / wall seconds of the level (best of "
-                    "repeats)",
+                    "throughput": (
+                        "generated tokens (usage) / wall seconds of the level (best of repeats)"
+                    ),
                     "ttft": "request sent -> first chunk with text, client side",
                     "itl": "gaps between a stream's consecutive text chunks, pooled",
                 },
                 "notes": [
                     "the server's engine thread and event loop share one GIL: the loop's 100-120 "
-                    "us of CPU per "
-                    "streamed token lengthens the engine's forward passes (see the docstring)"
+                    "us of CPU per streamed token lengthens the engine's forward passes (see the "
+                    "docstring)"
                 ],
                 "results": rows,
                 "goals": {"share_of_offline_at_64_clients": goal},

@@ -1,4 +1,5 @@
-"""Chapters 02-03: the memory-arena simulator -- contiguous first-fit vs the paged cache, same workload."""
+"""Chapters 02-03: the memory-arena simulator -- contiguous first-fit vs the paged cache, same
+workload."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ FRAGMENTING = [req(0, 1, 1, 3), req(1, 1, 3, 4), req(2, 1, 1, 3), req(3, 1, 1, 5
 
 
 def check_memory_maps(result: SimResult) -> None:
-    """Every step: extents inside the arena, never overlapping, used <= reserved, and the books balance."""
+    """Every step: extents inside the arena, never overlapping, used <= reserved, and the books
+    balance."""
     for s in result.steps:
         extents = sorted(s.memory_map, key=lambda e: e.start)
         for e in extents:

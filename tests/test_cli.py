@@ -68,7 +68,7 @@ def test_a_bad_speculative_setting_exits_2(capsys) -> None:
     assert "num_speculative_tokens" in capsys.readouterr().err
 
 
-# -- serve ---------------------------------------------------------------------------------------------------------
+# -- serve -----------------------------------------------------------------------------------------
 
 
 def test_serve_arguments_build_the_engine_they_name() -> None:

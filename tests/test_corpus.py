@@ -32,7 +32,7 @@ meeting a bleeding Sergeant_
 
 **DUNCAN**  
 What bloody man is that?
-"""
+"""  # noqa: W291 -- the two trailing spaces are markdown line breaks, as in the real plays
 
 
 def test_parse_play_keeps_speeches_and_drops_directions():

@@ -1,4 +1,5 @@
-"""The contiguous KV cache: same tokens and logits as no cache, its byte accounting (ch02.1), the mask (ch02.2)."""
+"""The contiguous KV cache: same tokens and logits as no cache, its byte accounting (ch02.1), the
+mask (ch02.2)."""
 
 import pytest
 import torch
@@ -46,8 +47,7 @@ def append_all_layers(
     return k, v
 
 
-# -- ch02.2: the mask
-# -------------------------------------------------------------------------------------
+# -- ch02.2: the mask ------------------------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch02.2")
@@ -63,8 +63,7 @@ def test_mask_after_cached_tokens_sees_the_whole_history():
     assert cached_causal_mask(7, 1).all()  # a one-token decode sees everything
 
 
-# -- ch02.1: the concat strategy
-# --------------------------------------------------------------------------
+# -- ch02.1: the concat strategy -------------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch02.1")
@@ -90,8 +89,7 @@ def test_concat_copies_the_whole_history_on_every_append():
     assert cache.used_bytes == cache.reserved_bytes == n * PER_TOKEN
 
 
-# -- preallocate and accounting
-# ---------------------------------------------------------------------------
+# -- preallocate and accounting --------------------------------------------------------------------
 
 
 def test_preallocate_copies_nothing_and_reserves_max_len_slots():
@@ -132,8 +130,7 @@ def test_clear_errors():
         cache.append(0, *kv_rows(1, seed=1))  # layer 0 again before layer 1 finished the pass
 
 
-# -- the cache inside the model
-# ---------------------------------------------------------------------------
+# -- the cache inside the model --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

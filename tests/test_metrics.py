@@ -1,4 +1,5 @@
-"""Chapter 08's metrics: hand-written Prometheus text that a Prometheus parser reads back exactly."""
+"""Chapter 08's metrics: hand-written Prometheus text that a Prometheus parser reads back
+exactly."""
 
 from __future__ import annotations
 

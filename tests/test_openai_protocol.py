@@ -1,5 +1,6 @@
 """Chapter 08's wire format, with no server and no model: request checking, the engine's
-SamplingParams, the chat rendered as a play (ch08.2), response bodies shaped like OpenAI's, and the SSE formatter (ch08.1)."""
+SamplingParams, the chat rendered as a play (ch08.2), response bodies shaped like OpenAI's, and the
+SSE formatter (ch08.1)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ from minivllm.serving.openai_protocol import (
     usage,
 )
 
-# -- sse_event (ch08.1)
-# --------------------------------------------------------------------------------------------
+# -- sse_event (ch08.1) ----------------------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch08.1")
@@ -56,8 +56,7 @@ def test_events_concatenate_into_a_parseable_stream() -> None:
     assert [json.loads(e.removeprefix("data: ")) for e in events[:-1]] == chunks
 
 
-# -- render_chat (ch08.2)
-# ------------------------------------------------------------------------------------------
+# -- render_chat (ch08.2) --------------------------------------------------------------------------
 
 
 def msg(role: str, content: str, name: str | None = None) -> ChatMessage:
@@ -106,8 +105,7 @@ def test_reply_speaker_defaults_and_text_parts() -> None:
     assert parts.text == "Good morrow"
 
 
-# -- requests
-# ------------------------------------------------------------------------------------------------------
+# -- requests --------------------------------------------------------------------------------------
 
 
 def test_completion_request_to_sampling_params() -> None:
@@ -203,8 +201,7 @@ def test_bad_messages_are_refused(message: dict, words: str) -> None:
         ChatCompletionRequest.model_validate({"model": "m", "messages": [message]})
 
 
-# -- responses
-# -----------------------------------------------------------------------------------------------------
+# -- responses -------------------------------------------------------------------------------------
 
 
 def test_response_bodies_have_openais_shape() -> None:

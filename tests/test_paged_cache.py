@@ -31,7 +31,8 @@ def target() -> Transformer:
 def filled_storage(
     block_size: int, block_table: list[int], length: int, num_blocks: int = 8, seed: int = 0
 ):
-    """A storage whose sequence (logical rows 0..length-1) is written slot by slot, no BlockManager."""
+    """A storage whose sequence (logical rows 0..length-1) is written slot by slot, no
+    BlockManager."""
     g = torch.Generator().manual_seed(seed)
     storage = PagedKVStorage(SMALL, num_blocks, block_size)
     shape = (SMALL.n_layers, length, SMALL.n_kv_heads, SMALL.head_dim)
@@ -44,8 +45,7 @@ def filled_storage(
     return storage, k, v
 
 
-# -- ch03.3: gather through the block table
-# ---------------------------------------------------------------
+# -- ch03.3: gather through the block table --------------------------------------------------------
 
 
 @pytest.mark.exercise("ch03.3")
@@ -74,8 +74,7 @@ def test_gather_reads_a_prefix_and_follows_the_table_order():
     assert torch.equal(storage.gather(0, [2, 5], 8)[0], torch.cat([k[0, 4:8], k[0, :4]]))
 
 
-# -- the rest of the storage
-# --------------------------------------------------------------------------------
+# -- the rest of the storage -----------------------------------------------------------------------
 
 
 def test_layout_and_bytes():
@@ -127,8 +126,7 @@ def test_paged_attention_reference_matches_plain_attention():
     assert (out - expected).abs().max() < 1e-5
 
 
-# -- the target model: same tokens and logits as chapter 02
-# -------------------------------------------------
+# -- the target model: same tokens and logits as chapter 02 ----------------------------------------
 
 PROMPTS = ["ROMEO:\n", "KING:\n", "Señor, où êtes-vous?\n"]
 
@@ -184,8 +182,7 @@ def test_decode_logits_equal_the_contiguous_cache(target):
             assert (a - b).abs().max() < 1e-5
 
 
-# -- prefix caching
-# -----------------------------------------------------------------------------------------
+# -- prefix caching --------------------------------------------------------------------------------
 
 SHARED = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
@@ -243,8 +240,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(target):
     assert manager.num_free == 16
 
 
-# -- running out of blocks
-# ----------------------------------------------------------------------------------
+# -- running out of blocks -------------------------------------------------------------------------
 
 
 def test_out_of_blocks_propagates_and_frees_the_sequence(target):

@@ -1,4 +1,5 @@
-"""The book's own plumbing: paired and executed notebooks, dependency lists in step, the promised layout."""
+"""The book's own plumbing: paired and executed notebooks, dependency lists in step, the promised
+layout."""
 
 from __future__ import annotations
 

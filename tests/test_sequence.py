@@ -55,8 +55,7 @@ def feed(seq: Sequence, tokens) -> list[str]:
     return deltas
 
 
-# -- SamplingParams
-# ----------------------------------------------------------------------------------------
+# -- SamplingParams --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -161,8 +160,7 @@ def test_stop_fields_become_tuples_and_params_stay_frozen() -> None:
         dataclasses.replace(p, top_k=-2)
 
 
-# -- Sequence bookkeeping
-# ------------------------------------------------------------------------------------
+# -- Sequence bookkeeping --------------------------------------------------------------------------
 
 
 def test_a_new_sequence_has_its_whole_prompt_to_compute() -> None:
@@ -319,8 +317,7 @@ def test_finish_abort() -> None:
     assert (seq.status, seq.finish_reason, seq.output_text) == (Status.FINISHED, ABORT, "ab")
 
 
-# -- text deltas
-# ---------------------------------------------------------------------------------------------
+# -- text deltas -----------------------------------------------------------------------------------
 
 
 def test_deltas_hold_back_a_possible_stop_string_prefix() -> None:

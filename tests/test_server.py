@@ -70,8 +70,7 @@ def metric(server: ServerThread, name: str) -> float:
     raise KeyError(name)
 
 
-# -- the official client
-# -------------------------------------------------------------------------------------------
+# -- the official client ---------------------------------------------------------------------------
 
 
 def test_openai_completion_streamed_equals_non_streamed(client, server, target) -> None:
@@ -191,8 +190,7 @@ def test_several_prompts_are_several_choices(server, target) -> None:
     assert streamed == [o.text for o in offline]
 
 
-# -- many clients at once
-# ------------------------------------------------------------------------------------------
+# -- many clients at once --------------------------------------------------------------------------
 
 
 def test_64_concurrent_streams_each_equal_the_offline_engine(server, target) -> None:
@@ -216,8 +214,7 @@ def test_64_concurrent_streams_each_equal_the_offline_engine(server, target) -> 
     assert max(len(r.running) for r in trace) > 1  # they shared the batch
 
 
-# -- clients that go away
-# ------------------------------------------------------------------------------------------
+# -- clients that go away --------------------------------------------------------------------------
 
 
 def wait_until_idle(server: ServerThread, seconds: float = 30) -> None:
@@ -256,8 +253,7 @@ def test_a_non_streaming_client_that_gives_up_is_aborted(server) -> None:
     assert metric(server, 'minivllm:request_success_total{finished_reason="abort"}') == aborted + 1
 
 
-# -- bad requests
-# --------------------------------------------------------------------------------------------------
+# -- bad requests ----------------------------------------------------------------------------------
 
 OK = {"model": "target", "prompt": "ROMEO:", "max_tokens": 4}
 CHAT = {"model": "target", "messages": [{"role": "user", "content": "Hi"}]}
@@ -414,8 +410,7 @@ def test_the_server_still_serves_after_bad_requests(client, server) -> None:
     )
 
 
-# -- a failed engine
-# -----------------------------------------------------------------------------------------------
+# -- a failed engine -------------------------------------------------------------------------------
 
 
 def test_a_failed_engine_answers_503_and_shuts_down_cleanly(target) -> None:
@@ -441,8 +436,7 @@ def test_a_failed_engine_answers_503_and_shuts_down_cleanly(target) -> None:
     assert set(threading.enumerate()) == threads  # uvicorn's thread and the engine thread are gone
 
 
-# -- speculative decoding and preemption behind the server
-# ---------------------------------------------------------
+# -- speculative decoding and preemption behind the server -----------------------------------------
 
 
 def concurrent_greedy(server: ServerThread, prompts: list[str], max_tokens: int) -> list[str]:

@@ -142,8 +142,7 @@ def test_scrub_notebook_stubs_displayed_solutions(tmp_path: Path) -> None:
     assert not student.scrub_notebook(path)  # nothing left to scrub
 
 
-# -- the round trip on a toy project: copy, then grade the copy in a subprocess
-# --------------------------
+# -- the round trip on a toy project: copy, then grade the copy in a subprocess --------------------
 
 TOY_TESTS = """\
 import pytest
@@ -165,7 +164,8 @@ def test_unmarked():
 def run(
     args: list[str], cwd: Path, timeout: int = 1200, plugins: bool = True
 ) -> subprocess.CompletedProcess:
-    """Run Python in `cwd` with only `cwd/src` in front of the path, so its own package is imported."""
+    """Run Python in `cwd` with only `cwd/src` in front of the path, so its own package is
+    imported."""
     env = {**os.environ, "PYTHONPATH": str(cwd / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
     if not plugins:  # the toy project needs no installed pytest plugins; loading them costs seconds
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
@@ -222,8 +222,7 @@ def test_exercise_option_selects_by_marker(tmp_path: Path) -> None:
     assert typo.returncode == pytest.ExitCode.USAGE_ERROR and "exercise(ch9.2)" in typo.stderr
 
 
-# -- the real book: reference passes, student copy fails with the stubs
-# ----------------------------------
+# -- the real book: reference passes, student copy fails with the stubs ----------------------------
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +235,8 @@ def exercises() -> list:
 
 @pytest.fixture(scope="module")
 def reports(exercises: list, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
-    """Grade the reference and a fresh student copy of the real book, side by side (each imports torch)."""
+    """Grade the reference and a fresh student copy of the real book, side by side (each imports
+    torch)."""
     work = tmp_path_factory.mktemp("student")
     copy = work / "copy"
     student.make_student_copy(ROOT, copy)

@@ -161,7 +161,8 @@ def _ignore(root: Path):
 
 
 def stub_package(dest: Path) -> list[Exercise]:
-    """Replace the solution regions of the copied package, in place; each stubbed file must still compile."""
+    """Replace the solution regions of the copied package, in place; each stubbed file must still
+    compile."""
     found: list[Exercise] = []
     for path in package_sources(dest):
         where = str(path.relative_to(dest))
@@ -174,7 +175,8 @@ def stub_package(dest: Path) -> list[Exercise]:
 
 
 def scrub_notebook(path: Path) -> bool:
-    """Stub the solutions that executed cells displayed (`minivllm.book.show`); True if anything changed."""
+    """Stub the solutions that executed cells displayed (`minivllm.book.show`); True if anything
+    changed."""
     import nbformat
     from IPython.core.formatters import DisplayFormatter
     from IPython.display import Code
@@ -201,7 +203,8 @@ def scrub_notebook(path: Path) -> bool:
 
 
 def make_student_copy(src_root: Path, dest: Path, force: bool = False) -> list[Exercise]:
-    """Write the student copy of the project at `src_root` to `dest`; return the exercises stubbed."""
+    """Write the student copy of the project at `src_root` to `dest`; return the exercises
+    stubbed."""
     src_root, dest = src_root.resolve(), dest.resolve()
     check_destination(src_root, dest, force)
     dest.mkdir(parents=True, exist_ok=True)
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         exercises = make_student_copy(ROOT, args.dest, args.force)
     except MarkerError as error:
-        raise SystemExit(f"error: {error}")
+        raise SystemExit(f"error: {error}") from None
     print(
         f"wrote a student copy to {args.dest.resolve()}: {len(exercises)} solution regions stubbed"
     )

@@ -50,7 +50,8 @@ def source(obj: Any, lines: tuple[int, int] | None = None) -> str:
 
 
 def show(obj: Any, lines: tuple[int, int] | None = None):
-    """Display the package's own source for `obj`, highlighted; `lines` picks a 1-based inclusive range."""
+    """Display the package's own source for `obj`, highlighted; `lines` picks a 1-based inclusive
+    range."""
     from IPython.display import Code
 
     return Code(source(obj, lines), language="python")

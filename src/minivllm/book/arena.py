@@ -6,23 +6,22 @@ replays a seeded stream of requests against two ways of carving that arena up, w
 torch:
 
 - **contiguous** (`simulate_contiguous`): each request reserves one unbroken extent of `max_len`
-  slots,
-  first-fit, at admission. It must reserve the most it *may* need (prompt + max_tokens), because
-  nobody knows in advance when a sequence will stop. Two kinds of loss follow:
-  **internal waste** (slots reserved but not yet, or never, used) and **external fragmentation**
-  (a request refused although enough memory is free in total, because no single hole is big enough).
+  slots, first-fit, at admission. It must reserve the most it *may* need (prompt + max_tokens),
+  because nobody knows in advance when a sequence will stop. Two kinds of loss follow: **internal
+  waste** (slots reserved but not yet, or never, used) and **external fragmentation** (a request
+  refused although enough memory is free in total, because no single hole is big enough).
 - **paged** (`simulate_paged`): the same workload over `BlockManager`; a sequence holds only the
-  blocks
-  its tokens fill and grows one token at a time, so the only waste is the unfilled tail of its last
-  block.
+  blocks its tokens fill and grows one token at a time, so the only waste is the unfilled tail of
+  its last block.
 
 One step is one decode step. In each step, in this order:
 
 1. every running sequence (oldest first) stores one more generated token; a sequence that has now
    produced `output_len` tokens finishes and frees its memory at once;
-2. arrived requests are admitted **FIFO** while memory allows; admission stores the
-   prompt (prefill); a request that cannot be admitted blocks every request behind it (head-of-line blocking: what a
-   simple first-come-first-served server does, and what keeps a long request from starving);
+2. arrived requests are admitted **FIFO** while memory allows; admission stores the prompt
+   (prefill); a request that cannot be admitted blocks every request behind it (head-of-line
+   blocking: what a simple first-come-first-served server does, and what keeps a long request from
+   starving);
 3. the step's memory is recorded (`StepRecord`).
 """
 
@@ -37,7 +36,8 @@ from minivllm.kv.block_manager import BlockManager, OutOfBlocks
 @dataclass(frozen=True)
 class Request:
     """One client request. `max_len` = prompt_len + max_tokens: the most it may need, which a
-    contiguous cache must reserve; `output_len` (<= max_tokens) is how many tokens it really generates."""
+    contiguous cache must reserve; `output_len` (<= max_tokens) is how many tokens it really
+    generates."""
 
     id: int
     arrival: int
@@ -80,7 +80,8 @@ def make_workload(
 
 @dataclass(slots=True)
 class Extent:
-    """One sequence's piece of the arena: `reserved` slots from `start`, of which `used` hold tokens."""
+    """One sequence's piece of the arena: `reserved` slots from `start`, of which `used` hold
+    tokens."""
 
     seq_id: int
     start: int
@@ -93,7 +94,8 @@ class StepRecord:
     """The arena after one step. Paged: `largest_free` == `free` (any free block will do),
     `memory_map` has one extent per block (start = block * block_size), `stalled` lists sequences
     that could not get a block this step and `preempted` those evicted to break a deadlock.
-    `waiting`: arrived requests still queued. `fragmented` is the id of a request refused although `free` >= its need."""
+    `waiting`: arrived requests still queued. `fragmented` is the id of a request refused although
+    `free` >= its need."""
 
     step: int
     running: tuple[int, ...]
@@ -121,8 +123,7 @@ class SimResult:
       requests.
     - `mean_running` / `peak_running`: sequences running per step (mean over all steps / maximum).
     - `mean_running_saturated`: mean sequences running over the steps in which an arrived request
-      was
-      left waiting, i.e. while memory (not demand) was the limit: "how many fit in this memory".
+      was left waiting, i.e. while memory (not demand) was the limit: "how many fit in this memory".
     - `preemptions`: sequences the paged run had to evict to break a deadlock (see
       `simulate_paged`).
     """
@@ -187,8 +188,7 @@ class SimResult:
         }
 
 
-# -- the contiguous arena
-# ------------------------------------------------------------------------------
+# -- the contiguous arena --------------------------------------------------------------------------
 
 
 class ContiguousArena:
@@ -243,12 +243,12 @@ class ContiguousArena:
         return tuple(self.extents.values())
 
 
-# -- the paged pool
-# ------------------------------------------------------------------------------------
+# -- the paged pool --------------------------------------------------------------------------------
 
 
 class PagedPool:
-    """The same interface over `BlockManager`: admit the prompt's blocks, grow lazily, never fragment."""
+    """The same interface over `BlockManager`: admit the prompt's blocks, grow lazily, never
+    fragment."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.manager = BlockManager(num_blocks, block_size)
@@ -293,12 +293,12 @@ class PagedPool:
         return tuple(extents)
 
 
-# -- the simulation loop
-# -------------------------------------------------------------------------------
+# -- the simulation loop ---------------------------------------------------------------------------
 
 
 def simulate_contiguous(workload: list[Request], arena_slots: int = 8192) -> SimResult:
-    """Serve `workload` from one arena of `arena_slots` slots, reserving `max_len` contiguous slots each."""
+    """Serve `workload` from one arena of `arena_slots` slots, reserving `max_len` contiguous slots
+    each."""
     _check_fits(workload, arena_slots, "arena")
     return _simulate(workload, ContiguousArena(arena_slots), "contiguous")
 
@@ -313,17 +313,17 @@ def simulate_paged(
     first, so the oldest gets the next free block). Stalling alone can deadlock: if *every* running
     sequence stalls, no one finishes and no block is ever freed. Only then, as a last resort, the
     youngest sequence is **preempted**: its blocks are freed and it goes back to the head of the
-    queue to start
-    over (recompute). Chapter 05 turns this into a real scheduling policy; here it is only the
-    smallest thing that keeps the simulation honest and finite (the oldest sequence always makes
-    progress).
+    queue to start over (recompute). Chapter 05 turns this into a real scheduling policy; here it is
+    only the smallest thing that keeps the simulation honest and finite (the oldest sequence always
+    makes progress).
     """
     _check_fits(workload, num_blocks * block_size, "pool")
     return _simulate(workload, PagedPool(num_blocks, block_size), "paged")
 
 
 def _check_fits(workload: list[Request], capacity: int, name: str) -> None:
-    """Refuse up front a request that could never fit: otherwise it would wait at the head forever."""
+    """Refuse up front a request that could never fit: otherwise it would wait at the head
+    forever."""
     if len({req.id for req in workload}) != len(workload):
         raise ValueError("request ids must be unique")
     for req in workload:
@@ -376,7 +376,8 @@ def _decode(
     by_id: dict[int, Request],
     completed: list[int],
 ) -> tuple[int, ...]:
-    """Step 1: each running sequence stores one more token; finished ones free their memory at once."""
+    """Step 1: each running sequence stores one more token; finished ones free their memory at
+    once."""
     stalled = []
     for seq_id in list(generated):
         if not memory.grow(seq_id):

@@ -32,7 +32,8 @@ def random_inputs(
     device: str = "cpu",
 ) -> list[torch.Tensor]:
     """[q, key_cache, value_cache, block_tables, context_lens] for one decode query per sequence, in
-    the kernel's layout; every sequence's blocks are scattered over a pool with `spare_blocks` unowned ones."""
+    the kernel's layout; every sequence's blocks are scattered over a pool with `spare_blocks`
+    unowned ones."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -62,7 +63,8 @@ def reference_attention(
     context_lens: torch.Tensor,
 ) -> torch.Tensor:
     """What the kernels compute, the plain way, in float32 on the CPU: gather each sequence's K/V
-    through its block table, then the model's softmax attention (grouped-query: it repeats the K/V heads)."""
+    through its block table, then the model's softmax attention (grouped-query: it repeats the K/V
+    heads)."""
     block_size = key_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float32)
     for seq, length in enumerate(context_lens.tolist()):
@@ -87,7 +89,8 @@ def kernel_error(
     threads: int = DEFAULT_THREADS,
 ) -> float:
     """Launch the kernel on `inputs` into a NaN-poisoned output; its max error relative to the
-    reference's largest element. Raises AssertionError if the kernel left any output element unwritten."""
+    reference's largest element. Raises AssertionError if the kernel left any output element
+    unwritten."""
     out = torch.full_like(inputs[0], float("nan"))
     paged_attention(*inputs, partition_size=partition_size, threads=threads, out=out)
     unwritten = int(out.isnan().sum())

@@ -31,7 +31,8 @@ class Read:
 
 class RecordingArray(np.ndarray):
     """A numpy array that appends a `Read` to `self.reads` for every single element read from it by
-    a simulated CUDA thread. Views of it (a row, say) record into the same list, with their own indices."""
+    a simulated CUDA thread. Views of it (a row, say) record into the same list, with their own
+    indices."""
 
     reads: list[Read] | None
 

@@ -40,8 +40,9 @@ class ByteTokenizer:
         return [BOS_ID, *ids] if add_bos else ids
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of the byte tokens in `ids`; special tokens are skipped, invalid bytes become U+FFFD."""
-        # EXERCISE ch01.2: turn token ids back into text -- keep only the byte ids 0-255, replace invalid UTF-8
+        """Text of the byte tokens in `ids`; special tokens are skipped, invalid bytes become
+        U+FFFD."""
+        # EXERCISE ch01.2: token ids to text -- keep only the byte ids 0-255, replace invalid UTF-8
         ### BEGIN SOLUTION
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
         ### END SOLUTION
@@ -63,7 +64,8 @@ SECOND_BYTE_RANGE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF),
 
 
 def utf8_length(lead: int) -> int:
-    """How many bytes the character that starts with byte `lead` has; 0 if no character starts so."""
+    """How many bytes the character that starts with byte `lead` has; 0 if no character starts
+    so."""
     if lead < 0x80:
         return 1  # ASCII
     if 0xC2 <= lead <= 0xDF:

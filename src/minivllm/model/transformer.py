@@ -118,7 +118,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # EXERCISE ch00.1: RMSNorm -- divide x by the root-mean-square of its last dimension (plus eps), times self.weight
+        # EXERCISE ch00.1: RMSNorm -- x / its RMS over the last dim (+ eps), times self.weight
         ### BEGIN SOLUTION
         # Scale each vector to unit root-mean-square, then by a learned gain; no mean, no bias.
         rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
@@ -139,7 +139,7 @@ def rope_cos_sin(
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` (`[..., T, heads, head_dim]`) by position. Pairs are (i, i + head_dim/2), the
     "rotate half" layout Hugging Face's Llama uses, so our weights load there unchanged."""
-    # EXERCISE ch00.2: RoPE -- rotate each pair (x[i], x[i + half]) by the angle whose cos/sin are given
+    # EXERCISE ch00.2: RoPE -- rotate each pair (x[i], x[i + half]) by the angle in cos/sin
     ### BEGIN SOLUTION
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)

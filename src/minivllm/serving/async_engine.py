@@ -5,8 +5,7 @@ A web server answers every client from one asyncio event loop. `LLMEngine` is sy
 `step()` computes for milliseconds, and it is not thread-safe. So the two live apart:
 
 * ONE **engine thread** owns the engine and makes every call on it. With nothing to do it sleeps on
-  a
-  condition variable (no busy spinning); while any request is unfinished it steps.
+  a condition variable (no busy spinning); while any request is unfinished it steps.
 * The asyncio side never touches the engine. It puts *functions* in the engine thread's **inbox** --
   "add these requests", "abort those", "read the trace" -- and gets each result back through a
   future. The engine thread runs its whole inbox before every step, so an abort frees its blocks
@@ -45,7 +44,8 @@ T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped -- the engine failed, or was closed -- and will run nothing more."""
+    """The engine thread has stopped -- the engine failed, or was closed -- and will run nothing
+    more."""
 
 
 class RequestStream:
@@ -136,8 +136,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
-    # -- the asyncio side
-    # ----------------------------------------------------------------------------
+    # -- the asyncio side --------------------------------------------------------------------------
     async def add_request(
         self,
         prompts: str | SequenceOf[str | list[int]],
@@ -145,8 +144,8 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue one prompt (a str) or several (a list; a token-id prompt must be inside a list),
         with one SamplingParams for all or one each. All are added or none: a bad one raises the
-        engine's
-        ValueError (or TypeError), saying what to change. Raises EngineDeadError when the engine is dead."""
+        engine's ValueError (or TypeError), saying what to change. Raises EngineDeadError when the
+        engine is dead."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
@@ -168,8 +167,7 @@ class AsyncEngine:
 
     def abort(self, request_ids: Iterable[int]) -> None:
         """Stop these requests (finished or unknown ones are skipped); their blocks are free before
-        the
-        next step. Returns at once: the engine thread does the work."""
+        the next step. Returns at once: the engine thread does the work."""
         ids = tuple(request_ids)
         self.submit(lambda engine: self._abort(ids))  # a dead engine's refusal is nobody's business
 
@@ -187,8 +185,8 @@ class AsyncEngine:
 
     def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """`fn(engine)` between two steps, waiting for the result: for code outside the event loop
-        (a
-        test, a notebook). Once the engine thread has stopped nothing changes the engine: `fn` runs here."""
+        (a test, a notebook). Once the engine thread has stopped nothing changes the engine: `fn`
+        runs here."""
         try:
             return self.submit(fn).result()
         except EngineDeadError:
@@ -229,8 +227,7 @@ class AsyncEngine:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    # -- the engine thread
-    # ---------------------------------------------------------------------------
+    # -- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._wakeup:

@@ -47,7 +47,8 @@ class StreamedCompletion:
 
 
 def sse_payload(line: str) -> dict | None:
-    """The JSON of one `data: ...` line of a Server-Sent Event stream; None for `[DONE]` and other lines."""
+    """The JSON of one `data: ...` line of a Server-Sent Event stream; None for `[DONE]` and other
+    lines."""
     if not line.startswith("data: ") or line == f"data: {DONE}":
         return None
     return json.loads(line[len("data: ") :])
@@ -56,7 +57,8 @@ def sse_payload(line: str) -> dict | None:
 async def stream_completion(
     client: httpx.AsyncClient, base_url: str, body: dict
 ) -> StreamedCompletion:
-    """POST `body` (one prompt; "stream" is set) to `{base_url}/completions` and read the stream to its end."""
+    """POST `body` (one prompt; "stream" is set) to `{base_url}/completions` and read the stream to
+    its end."""
     result = StreamedCompletion(time.perf_counter())
     async with client.stream(
         "POST", f"{base_url}/completions", json={**body, "stream": True}

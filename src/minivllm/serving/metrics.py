@@ -5,13 +5,12 @@ format is simple enough to write by hand: per metric a `# HELP` line, a `# TYPE`
 `name{label="value"} number` line per series. Three kinds are enough for a server:
 
 * a **counter** only goes up (tokens generated, requests finished); Prometheus derives rates from
-  it,
-  so a restart or a missed scrape loses nothing;
+  it, so a restart or a missed scrape loses nothing;
 * a **gauge** is a value now (requests running, share of the KV cache in use);
 * a **histogram** counts observations per bucket: `_bucket{le="x"}` is how many were <= x
-  (cumulative,
-  ending at `le="+Inf"`), with `_sum` and `_count` beside. Quantiles -- p50 or p99 time to first
-  token -- are estimated from the buckets, and buckets from many servers can simply be added.
+  (cumulative, ending at `le="+Inf"`), with `_sum` and `_count` beside. Quantiles -- p50 or p99 time
+  to first token -- are estimated from the buckets, and buckets from many servers can simply be
+  added.
 
 Names start with `minivllm:` as vLLM's start with `vllm:`; a colon is legal in a metric name
 (`[a-zA-Z_:][a-zA-Z0-9_:]*`). Nothing here knows the engine: `ServingMetrics` is told plain numbers.
@@ -182,7 +181,8 @@ class ServingMetrics:
         self.kv_cache_usage.set(kv_cache_usage)
 
     def first_token(self, seconds: float, prompt_tokens: int, cached_tokens: int) -> None:
-        """A request's prefill is done: its prompt has been looked up in the prefix cache and run."""
+        """A request's prefill is done: its prompt has been looked up in the prefix cache and
+        run."""
         self.ttft.observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.prefix_queries.inc(prompt_tokens)

@@ -2,16 +2,16 @@
 
 A server is only "OpenAI-compatible" if the official client can talk to it unchanged, so this module
 copies the wire format exactly and nothing else: the request bodies of `/v1/completions` and
-`/v1/chat/completions` as pydantic models (checked field by field, so a bad request is refused with a
-message naming the field), and the bodies that go back -- whole responses, streamed chunks, errors --
-as plain dicts shaped like OpenAI's. It knows no engine and imports no torch: the server (server.py)
-joins it to the engine.
+`/v1/chat/completions` as pydantic models (checked field by field, so a bad request is refused with
+a message naming the field), and the bodies that go back -- whole responses, streamed chunks,
+errors -- as plain dicts shaped like OpenAI's. It knows no engine and imports no torch: the server
+(server.py) joins it to the engine.
 
-Two translations live here. `CompletionRequest.sampling_params` turns OpenAI's knobs into the engine's
-`SamplingParams`. `render_chat` turns a chat -- a list of messages with roles -- into the only kind of
-text the model has ever read: a play. Each message is a turn, `SPEAKER:` on its own line, the speech,
-a blank line; the prompt ends with the header of the speaker who answers, and the answer ends at the
-blank line that closes its speech.
+Two translations live here. `CompletionRequest.sampling_params` turns OpenAI's knobs into the
+engine's `SamplingParams`. `render_chat` turns a chat -- a list of messages with roles -- into the
+only kind of text the model has ever read: a play. Each message is a turn, `SPEAKER:` on its own
+line, the speech, a blank line; the prompt ends with the header of the speaker who answers, and the
+answer ends at the blank line that closes its speech.
 
 Streaming uses Server-Sent Events: each chunk is one `data: <json>` line and a blank line, and the
 stream ends with `data: [DONE]`.
@@ -31,10 +31,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from minivllm.sched.sequence import CACHE_FULL, LENGTH, STOP, SamplingParams
 
-# -- requests ----------------------------------------------------------------------------------------
+# -- requests --------------------------------------------------------------------------------------
 
-# Fields an OpenAI client may send that this server cannot honour. Their "off" values are accepted (a
-# client library often sends them explicitly); anything else is refused rather than silently ignored.
+# Fields an OpenAI client may send that this server cannot honour. Their "off" values are accepted
+# (a client library often sends them explicitly); anything else is refused rather than silently
+# ignored.
 UNSUPPORTED = {
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
@@ -71,7 +72,8 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # Extras, as vLLM names them: top_k 0 (or vLLM's -1) is off; ignore_eos runs past the end of a scene.
+    # Extras, as vLLM names them: top_k 0 (or vLLM's -1) is off; ignore_eos runs past the end of a
+    # scene.
     top_k: int | None = Field(default=None, ge=-1)
     ignore_eos: bool | None = False
 
@@ -107,7 +109,8 @@ class _SamplingFields(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling_params(self, max_tokens: int, extra_stop: SequenceOf[str] = ()) -> SamplingParams:
-        """The engine's parameters; `max_tokens` is the endpoint's default when the request gives none."""
+        """The engine's parameters; `max_tokens` is the endpoint's default when the request gives
+        none."""
         return SamplingParams(
             max_tokens=self.max_tokens or max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -139,7 +142,8 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message. `name`, which OpenAI allows on any message, is the speaker's name in the play."""
+    """One message. `name`, which OpenAI allows on any message, is the speaker's name in the
+    play."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -163,7 +167,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions: the messages become a play; the model answers as the next speaker."""
+    """POST /v1/chat/completions: the messages become a play; the model answers as the next
+    speaker."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(
@@ -177,11 +182,11 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
-# -- chat as a play ----------------------------------------------------------------------------------
+# -- chat as a play --------------------------------------------------------------------------------
 
 # Who speaks when a message has no `name`. Both are among the training plays' speakers, so the model
-# knows how they talk. The system message (or "developer", its newer name) is the Chorus: in the plays
-# the Chorus is the voice that sets the scene before the characters speak.
+# knows how they talk. The system message (or "developer", its newer name) is the Chorus: in the
+# plays the Chorus is the voice that sets the scene before the characters speak.
 SPEAKERS = {"system": "Chorus", "developer": "Chorus", "user": "ROMEO", "assistant": "JULIET"}
 END_OF_TURN = "\n\n"  # a blank line ends a speech: the chat endpoint's default stop
 
@@ -199,7 +204,7 @@ def render_chat(messages: SequenceOf[ChatMessage]) -> str:
     blank line. A blank line inside a message would end the speech early, so runs of newlines become
     one; leading and trailing whitespace is dropped.
     """
-    # EXERCISE ch08.2: render the chat as a play -- one "SPEAKER:\n<speech>\n\n" turn per message, then the reply's header
+    # EXERCISE ch08.2: chat -> play: "SPEAKER:\n<speech>\n\n" per message, then the reply's header
     ### BEGIN SOLUTION
     turns = []
     for message in messages:
@@ -210,7 +215,7 @@ def render_chat(messages: SequenceOf[ChatMessage]) -> str:
     ### END SOLUTION
 
 
-# -- responses ---------------------------------------------------------------------------------------
+# -- responses -------------------------------------------------------------------------------------
 
 
 def finish_reason(engine_reason: str | None) -> str | None:
@@ -229,7 +234,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 @dataclass(frozen=True)
 class ResponseHeader:
-    """The fields every body and chunk of one response repeats: the same id and `created` throughout."""
+    """The fields every body and chunk of one response repeats: the same id and `created`
+    throughout."""
 
     id: str
     object: str
@@ -266,7 +272,8 @@ def chat_choice(index: int, text: str, reason: str | None) -> dict:
 
 
 def chat_delta(index: int, delta: dict, reason: str | None) -> dict:
-    """A streamed chat choice: `delta` is {"role": ...} first, then {"content": ...}, then {} with the reason."""
+    """A streamed chat choice: `delta` is {"role": ...} first, then {"content": ...}, then {} with
+    the reason."""
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
 
@@ -286,21 +293,23 @@ def error_body(
     param: str | None = None,
     code: str | None = None,
 ) -> dict:
-    """OpenAI's error body; the official client raises it as `openai.BadRequestError` and friends."""
+    """OpenAI's error body; the official client raises it as `openai.BadRequestError` and
+    friends."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-# -- Server-Sent Events ------------------------------------------------------------------------------
+# -- Server-Sent Events ----------------------------------------------------------------------------
 
 DONE = "[DONE]"  # the sentinel that ends every OpenAI stream
 
 
 def sse_event(payload: dict | str) -> str:
-    """One Server-Sent Event: `data: ` + the payload as compact JSON (a str, like DONE, as is) + a blank line.
+    """One Server-Sent Event: `data: ` + the payload as compact JSON (a str, like DONE, as is) + a
+    blank line.
 
     JSON escapes newlines, so one event is always one `data:` line; non-ASCII text stays as it is.
     """
-    # EXERCISE ch08.1: format one Server-Sent Event -- "data: " + the payload as compact JSON (a str as is), then a blank line
+    # EXERCISE ch08.1: one SSE -- "data: " + the payload as compact JSON (a str as is) + "\n\n"
     ### BEGIN SOLUTION
     data = (
         payload

@@ -184,7 +184,8 @@ def chat_content(index: int, text: str, reason: str | None) -> dict:
 
 
 async def collect(stream: RequestStream) -> list[Answer]:
-    """Every delta of the stream, joined into one answer per request (in the order of the prompts)."""
+    """Every delta of the stream, joined into one answer per request (in the order of the
+    prompts)."""
     answers = {request_id: Answer() for request_id in stream.request_ids}
     async with stream:
         async for delta in stream:
@@ -207,7 +208,8 @@ async def sse_stream(
     first: dict | None = None,
 ) -> AsyncIterator[str]:
     """A streamed response as Server-Sent Events: `first` (chat's role delta), a chunk per delta
-    that carries text, a finish chunk per choice, the usage chunk (no choices) if the client asked, `[DONE]`."""
+    that carries text, a finish chunk per choice, the usage chunk (no choices) if the client asked,
+    `[DONE]`."""
     if first is not None:
         yield sse_event(first)
     index = {request_id: i for i, request_id in enumerate(stream.request_ids)}
@@ -245,7 +247,8 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """Await `work`, but cancel it if the client goes away first (its `async with stream` then aborts)."""
+    """Await `work`, but cancel it if the client goes away first (its `async with stream` then
+    aborts)."""
     task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -258,12 +261,13 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
 
 
 async def disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body has been read: the next message is the disconnect)."""
+    """Returns when the client has gone (the body has been read: the next message is the
+    disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-# -- the app -----------------------------------------------------------------------------------------
+# -- the app ---------------------------------------------------------------------------------------
 
 
 def build_app(engine: AsyncEngine, model_name: str = "target") -> FastAPI:
@@ -292,7 +296,10 @@ async def validation_error(request: Request, error: RequestValidationError) -> J
         where = ".".join(str(part) for part in problem["loc"][1:])  # loc starts with "body"
         params.append(where.split(".")[0])
         if problem["type"] == "json_invalid":
-            message = f"the body is not valid JSON ({problem['ctx']['error']} at character {where}): send a JSON object"
+            message = (
+                f"the body is not valid JSON ({problem['ctx']['error']} at character {where}): "
+                "send a JSON object"
+            )
             return JSONResponse(error_body(message), status_code=400)
         if (
             problem["type"] == "value_error"
@@ -305,7 +312,8 @@ async def validation_error(request: Request, error: RequestValidationError) -> J
 
 
 async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (no such route, wrong method, an unreadable body) in OpenAI's shape."""
+    """Starlette's own errors (no such route, wrong method, an unreadable body) in OpenAI's
+    shape."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
     return JSONResponse(
         error_body(str(error.detail), param=None, code=code),
@@ -318,8 +326,7 @@ async def internal_error(request: Request, error: Exception) -> JSONResponse:
     return JSONResponse(error_body(f"internal error: {error!r}", "server_error"), status_code=500)
 
 
-# -- running it
-# --------------------------------------------------------------------------------------
+# -- running it ------------------------------------------------------------------------------------
 
 
 class ServerThread:

@@ -3,22 +3,20 @@ pass.
 
 Naive generation (chapter 00) re-runs the model over the whole prefix for every new token, although
 the keys and values of the earlier tokens never change: token i's k and v depend only on tokens
-0..i. So we compute them once, keep them, and feed the model only the new token at its position.
-A step then costs a forward pass over one token plus an attention read over the cached history.
+0..i. So we compute them once, keep them, and feed the model only the new token at its position. A
+step then costs a forward pass over one token plus an attention read over the cached history.
 
 `ContiguousKVCache` is an attention object (the model's seam, see `model.py`) for ONE sequence. It
 stores, per layer, K and V as one contiguous `[length, n_kv_heads, head_dim]` tensor each, grown by
 one of the two classic strategies:
 
 * `"concat"` -- `torch.cat` the history with the new rows on every append. Memory is exactly what
-  the
-  sequence needs, but every append copies the whole history: O(T^2) bytes over a generation
+  the sequence needs, but every append copies the whole history: O(T^2) bytes over a generation
   (`bytes_copied` counts them).
 * `"preallocate"` -- reserve `max_len` slots per layer up front and write into slices. No copies,
-  but
-  every sequence pays for `max_len` slots whatever its length (`reserved_bytes` vs `used_bytes`),
-  and it cannot grow past them. With many sequences that reserved-but-unused memory is what chapter
-  03's paged cache wins back.
+  but every sequence pays for `max_len` slots whatever its length (`reserved_bytes` vs
+  `used_bytes`), and it cannot grow past them. With many sequences that reserved-but-unused memory
+  is what chapter 03's paged cache wins back.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ def cached_causal_mask(start: int, new_tokens: int) -> torch.Tensor:
     Query i of this call sits at absolute position `start + i` and may see keys `0..start + i`: all
     of the cached history, and the new tokens up to and including itself.
     """
-    # EXERCISE ch02.2: causal mask for new_tokens queries at positions start.. over keys 0..start+new_tokens-1
+    # EXERCISE ch02.2: causal mask -- queries at positions start.. over keys 0..start+new_tokens-1
     ### BEGIN SOLUTION
     query_positions = torch.arange(start, start + new_tokens)[:, None]
     key_positions = torch.arange(start + new_tokens)[None, :]
@@ -50,7 +48,8 @@ def cached_causal_mask(start: int, new_tokens: int) -> torch.Tensor:
 
 
 class ContiguousKVCache:
-    """Per-layer K and V for one sequence, as contiguous tensors; called by the model at the seam."""
+    """Per-layer K and V for one sequence, as contiguous tensors; called by the model at the
+    seam."""
 
     def __init__(
         self,
@@ -90,7 +89,8 @@ class ContiguousKVCache:
 
     @property
     def reserved_bytes(self) -> int:
-        """Memory the tensors actually hold: max_len slots when preallocated, the history when concatenated."""
+        """Memory the tensors actually hold: max_len slots when preallocated, the history when
+        concatenated."""
         return sum(tensor_bytes(t) for t in self.k + self.v)
 
     def keys(self, layer: int) -> torch.Tensor:
@@ -125,7 +125,7 @@ class ContiguousKVCache:
             )
 
     def _append_concat(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # EXERCISE ch02.1: concat append -- torch.cat k, v onto this layer's history; add the bytes copied to self.bytes_copied
+        # EXERCISE ch02.1: concat append -- torch.cat k, v onto the history; count self.bytes_copied
         ### BEGIN SOLUTION
         # torch.cat allocates a new tensor and copies the whole history into it: that is the cost.
         self.bytes_copied += tensor_bytes(self.k[layer]) + tensor_bytes(self.v[layer])
@@ -173,7 +173,8 @@ def stream_cached(
     seed: int = 0,
     eos_id: int | None = None,
 ) -> Iterator[int]:
-    """Yield new token ids one at a time: prefill the prompt in one pass, then one token per pass."""
+    """Yield new token ids one at a time: prefill the prompt in one pass, then one token per
+    pass."""
     check_request(model, prompt_ids, max_new_tokens)
     if cache.length:
         raise ValueError(

@@ -16,7 +16,8 @@ from minivllm.model.transformer import Transformer
 
 @torch.no_grad()
 def next_token_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
-    """Logits for the token after `ids`: a forward pass over all of them, keeping only the last row."""
+    """Logits for the token after `ids`: a forward pass over all of them, keeping only the last
+    row."""
     return model(torch.tensor(ids))[-1]
 
 
@@ -29,7 +30,8 @@ def pick_token(logits: torch.Tensor, temperature: float, generator: torch.Genera
 
 
 def check_request(model: Transformer, prompt_ids: list[int], max_new_tokens: int) -> None:
-    """Reject a request that can never run, saying what to change: every generator calls this first."""
+    """Reject a request that can never run, saying what to change: every generator calls this
+    first."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: start the prompt with at least one token (e.g. BOS)")
     vocab = model.config.vocab_size
@@ -45,8 +47,7 @@ def check_request(model: Transformer, prompt_ids: list[int], max_new_tokens: int
     if len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            "model's "
-            f"context of {limit} tokens: shorten the prompt or ask for fewer tokens"
+            f"model's context of {limit} tokens: shorten the prompt or ask for fewer tokens"
         )
 
 

@@ -67,8 +67,8 @@ class PagedAttention:
 
     def prepare(self, start: int, num_new: int) -> None:
         """Before a forward pass over `num_new` tokens at positions `start..`: grow the block table
-        (all
-        or nothing; `OutOfBlocks` propagates), copy shared blocks we are about to write, map the slots."""
+        (all or nothing; `OutOfBlocks` propagates), copy shared blocks we are about to write, map
+        the slots."""
         end = start + num_new
         if self.seq_id not in self.manager:
             self.manager.allocate(self.seq_id, end)
@@ -90,8 +90,7 @@ class PagedAttention:
         if k.shape[0] != len(self.slots):
             raise ValueError(
                 f"layer {layer} got {k.shape[0]} new tokens but prepare() mapped "
-                f"{len(self.slots)}: "
-                f"call prepare(start, num_new) before every forward pass"
+                f"{len(self.slots)}: call prepare(start, num_new) before every forward pass"
             )
         self.storage.write(layer, self.slots, k, v)
         return paged_attention_reference(
@@ -117,7 +116,8 @@ def stream_paged(
     eos_id: int | None = None,
     use_prefix_cache: bool = False,
 ) -> Iterator[int]:
-    """`stream_cached` over the paged cache; the sequence's blocks are freed when it ends, however it ends."""
+    """`stream_cached` over the paged cache; the sequence's blocks are freed when it ends, however
+    it ends."""
     check_request(model, prompt_ids, max_new_tokens)
     if seq_id in manager:
         raise ValueError(f"sequence {seq_id} already has a block table: use a fresh seq_id")

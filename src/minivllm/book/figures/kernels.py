@@ -7,8 +7,7 @@ from matplotlib.patches import Rectangle
 
 from minivllm.book import FREE_COLOR
 
-# -- chapter 07: the CUDA kernel
-# -------------------------------------------------------------------------
+# -- chapter 07: the CUDA kernel -------------------------------------------------------------------
 WARP_COLORS = (
     "#66c2a5",
     "#fc8d62",
@@ -43,7 +42,7 @@ def _zoom(
     ax: Axes, source: tuple[float, float, float, float], target: tuple[float, float, float, float]
 ) -> None:
     """Two grey lines from the box `source` (x, y, w, h) to the box `target`: "this, enlarged"."""
-    (sx, sy, sw, sh), (tx, ty, tw, th) = source, target
+    (sx, sy, sw, sh), (tx, ty, _tw, th) = source, target
     for a, b in (((sx + sw, sy + sh), (tx, ty + th)), ((sx + sw, sy), (tx, ty))):
         ax.plot([a[0], b[0]], [a[1], b[1]], color="#999999", lw=0.7, ls="--")
 
@@ -53,8 +52,8 @@ def draw_execution_model(
 ) -> None:
     """The kernel's launch as the GPU sees it: a grid of thread blocks (one per sequence and head),
     a block's warps (each takes every num_warps-th token), and a warp's 32 lanes (each takes every
-    32nd
-    element of head_dim), left to right, each an enlargement of the highlighted piece of the last."""
+    32nd element of head_dim), left to right, each an enlargement of the highlighted piece of the
+    last."""
     num_warps, cell, gap = threads // 32, 0.9, 2.2
     for s in range(num_seqs):  # the grid
         for h in range(num_heads):
@@ -132,8 +131,8 @@ def draw_cache_reads(
     """GPU-Puzzles style: the physical key cache, one row per physical block, one cell per slot. A
     slot this thread block read is coloured by the warp that read its key row, labelled with the
     round in which that warp read it (its 1st, 2nd, ... token); slots of other sequences' blocks
-    stay blank.
-    `key_reads` is `kernel_trace.reads_by_thread` over the key cache's reads of ONE thread block."""
+    stay blank. `key_reads` is `kernel_trace.reads_by_thread` over the key cache's reads of ONE
+    thread block."""
     rounds: dict[tuple[int, int], tuple[int, int]] = {}  # (block, slot) -> (warp, round)
     for (_, thread), indices in key_reads.items():
         if thread % warp_size:
