@@ -1,4 +1,4 @@
-"""What goes into the engine and what comes out of it, in one place (chapter 04; used by chapter 08).
+"""What goes into the engine and what comes out of it, in one place (chapters 04 and 08).
 
 `InputProcessor` turns a caller's prompt and `SamplingParams` into checked token ids *before* the
 scheduler sees them: a bad request raises an error that says what to change, and nothing in the
@@ -12,8 +12,9 @@ new parameter, how a stop string is held back) is written once. The same split i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.sched.sequence import SamplingParams, Sequence
@@ -141,19 +142,20 @@ class _Cursor:
     tokens_sent: int = 0  # output tokens already handed out
 
 
-@dataclass
 class OutputProcessor:
-    """Makes each step's `RequestOutput`s and keeps every unfinished request's stream cursor."""
+    """Makes each step's `RequestOutput`s and keeps every request's stream cursor.
 
-    cursors: dict[int, _Cursor] = field(default_factory=dict)
+    A cursor lives exactly as long as its `Sequence` (a weak reference): a server that runs for
+    days keeps none for the requests it finished, and a finished request asked again hands out
+    nothing twice."""
+
+    def __init__(self) -> None:
+        self.cursors: weakref.WeakKeyDictionary[Sequence, _Cursor] = weakref.WeakKeyDictionary()
 
     def output(self, seq: Sequence) -> RequestOutput:
-        """The request's state now, with what is new since its last output. A finished request's
-        cursor is dropped: its last output is its final one."""
-        cursor = self.cursors.setdefault(seq.seq_id, _Cursor())
+        """The request's state now, with what is new since its last output."""
+        cursor = self.cursors.setdefault(seq, _Cursor())
         new_text, new_token_ids = _take_text(seq, cursor), _take_tokens(seq, cursor)
-        if seq.is_finished:
-            del self.cursors[seq.seq_id]
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=list(seq.prompt_token_ids),
