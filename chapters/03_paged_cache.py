@@ -237,9 +237,8 @@ show_state(
 show(BlockManager.write)
 
 # %%
-manager.fork(
-    1, 2
-)  # sequence 2 shares every block of sequence 1 (e.g. a second sample of the same prompt)
+# sequence 2 shares every block of sequence 1 (e.g. a second sample of the same prompt)
+manager.fork(1, 2)
 last = manager.tables[2].num_tokens - 1
 block, copied_from = manager.write(2, last)
 print(

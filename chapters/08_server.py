@@ -362,9 +362,8 @@ bodies = [
 ]
 delays = [rng.uniform(0, 1.0) for _ in bodies]
 steps_before = len(server.engine.trace())
-results = await many_clients(
-    bodies, delays
-)  # a notebook cell may await: Jupyter runs an event loop
+# a notebook cell may await: Jupyter runs an event loop
+results = await many_clients(bodies, delays)
 trace = server.engine.trace()[steps_before:]
 
 offline = LLMEngine(target).generate(

@@ -22,7 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "minivllm"
-LAYER_ROW = re.compile(r"^\|\s*(?P<rank>\d+)\s*\|\s*`(?P<name>[\w.]+)/?`\s*\|\s*(?P<kind>core|aid)\s*\|")
+LAYER_ROW = re.compile(
+    r"^\|\s*(?P<rank>\d+)\s*\|\s*`(?P<name>[\w.]+)/?`\s*\|\s*(?P<kind>core|aid)\s*\|"
+)
 
 
 def documented_layers() -> dict[str, tuple[int, str]]:

@@ -53,9 +53,8 @@ def test_workload_is_seeded_and_sane() -> None:
     assert [r.id for r in a] == list(range(60))
     assert all(1 <= r.output_len <= r.max_tokens and r.prompt_len >= 4 for r in a)
     assert [r.arrival for r in a] == sorted(r.arrival for r in a)
-    assert (
-        len({r.prompt_len for r in a}) > 20 and len({r.max_tokens for r in a}) > 1
-    )  # mixed lengths
+    # mixed lengths
+    assert len({r.prompt_len for r in a}) > 20 and len({r.max_tokens for r in a}) > 1
 
 
 def test_same_seed_same_results() -> None:
@@ -91,9 +90,8 @@ def test_contiguous_internal_waste_is_exact() -> None:
 def test_first_fit_reuses_the_lowest_hole_and_coalesces() -> None:
     r = simulate_contiguous(FRAGMENTING, arena_slots=10)
     assert [(e.seq_id, e.start) for e in r.steps[0].memory_map] == [(0, 0), (1, 3), (2, 7)]
-    assert [(e.seq_id, e.start) for e in r.steps[3].memory_map] == [
-        (3, 0)
-    ]  # holes merged back into one
+    # holes merged back into one
+    assert [(e.seq_id, e.start) for e in r.steps[3].memory_map] == [(3, 0)]
 
 
 def test_paged_same_workload_completes_with_better_utilisation() -> None:
@@ -121,9 +119,8 @@ def test_paged_deadlock_is_broken_by_preempting_the_youngest() -> None:
     assert [s.preempted for s in r.steps] == [(), (1,), (), (), ()]
     assert r.completed == [0, 1] and r.preemptions == 1
     check_memory_maps(r)
-    assert (
-        simulate_contiguous(w, arena_slots=4).num_steps == r.num_steps
-    )  # one at a time either way
+    # one at a time either way
+    assert simulate_contiguous(w, arena_slots=4).num_steps == r.num_steps
 
 
 def test_stalls_when_a_block_is_missing() -> None:

@@ -146,9 +146,8 @@ def test_defaults() -> None:
 
 
 def test_stop_fields_become_tuples_and_params_stay_frozen() -> None:
-    assert SamplingParams(stop="END").stop == (
-        "END",
-    )  # one string is one stop string, not its characters
+    # one string is one stop string, not its characters
+    assert SamplingParams(stop="END").stop == ("END",)
     assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
     assert SamplingParams(stop_token_ids=[10, 13]).stop_token_ids == (10, 13)
     p = SamplingParams(stop=["x"], stop_token_ids=[1])

@@ -84,9 +84,8 @@ def test_openai_completion_streamed_equals_non_streamed(client, server, target) 
     assert abs(whole.created - time.time()) < 600
     choice = whole.choices[0]
     assert choice.finish_reason == "length" and whole.usage.completion_tokens == 24
-    assert (
-        whole.usage.prompt_tokens == len("ROMEO:\n") + 1 and whole.usage.total_tokens == 32
-    )  # + BOS
+    # + BOS
+    assert whole.usage.prompt_tokens == len("ROMEO:\n") + 1 and whole.usage.total_tokens == 32
     offline = LLMEngine(target).generate(
         ["ROMEO:\n"], SamplingParams(max_tokens=24, temperature=0.8, seed=7)
     )[0]
@@ -399,9 +398,8 @@ def test_the_server_still_serves_after_bad_requests(client, server) -> None:
         client.completions.create(model="nope", prompt="x")
     assert raised.value.code == "model_not_found" and raised.value.param == "model"
     assert httpx.get(server.url + "/health").status_code == 200
-    assert (
-        httpx.get(server.base_url + "/completions").status_code == 405
-    )  # a GET where only POST is served
+    # a GET where only POST is served
+    assert httpx.get(server.base_url + "/completions").status_code == 405
     assert (
         client.completions.create(
             model="target", prompt="ROMEO:\n", max_tokens=3

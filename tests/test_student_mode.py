@@ -74,9 +74,8 @@ def test_one_exercise_may_span_several_regions() -> None:
 def test_source_without_regions_is_unchanged() -> None:
     plain = "x = 1  # EXERCISEs live elsewhere\n# exercise for the reader\n"
     assert student.stub_source(plain, "plain.py") == (plain, [])
-    stubbed = student.stub_source(MODULE, "toy.py")[
-        0
-    ]  # a student copy, solved or not, has no regions
+    # a student copy, solved or not, has no regions
+    stubbed = student.stub_source(MODULE, "toy.py")[0]
     assert student.stub_source(stubbed, "toy.py") == (stubbed, [])
 
 

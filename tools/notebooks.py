@@ -1,9 +1,8 @@
 """The notebook pipeline: `chapters/NN_slug.py` (source) -> executed `chapters/NN_slug.ipynb`
 (committed).
 
-    python tools/notebooks.py execute [chapters/00_model.py ...]   sync .py -> .ipynb and execute in
-    place python tools/notebooks.py check                                 fail if a pair drifted or
-    a cell is unrun
+    python tools/notebooks.py execute [chapters/00_model.py ...]   sync .py -> .ipynb, execute it
+    python tools/notebooks.py check                     fail if a pair drifted or a cell is unrun
 
 Execution happens in `chapters/` with a fresh kernel per notebook, cells in order, no timing
 metadata, so running it twice on the same machine gives the same outputs.

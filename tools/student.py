@@ -222,9 +222,8 @@ def make_student_copy(src_root: Path, dest: Path, force: bool = False) -> list[E
 
 
 def student_readme(exercises: list[Exercise]) -> str:
-    ordered = sorted(
-        exercises, key=lambda e: [int(n) for n in re.findall(r"\d+", e.id)]
-    )  # ch01.2 < ch01.10
+    # ch01.2 < ch01.10
+    ordered = sorted(exercises, key=lambda e: [int(n) for n in re.findall(r"\d+", e.id)])
     rows = [f"| `{e.id}` | `{e.path.as_posix()}:{e.line}` | {e.description} |" for e in ordered]
     first = ordered[0].id if ordered else "ch00.1"
     return "\n".join(

@@ -128,9 +128,8 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine `serve` runs: every setting checked here, before the server starts listening."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    per_decode = 1 + (
-        args.num_speculative_tokens if args.speculative else 0
-    )  # a full batch must fit one step
+    # a full batch must fit one step
+    per_decode = 1 + (args.num_speculative_tokens if args.speculative else 0)
     scheduler = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -145,9 +144,8 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from minivllm.serving.server import (
-        serve as serve_http,  # FastAPI and uvicorn load only for this command
-    )
+    # FastAPI and uvicorn load only for this command
+    from minivllm.serving.server import serve as serve_http
 
     engine = build_serving_engine(args)
     serve_http(engine, args.served_model_name or args.model, args.host, args.port, args.log_level)

@@ -350,14 +350,12 @@ def _simulate(workload: list[Request], memory: ContiguousArena | PagedPool, kind
         stalled = _decode(memory, generated, by_id, result.completed)
         preempted = []
         while stalled and len(stalled) == running:  # nobody moved: only preemption can free a block
-            victim = next(
-                reversed(generated)
-            )  # the youngest; the oldest is never the victim while others run
+            # the youngest; the oldest is never the victim while others run
+            victim = next(reversed(generated))
             memory.release(victim)
             del generated[victim]
-            pending.insert(
-                0, by_id[victim]
-            )  # back to the head of the queue, to start over (recompute)
+            # back to the head of the queue, to start over (recompute)
+            pending.insert(0, by_id[victim])
             preempted.append(victim)
             running = len(generated)
             stalled = _decode(memory, generated, by_id, result.completed)

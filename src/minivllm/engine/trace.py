@@ -37,9 +37,8 @@ class StepRecord:
     speculated: tuple[tuple[int, int, int], ...] = ()
     forward_s: float = 0.0  # time in the target model's forward pass
     draft_s: float = 0.0  # time the drafter took to propose (0 without speculative decoding)
-    step_s: float = (
-        0.0  # time of the whole step: schedule, build the batch, forward, sample, update
-    )
+    # time of the whole step: schedule, build the batch, forward, sample, update
+    step_s: float = 0.0
 
     def to_dict(self, timings: bool = True) -> dict:
         record = asdict(self)

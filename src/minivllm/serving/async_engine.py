@@ -60,9 +60,8 @@ class RequestStream:
 
     def __init__(self, engine: AsyncEngine, request_ids: tuple[int, ...]) -> None:
         self.request_ids = request_ids
-        self.num_prompt_tokens: dict[
-            int, int
-        ] = {}  # filled in by the engine thread when it adds them
+        # filled in by the engine thread when it adds them
+        self.num_prompt_tokens: dict[int, int] = {}
         self.loop = asyncio.get_running_loop()
         self._engine = engine
         self._queue: asyncio.Queue[TextDelta | BaseException] = asyncio.Queue()
@@ -124,9 +123,8 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
-        self.max_trace = (
-            max_trace  # step records kept (a server runs for days; a trace must not grow forever)
-        )
+        # step records kept (a server runs for days; a trace must not grow forever)
+        self.max_trace = max_trace
         self.error: EngineDeadError | None = None
         self._inbox: list[tuple[Future, Callable[[LLMEngine], object]]] = []
         self._wakeup = threading.Condition()
@@ -235,14 +233,12 @@ class AsyncEngine:
                     self._wakeup.wait()
                 inbox, self._inbox, closing = self._inbox, [], self._closing
             for future, fn in inbox:
-                if (
-                    future.set_running_or_notify_cancel()
-                ):  # False: its caller cancelled it while it waited
+                # False: its caller cancelled it while it waited
+                if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn(self.engine))
-                    except (
-                        Exception
-                    ) as error:  # the caller's error (a bad request), not the engine's
+                    # the caller's error (a bad request), not the engine's
+                    except Exception as error:
                         future.set_exception(error)
             if closing:
                 return self._stop(EngineDeadError("the engine was closed"))

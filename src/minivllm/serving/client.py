@@ -30,9 +30,8 @@ class StreamedCompletion:
     """One streamed request, as its client saw it (times from `time.perf_counter()`)."""
 
     sent: float
-    chunk_times: list[float] = field(
-        default_factory=list
-    )  # arrival of each chunk that carried text
+    # arrival of each chunk that carried text
+    chunk_times: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int | None = None  # from the usage chunk, when the request asked for one

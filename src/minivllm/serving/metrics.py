@@ -87,9 +87,8 @@ class Histogram:
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += (
-            1  # the first bucket with value <= bound
-        )
+        # the first bucket with value <= bound
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
     @property
@@ -156,9 +155,8 @@ class ServingMetrics:
         self.request_success = Counter(
             "minivllm:request_success_total", "Requests finished, by finish reason."
         )
-        for (
-            reason
-        ) in FINISH_REASONS:  # every series exists from the start, so a rate never has a gap
+        # every series exists from the start, so a rate never has a gap
+        for reason in FINISH_REASONS:
             self.request_success.inc(0, finished_reason=reason)
         self.e2e_latency = Histogram(
             "minivllm:e2e_request_latency_seconds",

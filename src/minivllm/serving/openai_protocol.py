@@ -52,9 +52,8 @@ UNSUPPORTED = {
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    include_usage: bool = (
-        False  # one more chunk before [DONE]: no choices, the whole request's usage
-    )
+    # one more chunk before [DONE]: no choices, the whole request's usage
+    include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -171,9 +170,8 @@ class ChatCompletionRequest(_SamplingFields):
     speaker."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(
-        default=None, ge=1
-    )  # OpenAI's newer name for max_tokens
+    # OpenAI's newer name for max_tokens
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _one_limit(self):

@@ -59,9 +59,8 @@ from minivllm.serving.openai_protocol import (
 )
 
 T = TypeVar("T")
-COMPLETION_MAX_TOKENS = (
-    16  # OpenAI's default for /v1/completions; a chat answer may run to the context's end
-)
+# OpenAI's default for /v1/completions; a chat answer may run to the context's end
+COMPLETION_MAX_TOKENS = 16
 
 
 class APIError(Exception):
@@ -122,9 +121,8 @@ class OpenAIServer:
             "chat.completion.chunk" if body.stream else "chat.completion", self.model_name
         )
         prompt = render_chat(body.messages)
-        room = self.context - len(
-            self.tokenizer.encode(prompt, add_bos=True)
-        )  # the default: up to the context
+        # the default: up to the context
+        room = self.context - len(self.tokenizer.encode(prompt, add_bos=True))
         stream = await self._add(
             [prompt], body.sampling_params(max(1, room), extra_stop=[END_OF_TURN]), "messages"
         )
@@ -218,9 +216,8 @@ async def sse_stream(
         async with stream:
             async for delta in stream:
                 completion_tokens += len(delta.token_ids)
-                if (
-                    delta.text
-                ):  # a step may bring a token but no text yet: half a character, a possible stop
+                # a step may bring a token but no text yet: half a character, a possible stop
+                if delta.text:
                     yield sse_event(
                         header.body([choice(index[delta.request_id], delta.text, None)])
                     )
@@ -233,9 +230,8 @@ async def sse_stream(
                     [], usage=usage(sum(stream.num_prompt_tokens.values()), completion_tokens)
                 )
             )
-    except (
-        EngineDeadError
-    ) as error:  # the 200 status has gone out already: the error becomes an event
+    # the 200 status has gone out already: the error becomes an event
+    except EngineDeadError as error:
         yield sse_event(engine_dead(error).body)
     yield sse_event(DONE)
 
@@ -301,9 +297,8 @@ async def validation_error(request: Request, error: RequestValidationError) -> J
                 "send a JSON object"
             )
             return JSONResponse(error_body(message), status_code=400)
-        if (
-            problem["type"] == "value_error"
-        ):  # our validators' own messages, without pydantic's prefix
+        # our validators' own messages, without pydantic's prefix
+        if problem["type"] == "value_error":
             problems.append(f"{where or 'body'}: {problem['ctx']['error']}")
         else:
             problems.append(f"{where or 'body'}: {problem['msg']}")

@@ -123,9 +123,8 @@ def stream_paged(
         raise ValueError(f"sequence {seq_id} already has a block table: use a fresh seq_id")
     if max_new_tokens <= 0:
         return
-    generator = torch.Generator().manual_seed(
-        seed
-    )  # same convention as stream_naive / stream_cached
+    # same convention as stream_naive / stream_cached
+    generator = torch.Generator().manual_seed(seed)
     attention = PagedAttention(manager, storage, seq_id)
     try:
         cached = manager.allocate_cached(seq_id, prompt_ids) if use_prefix_cache else 0
