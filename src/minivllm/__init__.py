@@ -1,4 +1,4 @@
-"""minivllm: a small vLLM-style inference engine, built one layer at a time by the book in chapters/.
+"""minivllm: a small vLLM-style inference engine, built one layer at a time by the book.
 
 The public surface is vLLM's:
 
@@ -26,7 +26,15 @@ _HOMES = {
     "SchedulerConfig": "minivllm.sched.scheduler",
     "SpeculativeConfig": "minivllm.runner.speculative",
 }
-__all__ = sorted(_HOMES)
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
+    "SpeculativeConfig",
+]
 
 if TYPE_CHECKING:
     from minivllm.engine.config import EngineConfig
