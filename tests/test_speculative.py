@@ -39,7 +39,12 @@ from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from minivllm.model.transformer import ModelConfig, Transformer, init_weights
 from minivllm.runner import speculative
-from minivllm.runner.sampler import position_uniforms, sample, sample_from_probs
+from minivllm.runner.sampler import (
+    SamplingMetadata,
+    position_uniforms,
+    sample,
+    sample_from_probs,
+)
 from minivllm.runner.speculative import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -282,7 +287,7 @@ def first_tokens(seed0: int, deterministic: bool) -> np.ndarray:
     logits = log(
         np.broadcast_to(P_FIRST, (2 * N_TRIALS, len(P_FIRST)))
     )  # [p, bonus p] per sequence
-    runs = verify(logits, seqs, proposals)
+    runs = verify(logits, SamplingMetadata.from_sequences(seqs), proposals)
     assert all(1 <= len(run) <= 2 for run in runs)
     return np.array([run[0] for run in runs])
 
@@ -307,7 +312,7 @@ def joint_tokens(seed0: int, k: int) -> np.ndarray:
         ]
         per_seq = [P1[None], P2[d1][:, None], P3[None]]
     logits = np.concatenate(np.broadcast_arrays(*per_seq), axis=1).reshape(-1, v)
-    runs = verify(log(logits), seqs, proposals)
+    runs = verify(log(logits), SamplingMetadata.from_sequences(seqs), proposals)
     x1 = np.array([run[0] for run in runs])
     x2 = np.array([run[1] if len(run) > 1 else -1 for run in runs])
     again = np.flatnonzero(
@@ -325,7 +330,8 @@ def joint_tokens(seed0: int, k: int) -> np.ndarray:
     logits = np.concatenate(
         np.broadcast_arrays(P2[x1[again]][:, None], P3[None, None]), axis=1
     ).reshape(-1, v)
-    x2[again] = [run[0] for run in verify(log(logits), later, proposals)]
+    runs = verify(log(logits), SamplingMetadata.from_sequences(later), proposals)
+    x2[again] = [run[0] for run in runs]
     return x1 * v + x2
 
 
@@ -410,17 +416,18 @@ def one_hot_logits(choices: list[int], v: int = 10) -> torch.Tensor:
 
 def test_greedy_verify_keeps_drafts_while_they_are_the_argmax() -> None:
     proposals = [Proposal((4, 5, 6)), Proposal((4, 5, 6)), Proposal((7,)), Proposal(())]
+    greedy = SamplingMetadata.from_sequences(greedy_seqs(4))
     choices = (
         [4, 5, 6, 9] + [4, 8, 6, 9] + [3, 2] + [1]
     )  # all kept + bonus 9; rejected at 5 -> 8; at 7 -> 3; none
-    assert verify(one_hot_logits(choices), greedy_seqs(4), proposals) == [
+    assert verify(one_hot_logits(choices), greedy, proposals) == [
         [4, 5, 6, 9],
         [4, 8],
         [3],
         [1],
     ]
     with pytest.raises(ValueError, match="rows of logits"):
-        verify(one_hot_logits(choices[:-1]), greedy_seqs(4), proposals)
+        verify(one_hot_logits(choices[:-1]), greedy, proposals)
 
 
 def test_sampled_verify_without_drafts_is_the_ordinary_sampler() -> None:
@@ -431,14 +438,10 @@ def test_sampled_verify_without_drafts_is_the_ordinary_sampler() -> None:
         Sequence(i, [BOS_ID] * (3 + i % 5), params, seed=77 + i, eos_token_id=EOS_ID)
         for i in range(64)
     ]
-    runs = verify(logits, seqs, [Proposal()] * 64)
+    runs = verify(logits, SamplingMetadata.from_sequences(seqs), [Proposal()] * 64)
+    seeds, positions = [s.seed for s in seqs], [s.num_tokens for s in seqs]
     want = sample(
-        logits,
-        [0.9] * 64,
-        [40] * 64,
-        [0.95] * 64,
-        [s.seed for s in seqs],
-        [s.num_tokens for s in seqs],
+        logits, SamplingMetadata.from_lists([0.9] * 64, [40] * 64, [0.95] * 64, seeds, positions)
     )
     assert [run for run in runs] == [[t] for t in want]
 
@@ -452,7 +455,8 @@ def test_sampled_verify_uses_the_request_streams() -> None:
     seqs = sequences(400, START, seed0=9)
     seeds = [s.seed for s in seqs]
     logits = log(np.broadcast_to(p, (800, 3)))
-    runs = verify(logits, seqs, [Proposal((0,), torch.from_numpy(q)[None])] * 400)
+    proposals = [Proposal((0,), torch.from_numpy(q)[None])] * 400
+    runs = verify(logits, SamplingMetadata.from_sequences(seqs), proposals)
     u_accept = position_uniforms(seeds, [START] * 400, STREAM_ACCEPT)
     u_residual = position_uniforms(seeds, [START] * 400, STREAM_RESIDUAL)
     u_bonus = position_uniforms(seeds, [START + 1] * 400)
