@@ -81,7 +81,8 @@ def assert_pool_empty(engine: LLMEngine) -> None:
 
 
 def hand_made_plan() -> tuple[StepPlan, dict[int, Sequence], BlockManager]:
-    """A decode, a middle prefill chunk and a first prefill chunk, over scrambled physical blocks."""
+    """A decode, a middle prefill chunk and a first prefill chunk, over scrambled physical
+    blocks."""
     manager = BlockManager(8, 4)
     manager.allocate(99, 8)
     manager.free(99)  # LIFO: the next sequence gets block 1, then block 0
@@ -191,7 +192,7 @@ def test_build_batch_follows_the_schedulers_plans() -> None:
     assert (batch.num_decodes, batch.logits_indices.tolist()) == (1, [0, 7])
 
 
-# -- output ----------------------------------------------------------------------------------------------------
+# -- output ---------------------------------------------------------------------------------------
 
 
 def test_greedy_engine_matches_the_contiguous_cache_generator(target) -> None:
@@ -223,7 +224,7 @@ def workload(mode: str) -> tuple[list[str], list[SamplingParams]]:
         stop = ["\n\n"] if i % 5 == 0 else []
         if mode == "greedy":
             params.append(SamplingParams(max_tokens=4 + (i * 7) % 13, temperature=0, stop=stop))
-        else:  # every fourth request brings no seed: the engine derives one from its own seed and the request id
+        else:  # every fourth request brings no seed: the engine derives one (its seed, the id)
             seed = None if i % 4 == 3 else 1000 + i
             params.append(
                 SamplingParams(
@@ -490,7 +491,7 @@ def test_a_consumer_that_stops_early_leaves_no_blocks_held(target) -> None:
     )
 
 
-# -- trace ------------------------------------------------------------------------------------------------------
+# -- trace ---------------------------------------------------------------------------------------
 
 
 def test_the_trace_tells_the_whole_story(target, tmp_path) -> None:
@@ -697,7 +698,7 @@ def test_the_cuda_backend_is_imported_only_when_asked_for() -> None:
 def test_execute_runs_a_plan_and_samples_each_sampling_chunk(target) -> None:
     from minivllm.runner.model_runner import RunnerOutput
 
-    engine = make_engine(target, num_blocks=16, max_num_batched_tokens=12)
+    engine = make_engine(target, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=12)
     for prompt in ("ROMEO:", "JULIET: O Romeo"):  # the second is cut into chunks
         engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0))
     plan, sequences = engine.scheduler.schedule(), engine.scheduler.sequences

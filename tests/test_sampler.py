@@ -402,7 +402,8 @@ def test_each_row_of_a_mixed_batch_is_sampled_as_if_alone() -> None:
 def test_sampled_tokens_follow_the_filtered_distribution() -> None:
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 20_000
-    tokens = sample(logits.expand(n, -1), metadata([0.9] * n, [4] * n, [1.0] * n, [77] * n, range(n)))
+    rows = metadata([0.9] * n, [4] * n, [1.0] * n, [77] * n, range(n))
+    tokens = sample(logits.expand(n, -1), rows)
     freq = np.bincount(tokens, minlength=6) / n
     want = probs_of(logits.tolist(), temperature=0.9, top_k=4).numpy()
     assert freq[4] == 0 and freq[5] == 0 and np.abs(freq - want).max() < 0.015

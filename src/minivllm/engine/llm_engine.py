@@ -49,7 +49,7 @@ class LLMEngine:
         self.tokenizer = tokenizer or ByteTokenizer()
         config = self.config
         self.device = _resolve_device(config.device)
-        self.model.to(self.device)  # in place: the engine runs the caller's model where its cache is
+        self.model.to(self.device)  # in place: the caller's model runs where its cache lives
         backend = get_backend(resolve_backend_name(config.attention_backend, self.device))
         self.manager = BlockManager(config.num_blocks, config.block_size)
         self.storage = PagedKVStorage(

@@ -27,7 +27,8 @@ from minivllm.sched.sequence import Sequence
 @dataclass(frozen=True)
 class BatchPiece:
     """Run `token_ids` of sequence `seq_id` at positions `start, start+1, ...`; the logits of the
-    last `num_logits` of them are wanted (0: none, 1: the next token, k + 1: a speculative verify)."""
+    last `num_logits` of them are wanted (0: none, 1: the next token, k + 1: a speculative
+    verify)."""
 
     seq_id: int
     start: int
@@ -70,7 +71,7 @@ def pack_batch(pieces: SequenceOf[BatchPiece], manager: BlockManager) -> VarlenB
     query_start = [0]
     for piece in pieces:
         end = piece.start + len(piece.token_ids)
-        # EXERCISE ch04.3: flatten one chunk -- token ids, positions, slots; where it ends; its context
+        # EXERCISE ch04.3: flatten one chunk -- token ids, positions, slots; where it ends; context
         ### BEGIN SOLUTION
         input_ids += list(piece.token_ids)
         positions += range(piece.start, end)

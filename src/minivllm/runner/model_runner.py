@@ -106,4 +106,3 @@ class ModelRunner:
         proposals = proposals or {}
         mine = [proposals.get(i, Proposal()) for i in metadata.seq_ids]
         return dict(zip(metadata.seq_ids, verify(logits, metadata, mine)))
-

@@ -85,7 +85,8 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class Proposal:
     """A drafter's guess for one sequence: the tokens, and the distributions they were drawn from
-    (`[len(tokens), vocab]`); `probs=None` means a deterministic drafter, each q a one-hot at its token."""
+    (`[len(tokens), vocab]`); `probs=None` means a deterministic drafter, each q a one-hot at its
+    token."""
 
     tokens: tuple[int, ...] = ()
     probs: torch.Tensor | None = None
@@ -115,7 +116,7 @@ def accept_or_resample(
     """
     p_draft = p.gather(1, drafted.view(-1, 1)).view(-1)
     q_draft = q.gather(1, drafted.view(-1, 1)).view(-1)
-    # EXERCISE ch06.1: the acceptance rule -- accept with probability min(1, p/q); else draw from norm(max(0, p - q))
+    # EXERCISE ch06.1: acceptance rule -- accept w.p. min(1, p/q), else draw from norm(max(0, p-q))
     ### BEGIN SOLUTION
     # u < p/q, written without the division. A draft the drafter gave no probability (q = 0) is
     # never accepted: it cannot have been drawn from q, and p/q would be undefined.
@@ -174,7 +175,8 @@ def verify(
 
 
 def _verify_greedy(choices: list[int], proposals: SequenceOf[Proposal]) -> list[list[int]]:
-    """All greedy: keep drafts while each is the target's argmax; then the argmax after the last kept."""
+    """All greedy: keep drafts while each is the target's argmax; then the argmax after the last
+    kept."""
     runs, base = [], 0
     for prop in proposals:
         run = []
@@ -191,7 +193,8 @@ def _verify_greedy(choices: list[int], proposals: SequenceOf[Proposal]) -> list[
 def _assemble(
     proposals: SequenceOf[Proposal], accepted: list[bool], resampled: list[int], bonus: list[int]
 ) -> list[list[int]]:
-    """Per sequence: drafts up to the first rejection, then the resampled token there (or the bonus)."""
+    """Per sequence: drafts up to the first rejection, then the resampled token there (or the
+    bonus)."""
     runs, base = [], 0
     for prop, bonus_token in zip(proposals, bonus):
         run = []
@@ -230,7 +233,8 @@ class NgramDrafter:
         return [Proposal(tuple(self.lookup(s.token_ids, k))) for s, k in zip(seqs, lookaheads)]
 
     def lookup(self, token_ids: SequenceOf[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier match of the last n tokens; [] if none."""
+        """Up to k tokens that followed the latest earlier match of the last n tokens; [] if
+        none."""
         if k <= 0:
             return []
         tokens = np.asarray(token_ids)
@@ -291,7 +295,8 @@ class ModelDrafter:
             for _, s, _ in active
         ]
         while active:
-            order = sorted(range(len(active)), key=lambda i: len(pieces[i].token_ids))  # decodes 1st
+            # Decodes first, as the attention wants them.
+            order = sorted(range(len(active)), key=lambda i: len(pieces[i].token_ids))
             active, pieces = [active[i] for i in order], [pieces[i] for i in order]
             # Row i draws the sequence's token number num_tokens + (drafts so far).
             rows = metadata.select(
@@ -327,7 +332,8 @@ class ModelDrafter:
 
 
 def _stack_or_none(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """A sequence's q rows as one tensor; None when there are none or they are implied one-hots (greedy)."""
+    """A sequence's q rows as one tensor; None when there are none or they are implied one-hots
+    (greedy)."""
     return None if not rows or rows[0] is None else torch.stack(rows)
 
 

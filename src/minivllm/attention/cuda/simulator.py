@@ -1,4 +1,5 @@
-"""TODO split from cuda_paged_attention.py"""
+"""Switches numba's CUDA simulator on when torch sees no GPU (before anything imports
+`numba.cuda`), and gives the simulator what it lacks for chapter 07's kernels."""
 
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ def _install_simulator_shuffle() -> None:
 
 if SIMULATOR:
     _install_simulator_shuffle()
-    ### END SOLUTION
 
 
 @contextmanager
