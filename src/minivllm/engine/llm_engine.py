@@ -163,8 +163,7 @@ class LLMEngine:
     # -- the step
     # ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return an output for every request that got a token or
-        finished."""
+        """Run one scheduled step: an output for each request that got a token or finished."""
         if not self.has_unfinished():
             return []  # nothing queued: no plan, no forward pass, no trace record
         started = time.perf_counter()
