@@ -41,7 +41,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, PARTITION = 32, 8, 128, 16, 512
 
 
 def make_inputs(batch: int, context: int, device: str, dtype=torch.float16, seed: int = 0):
-    """`batch` sequences of `context` tokens, their blocks scattered over a pool with no spare blocks."""
+    """`batch` sequences of `context` tokens, their blocks scattered over a pool with no spare
+    blocks."""
     return random_inputs(
         [context] * batch,
         HEADS,
@@ -57,8 +58,7 @@ def make_inputs(batch: int, context: int, device: str, dtype=torch.float16, seed
 
 def torch_paged(q, key_cache, value_cache, tables, lens):
     """The reference's decode path: gather every sequence's K/V through its table, then SDPA."""
-    batch, context = tables.shape[0], int(lens.max())
-    positions = torch.arange(context, device=q.device)
+    positions = torch.arange(int(lens.max()), device=q.device)
     blocks = tables.long()[:, positions // BLOCK_SIZE]
     keys = key_cache[blocks, positions % BLOCK_SIZE]  # [batch, context, kv_heads, dim]
     values = value_cache[blocks, positions % BLOCK_SIZE]
@@ -96,9 +96,26 @@ def copy_bandwidth(repeats: int) -> float:
 
 
 def check_small_case() -> float:
-    """The kernels against the reference on a small float32 case: the max relative error of v1 and v2."""
+    """The kernels against the reference on a small float32 case: the max relative error of v1 and
+    v2."""
     inputs = random_inputs([9, 5], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     return max(kernel_error(inputs, partition_size=p, threads=32) for p in (None, 4))
+
+
+def contenders(q, key_cache, value_cache, tables, lens) -> dict:
+    """The four ways to attend one batch, each a call with no arguments, to time."""
+    positions = torch.arange(int(lens.max()), device=q.device)
+    blocks = tables.long()[:, positions // BLOCK_SIZE]
+    keys = key_cache[blocks, positions % BLOCK_SIZE]
+    values = value_cache[blocks, positions % BLOCK_SIZE]
+    return {
+        "v1": lambda: paged_attention(q, key_cache, value_cache, tables, lens),
+        "v2": lambda: paged_attention(
+            q, key_cache, value_cache, tables, lens, partition_size=PARTITION
+        ),
+        "torch paged": lambda: torch_paged(q, key_cache, value_cache, tables, lens),
+        "SDPA (pre-gathered)": lambda: sdpa_gathered(q, keys, values),
+    }
 
 
 def measure(batches, contexts, repeats: int) -> dict:
@@ -113,20 +130,7 @@ def measure(batches, contexts, repeats: int) -> dict:
         for context in contexts:
             q, key_cache, value_cache, tables, lens = make_inputs(batch, context, "cuda")
             kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * key_cache.element_size()
-            positions = torch.arange(context, device="cuda")
-            blocks = tables.long()[:, positions // BLOCK_SIZE]
-            keys, values = (
-                key_cache[blocks, positions % BLOCK_SIZE],
-                value_cache[blocks, positions % BLOCK_SIZE],
-            )
-            systems = {
-                "v1": lambda: paged_attention(q, key_cache, value_cache, tables, lens),
-                "v2": lambda: paged_attention(
-                    q, key_cache, value_cache, tables, lens, partition_size=PARTITION
-                ),
-                "torch paged": lambda: torch_paged(q, key_cache, value_cache, tables, lens),
-                "SDPA (pre-gathered)": lambda: sdpa_gathered(q, keys, values),
-            }
+            systems = contenders(q, key_cache, value_cache, tables, lens)
             row = {"batch": batch, "context": context, "kv_bytes": kv_bytes, "systems": {}}
             cells = []
             for name, fn in systems.items():

@@ -209,7 +209,8 @@ def run(
 # -- what the trace says
 # -----------------------------------------------------------------------------
 def theory(alpha: float, n: int) -> float:
-    """Expected tokens per target pass with n drafts, each reached draft accepted with probability alpha."""
+    """Expected tokens per target pass with n drafts, each reached draft accepted with probability
+    alpha."""
     return float(n + 1) if alpha >= 1 else (1 - alpha ** (n + 1)) / (1 - alpha)
 
 
@@ -273,7 +274,7 @@ def step_costs(trace, k: int) -> dict:
     return out
 
 
-# -- report ------------------------------------------------------------------------------------------
+# -- report ---------------------------------------------------------------------------------------
 
 
 def least_costs(runs: list[dict]) -> dict:

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from _common import Request, best_of, load_str, machine_record, make_workload
 
-import minivllm.engine.llm_engine as engine_module
+import minivllm.runner.model_runner as runner_module
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.checkpoint import hf_config, load_model
@@ -70,7 +70,8 @@ BIG_BATCH_DECODES = 48  # "batch 64": steps with at least this many running deco
 # -- the workload (make_workload is in _common.py)
 # -----------------------------------------------------
 def subset(requests: list[Request], count: int, seed: int) -> list[Request]:
-    """A seeded subset (the first `count` of one permutation, so subsets nest), in workload order."""
+    """A seeded subset (the first `count` of one permutation, so subsets nest), in workload
+    order."""
     if count >= len(requests):
         return list(requests)
     order = np.random.default_rng(seed + 1).permutation(len(requests))[:count]
@@ -313,8 +314,8 @@ def component_times(model: Transformer, requests: list[Request], budget: int, st
     engine._output = timed(
         engine._output, "outputs"
     )  # built after step_s stops: not in the trace's overhead
-    original_build = engine_module.build_batch
-    engine_module.build_batch = timed(original_build, "build_batch")
+    original_build = runner_module.build_batch  # what ModelRunner.execute calls
+    runner_module.build_batch = timed(original_build, "build_batch")
     try:
         batch = len(engine.scheduler.running)
         started = time.perf_counter()
@@ -322,7 +323,7 @@ def component_times(model: Transformer, requests: list[Request], budget: int, st
             engine.step()
         total = time.perf_counter() - started
     finally:
-        engine_module.build_batch = original_build
+        runner_module.build_batch = original_build
     parts = dict(acc)
     parts["other"] = total - sum(parts.values())
     ordered = sorted(parts.items(), key=lambda kv: -kv[1])
@@ -377,7 +378,7 @@ def profile_decode(
         while frontier:
             node = frontier.pop()
             if node in barrier and node not in starts:
-                continue  # a function both sides call (len, torch.tensor): its callees stay unattributed
+                continue  # both sides call it (len, torch.tensor): its callees stay unattributed
             for callee in callees[node]:
                 if callee not in seen and callee not in forward:
                     seen.add(callee)
@@ -743,8 +744,8 @@ def main() -> None:
                     "seed": args.seed,
                     "requests": n,
                     "quick": args.quick,
-                    "prompt_source": "byte slices of minivllm.training.corpus.shipped_validation_text(), "
-                    "cut at UTF-8 "
+                    "prompt_source": "byte slices of "
+                    "minivllm.training.corpus.shipped_validation_text(), cut at UTF-8 "
                     "character boundaries; ByteTokenizer with BOS",
                     "prompt_bytes": [16, 200],
                     "output_tokens": list(output_range),

@@ -71,8 +71,9 @@ def test_deltas_are_whole_characters(target) -> None:
     text = "aé❤𝄞!"  # 1, 2, 3, 4 and 1 bytes
     forced = list(text.encode("utf-8"))
     llm = LLMEngine(target)
-    llm.runner.sample = lambda plan, sequences, logits: {  # the model "says" the bytes of `text`
-        i: forced[sequences[i].num_output_tokens] for i in plan.sampling_seq_ids
+    sequences = llm.scheduler.sequences
+    llm.runner.sample = lambda logits, metadata, proposals: {  # the model "says" `text`'s bytes
+        i: forced[sequences[i].num_output_tokens] for i in metadata.seq_ids
     }
 
     async def main():

@@ -135,7 +135,8 @@ def test_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size
 
 
 def test_the_engine_gives_the_same_tokens_with_the_kernel_backend() -> None:
-    """A tiny random model, so the simulator can run every decode of a few requests through the kernel."""
+    """A tiny random model, so the simulator can run every decode of a few requests through the
+    kernel."""
     from minivllm.attention.cuda.backend import CudaPagedAttention
     from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine

@@ -81,7 +81,8 @@ def assert_pool_empty(engine: LLMEngine) -> None:
 
 
 def hand_made_plan() -> tuple[StepPlan, dict[int, Sequence], BlockManager]:
-    """A decode, a middle prefill chunk and a first prefill chunk, over scrambled physical blocks."""
+    """A decode, a middle prefill chunk and a first prefill chunk, over scrambled physical
+    blocks."""
     manager = BlockManager(8, 4)
     manager.allocate(99, 8)
     manager.free(99)  # LIFO: the next sequence gets block 1, then block 0
@@ -191,7 +192,7 @@ def test_build_batch_follows_the_schedulers_plans() -> None:
     assert (batch.num_decodes, batch.logits_indices.tolist()) == (1, [0, 7])
 
 
-# -- output ----------------------------------------------------------------------------------------------------
+# -- output ---------------------------------------------------------------------------------------
 
 
 def test_greedy_engine_matches_the_contiguous_cache_generator(target) -> None:
@@ -223,7 +224,7 @@ def workload(mode: str) -> tuple[list[str], list[SamplingParams]]:
         stop = ["\n\n"] if i % 5 == 0 else []
         if mode == "greedy":
             params.append(SamplingParams(max_tokens=4 + (i * 7) % 13, temperature=0, stop=stop))
-        else:  # every fourth request brings no seed: the engine derives one from its own seed and the request id
+        else:  # every fourth request brings no seed: the engine derives one (its seed, the id)
             seed = None if i % 4 == 3 else 1000 + i
             params.append(
                 SamplingParams(
@@ -490,7 +491,7 @@ def test_a_consumer_that_stops_early_leaves_no_blocks_held(target) -> None:
     )
 
 
-# -- trace ------------------------------------------------------------------------------------------------------
+# -- trace ---------------------------------------------------------------------------------------
 
 
 def test_the_trace_tells_the_whole_story(target, tmp_path) -> None:
@@ -633,3 +634,80 @@ def test_the_attention_backend_and_device_are_chosen_and_checked(target) -> None
         EngineConfig(attention_backend="triton")
     with pytest.raises(ValueError, match="device"):
         EngineConfig(device="tpu")
+
+
+# -- the attention backend registry
+# -------------------------------------------------------------------------------
+
+
+def test_attention_backends_are_chosen_by_name_from_a_registry() -> None:
+    from minivllm.attention.backend import (
+        backend_names,
+        get_backend,
+        register_backend,
+        resolve_backend_name,
+    )
+    from minivllm.attention.torch_backend import TorchPagedAttention
+
+    assert backend_names()[:2] == ("torch", "cuda")
+    assert get_backend("torch") is TorchPagedAttention
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cuda") == "cuda"
+    assert resolve_backend_name("torch", "cuda") == "torch"
+    with pytest.raises(ValueError, match=r"unknown attention backend 'triton'.*'torch', 'cuda'"):
+        get_backend("triton")
+    with pytest.raises(ValueError, match=r"attention_backend must be one of 'auto', 'torch'"):
+        EngineConfig(attention_backend="triton")
+    with pytest.raises(ValueError, match="taken"):
+        register_backend("torch", TorchPagedAttention)
+
+
+CUDA_IS_LAZY = """
+import sys
+from minivllm.attention.backend import get_backend, is_loaded, register_backend
+from minivllm.attention.backend import resolve_backend_name
+from minivllm.attention.torch_backend import TorchPagedAttention
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+
+EngineConfig(device="cpu", attention_backend="cuda")  # checked against the registry ...
+assert not is_loaded("cuda") and "minivllm.attention.cuda" not in sys.modules  # ... not imported
+assert "numba" not in sys.modules
+register_backend("cpu-kernel", TorchPagedAttention, devices=("cpu",))
+assert resolve_backend_name("auto", "cpu") == "cpu-kernel"  # "auto" takes a kernel for the device
+get_backend("cuda")
+assert is_loaded("cuda") and "minivllm.attention.cuda" in sys.modules
+"""
+
+
+def test_the_cuda_backend_is_imported_only_when_asked_for() -> None:
+    """In a fresh interpreter: importing the cuda package switches numba's simulator on."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", CUDA_IS_LAZY], env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()
+
+
+# -- ModelRunner.execute
+# ------------------------------------------------------------------------------------------
+
+
+def test_execute_runs_a_plan_and_samples_each_sampling_chunk(target) -> None:
+    from minivllm.runner.model_runner import RunnerOutput
+
+    engine = make_engine(target, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=12)
+    for prompt in ("ROMEO:", "JULIET: O Romeo"):  # the second is cut into chunks
+        engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0))
+    plan, sequences = engine.scheduler.schedule(), engine.scheduler.sequences
+    assert len(plan.chunks) == 2 and plan.sampling_seq_ids == (0,)
+    result = engine.runner.execute(plan, sequences)
+    # The same batch again writes the same K/V and gives the same logits.
+    logits = engine.runner.forward(build_batch(plan, sequences, engine.manager))
+    assert result.tokens == {0: int(logits[0].argmax())}
+    assert result.speculated == () and result.forward_s > 0
+    assert engine.runner.execute(StepPlan(plan.step, ()), sequences) == RunnerOutput({})
+    engine.scheduler.update(plan, result.tokens)
+    assert sequences[0].output_token_ids == [result.tokens[0]]

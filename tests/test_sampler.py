@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.runner.sampler import (
+    SamplingMetadata,
     derive_seed,
     position_uniforms,
     sample,
@@ -349,11 +350,12 @@ def test_never_picks_a_zero_probability_token(weights: list[float], u: float) ->
 
 # -- sample(): the engine's entry point
 # ---------------------------------------------------------------------------
+metadata = SamplingMetadata.from_lists  # temperatures, top_ks, top_ps, seeds, positions
 
 
 def test_an_all_greedy_batch_is_the_argmax() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 2.5]])
-    assert sample(logits, [0.0, 0.0], [0, 5], [1.0, 0.2], [1, 2], [0, 9]) == [1, 2]
+    assert sample(logits, metadata([0.0, 0.0], [0, 5], [1.0, 0.2], [1, 2], [0, 9])) == [1, 2]
 
 
 ROWS = [  # temperature, top_k, top_p, seed, position
@@ -369,7 +371,7 @@ ROWS = [  # temperature, top_k, top_p, seed, position
 
 def sample_rows(logits: torch.Tensor, rows: list[tuple]) -> list[int]:
     t, k, p, s, pos = zip(*rows)
-    return sample(logits, list(t), list(k), list(p), list(s), list(pos))
+    return sample(logits, metadata(t, k, p, s, pos))
 
 
 @pytest.mark.exercise("ch04.1")
@@ -400,18 +402,19 @@ def test_each_row_of_a_mixed_batch_is_sampled_as_if_alone() -> None:
 def test_sampled_tokens_follow_the_filtered_distribution() -> None:
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 20_000
-    tokens = sample(logits.expand(n, -1), [0.9] * n, [4] * n, [1.0] * n, [77] * n, list(range(n)))
+    rows = metadata([0.9] * n, [4] * n, [1.0] * n, [77] * n, range(n))
+    tokens = sample(logits.expand(n, -1), rows)
     freq = np.bincount(tokens, minlength=6) / n
     want = probs_of(logits.tolist(), temperature=0.9, top_k=4).numpy()
     assert freq[4] == 0 and freq[5] == 0 and np.abs(freq - want).max() < 0.015
     # Different positions of one request draw different tokens; the same position always the same
     # one.
-    assert sample(logits[None], [0.9], [4], [1.0], [77], [123]) == [tokens[123]]
+    assert sample(logits[None], metadata([0.9], [4], [1.0], [77], [123])) == [tokens[123]]
 
 
 def test_a_tiny_temperature_is_greedy_not_nan() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0], [3.0, 1.0, 0.0]])
-    assert sample(logits, [1e-310, 1e-310], [0, 0], [1.0, 1.0], [1, 2], [0, 0]) == [2, 0]
+    assert sample(logits, metadata([1e-310, 1e-310], [0, 0], [1.0, 1.0], [1, 2], [0, 0])) == [2, 0]
     probs = token_probs(
         logits,
         torch.tensor([1e-300, 1e-300], dtype=torch.float64),

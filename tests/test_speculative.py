@@ -39,7 +39,12 @@ from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
 from minivllm.model.transformer import ModelConfig, Transformer, init_weights
 from minivllm.runner import speculative
-from minivllm.runner.sampler import position_uniforms, sample, sample_from_probs
+from minivllm.runner.sampler import (
+    SamplingMetadata,
+    position_uniforms,
+    sample,
+    sample_from_probs,
+)
 from minivllm.runner.speculative import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -282,14 +287,15 @@ def first_tokens(seed0: int, deterministic: bool) -> np.ndarray:
     logits = log(
         np.broadcast_to(P_FIRST, (2 * N_TRIALS, len(P_FIRST)))
     )  # [p, bonus p] per sequence
-    runs = verify(logits, seqs, proposals)
+    runs = verify(logits, SamplingMetadata.from_sequences(seqs), proposals)
     assert all(1 <= len(run) <= 2 for run in runs)
     return np.array([run[0] for run in runs])
 
 
 def joint_tokens(seed0: int, k: int) -> np.ndarray:
     """(x1, x2) per trial: a round with k drafts d1 ~ q1, d2 ~ q2(.|d1) verified against p1,
-    p2(.|d1), ...; where it emits only x1 (a rejection at d1), a second round from x1 gives x2, as the engine would."""
+    p2(.|d1), ...; where it emits only x1 (a rejection at d1), a second round from x1 gives x2, as
+    the engine would."""
     v = len(P1)
     seqs = sequences(N_TRIALS, START, seed0)
     seeds = [s.seed for s in seqs]
@@ -307,7 +313,7 @@ def joint_tokens(seed0: int, k: int) -> np.ndarray:
         ]
         per_seq = [P1[None], P2[d1][:, None], P3[None]]
     logits = np.concatenate(np.broadcast_arrays(*per_seq), axis=1).reshape(-1, v)
-    runs = verify(log(logits), seqs, proposals)
+    runs = verify(log(logits), SamplingMetadata.from_sequences(seqs), proposals)
     x1 = np.array([run[0] for run in runs])
     x2 = np.array([run[1] if len(run) > 1 else -1 for run in runs])
     again = np.flatnonzero(
@@ -325,7 +331,8 @@ def joint_tokens(seed0: int, k: int) -> np.ndarray:
     logits = np.concatenate(
         np.broadcast_arrays(P2[x1[again]][:, None], P3[None, None]), axis=1
     ).reshape(-1, v)
-    x2[again] = [run[0] for run in verify(log(logits), later, proposals)]
+    runs = verify(log(logits), SamplingMetadata.from_sequences(later), proposals)
+    x2[again] = [run[0] for run in runs]
     return x1 * v + x2
 
 
@@ -410,17 +417,18 @@ def one_hot_logits(choices: list[int], v: int = 10) -> torch.Tensor:
 
 def test_greedy_verify_keeps_drafts_while_they_are_the_argmax() -> None:
     proposals = [Proposal((4, 5, 6)), Proposal((4, 5, 6)), Proposal((7,)), Proposal(())]
+    greedy = SamplingMetadata.from_sequences(greedy_seqs(4))
     choices = (
         [4, 5, 6, 9] + [4, 8, 6, 9] + [3, 2] + [1]
     )  # all kept + bonus 9; rejected at 5 -> 8; at 7 -> 3; none
-    assert verify(one_hot_logits(choices), greedy_seqs(4), proposals) == [
+    assert verify(one_hot_logits(choices), greedy, proposals) == [
         [4, 5, 6, 9],
         [4, 8],
         [3],
         [1],
     ]
     with pytest.raises(ValueError, match="rows of logits"):
-        verify(one_hot_logits(choices[:-1]), greedy_seqs(4), proposals)
+        verify(one_hot_logits(choices[:-1]), greedy, proposals)
 
 
 def test_sampled_verify_without_drafts_is_the_ordinary_sampler() -> None:
@@ -431,20 +439,17 @@ def test_sampled_verify_without_drafts_is_the_ordinary_sampler() -> None:
         Sequence(i, [BOS_ID] * (3 + i % 5), params, seed=77 + i, eos_token_id=EOS_ID)
         for i in range(64)
     ]
-    runs = verify(logits, seqs, [Proposal()] * 64)
+    runs = verify(logits, SamplingMetadata.from_sequences(seqs), [Proposal()] * 64)
+    seeds, positions = [s.seed for s in seqs], [s.num_tokens for s in seqs]
     want = sample(
-        logits,
-        [0.9] * 64,
-        [40] * 64,
-        [0.95] * 64,
-        [s.seed for s in seqs],
-        [s.num_tokens for s in seqs],
+        logits, SamplingMetadata.from_lists([0.9] * 64, [40] * 64, [0.95] * 64, seeds, positions)
     )
     assert [run for run in runs] == [[t] for t in want]
 
 
 def test_sampled_verify_uses_the_request_streams() -> None:
-    """accept at (seed, position) with STREAM_ACCEPT, resample with STREAM_RESIDUAL, bonus with stream 0."""
+    """accept at (seed, position) with STREAM_ACCEPT, resample with STREAM_RESIDUAL, bonus with
+    stream 0."""
     p, q = (
         normalise([0.2, 0.5, 0.3]),
         normalise([0.6, 0.2, 0.2]),
@@ -452,7 +457,8 @@ def test_sampled_verify_uses_the_request_streams() -> None:
     seqs = sequences(400, START, seed0=9)
     seeds = [s.seed for s in seqs]
     logits = log(np.broadcast_to(p, (800, 3)))
-    runs = verify(logits, seqs, [Proposal((0,), torch.from_numpy(q)[None])] * 400)
+    proposals = [Proposal((0,), torch.from_numpy(q)[None])] * 400
+    runs = verify(logits, SamplingMetadata.from_sequences(seqs), proposals)
     u_accept = position_uniforms(seeds, [START] * 400, STREAM_ACCEPT)
     u_residual = position_uniforms(seeds, [START] * 400, STREAM_RESIDUAL)
     u_bonus = position_uniforms(seeds, [START + 1] * 400)
@@ -517,7 +523,8 @@ PROMPTS = [
     "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst "
     "Citizen:\n"
-    "You are all resolved rather to die than to famish?",  # 148 tokens: prefilled in chunks next to decodes
+    # 148 tokens: prefilled in chunks next to decodes
+    "You are all resolved rather to die than to famish?",
     "To be",
     "KING RICHARD III:\nNow is the winter",
 ]
@@ -568,7 +575,8 @@ def make_engine(
 
 class Run:
     """Step an engine to the end, checking the books after every step, and keep per request the
-    speculative rounds as (proposed, accepted, appended): appended < accepted + 1 means the run was cut."""
+    speculative rounds as (proposed, accepted, appended): appended < accepted + 1 means the run was
+    cut."""
 
     def __init__(self, engine: LLMEngine, prompts, params, request_ids=None) -> None:
         self.engine = engine
@@ -711,7 +719,8 @@ EOS_PROMPTS = [
 @pytest.fixture(scope="module")
 def eos_models(target, draft) -> tuple[Transformer, Transformer]:
     """The shipped models almost never pick EOS greedily (< 5% anywhere in the validation text).
-    These copies pick it wherever they would end a line: EOS's output row is 1.05 x the newline's."""
+    These copies pick it wherever they would end a line: EOS's output row is 1.05 x the
+    newline's."""
     models = []
     for model in (target, draft):
         model = copy.deepcopy(model)
@@ -771,7 +780,7 @@ def test_a_stop_inside_an_accepted_run_ends_the_request_there(target, draft, sto
         )
     stopped = [i for i, o in enumerate(run.outputs) if o.finish_reason == "stop"]
     assert any(run.cut_rounds(i) for i in stopped), "no stop fell inside an accepted run"
-    for i, out in enumerate(run.outputs):
+    for out in run.outputs:
         for s in params.stop:
             assert s not in out.text
         if "stop_token_ids" in stop and out.finish_reason == "stop":
@@ -796,7 +805,7 @@ def test_max_tokens_is_never_passed(target, draft, method: str) -> None:
         )
         for rounds in run.rounds.values():
             produced = 1  # the prefill's token
-            for proposed, accepted, appended in rounds:
+            for proposed, _accepted, appended in rounds:
                 assert proposed <= min(
                     k, max_tokens - produced - 1
                 )  # lookahead clipped before the round
@@ -817,7 +826,8 @@ def test_prefix_caching_changes_the_work_not_the_tokens_nor_the_drafts(
     target, draft, method: str
 ) -> None:
     """Greedy drafts are a function of the draft model's K/V: a prefix-cache hit must hand the draft
-    model the same K/V it would have computed, so every round (proposed, accepted, appended) is as without caching."""
+    model the same K/V it would have computed, so every round (proposed, accepted, appended) is as
+    without caching."""
     spec = SpeculativeConfig(method, 4, draft_model=draft)
     params = SamplingParams(max_tokens=20, temperature=0)
     want = Run(make_engine(target, max_num_batched_tokens=64), PREFIXED, params).tokens
@@ -928,7 +938,8 @@ def test_greedy_requests_keep_their_tokens_next_to_sampled_ones(
 
 def test_first_speculative_token_has_the_targets_distribution_end_to_end(target, draft) -> None:
     """Real models at temperature 1: x1 comes from the prefill, x2 from the first verify (a draft
-    from the draft model, accepted or resampled). Their joint must be the target's p(x1) p(x2 | x1)."""
+    from the draft model, accepted or resampled). Their joint must be the target's
+    p(x1) p(x2 | x1)."""
     prompt = tok.encode("ROMEO:\nI will", add_bos=True)
     n = 1200
     engine = make_engine(

@@ -1,4 +1,5 @@
-"""TODO split from varlen_attention.py"""
+"""`VarlenBatch`: a step's sequences flattened into one token axis, with what attention needs to
+keep them apart (chapter 04); `context_slots` turns block tables into the slots of each context."""
 
 from __future__ import annotations
 

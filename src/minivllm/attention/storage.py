@@ -1,4 +1,6 @@
-"""TODO split from paged_cache.py"""
+"""`PagedKVStorage`: the one K/V tensor of a paged cache, written through slots and read through
+block tables (chapter 03). The block manager decides which blocks a sequence owns; this holds
+what is in them."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ class PagedKVStorage:
         return tensor_bytes(self.kv)
 
     def _slots_view(self, layer: int) -> torch.Tensor:
-        """`[2, num_slots, n_kv_heads, head_dim]`: one layer's blocks laid end to end (a view, no copy)."""
+        """`[2, num_slots, n_kv_heads, head_dim]`: one layer's blocks laid end to end (a view, no
+        copy)."""
         if not 0 <= layer < self.config.n_layers:
             raise IndexError(f"layer {layer} is outside the model's {self.config.n_layers} layers")
         return self.kv[layer].view(2, self.num_slots, self.config.n_kv_heads, self.config.head_dim)
@@ -66,7 +69,8 @@ class PagedKVStorage:
 
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at the given slots (any shape of long indices), `[*slots.shape, n_kv_heads,
-        head_dim]`: the gather a batched attention needs, with block tables already turned into slots."""
+        head_dim]`: the gather a batched attention needs, with block tables already turned into
+        slots."""
         flat = self._slots_view(layer)
         picked = flat.index_select(1, slots.reshape(-1))
         shape = (*slots.shape, self.config.n_kv_heads, self.config.head_dim)
@@ -90,12 +94,11 @@ class PagedKVStorage:
                 f"gather of {length} tokens, but the block table {list(block_table)} holds {held}"
             )
         heads, dim = self.config.n_kv_heads, self.config.head_dim
-        # EXERCISE ch03.3: gather -- read this sequence's first `length` K/V rows through its block table
+        # EXERCISE ch03.3: gather -- this sequence's first `length` K/V rows, via its block table
         ### BEGIN SOLUTION
         used = -(-length // self.block_size)  # blocks that hold any of the tokens
         blocks = torch.tensor(list(block_table[:used]), dtype=torch.long)
-        # [2, used, block_size, heads, dim] in table order -> lay the blocks end to end -> cut to
-        # length.
+        # [2, used, block_size, heads, dim] in table order -> the blocks end to end -> cut to length.
         rows = self.kv[layer][:, blocks].reshape(2, used * self.block_size, heads, dim)[:, :length]
         return rows[0], rows[1]
         ### END SOLUTION

@@ -1,4 +1,4 @@
-"""TODO split from engine.py"""
+"""`EngineConfig`: the cache, the scheduler, the device and the attention backend of an engine."""
 
 from __future__ import annotations
 
@@ -6,23 +6,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.attention.backend import backend_names
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    num_blocks: int = (
-        2048  # 2048 blocks x 16 tokens: 32k tokens, ~100 MB of K/V for the target model
-    )
+    num_blocks: int = 2048  # 2048 blocks x 16 tokens: 32k tokens, ~100 MB of K/V for the target
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0  # requests without a seed get one derived from this and their id
     dtype: torch.dtype = torch.float32
     speculative: SpeculativeConfig | None = None  # None: plain decoding, one target pass per token
     device: str = "auto"  # "cpu", "cuda", or "auto": the GPU when torch sees one
-    # "torch" (the reference), "cuda" (chapter 07's kernel for decodes; on a CPU it runs in numba's
-    # simulator, for small checks only) or "auto": the kernel on a GPU, the reference on a CPU.
+    # A name from minivllm.attention.backend: "torch" (the reference), "cuda" (chapter 07's kernel
+    # for decodes; on a CPU it runs in numba's simulator, for small checks only), or "auto": the
+    # kernel on a GPU, the reference on a CPU.
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -30,9 +30,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}"
             )
-        if self.attention_backend not in ("auto", "torch", "cuda"):
+        if self.attention_backend != "auto" and self.attention_backend not in backend_names():
+            names = ", ".join(repr(n) for n in ("auto", *backend_names()))
             raise ValueError(
-                f"EngineConfig.attention_backend must be 'auto', 'torch' or 'cuda', "
+                f"EngineConfig.attention_backend must be one of {names}, "
                 f"got {self.attention_backend!r}"
             )
         if self.device == "cuda" and not torch.cuda.is_available():

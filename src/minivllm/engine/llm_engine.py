@@ -2,13 +2,12 @@
 
 The engine owns no policy of its own. A step is
 
-    plan = scheduler.schedule()                   # who runs, how many tokens (pure Python)
-    logits = runner.forward(build_batch(plan))    # ONE forward pass over all of them
-    tokens = runner.sample(plan, logits)          # one batched sampling call
-    finished = scheduler.update(plan, tokens)     # append, stop checks, free blocks
+    plan = scheduler.schedule()                      # who runs, how many tokens (pure Python)
+    result = runner.execute(plan, sequences)         # ONE forward pass, one sampling call
+    finished = scheduler.update(plan, result.tokens) # append, stop checks, free blocks
 
-plus a `StepRecord` for the trace. With a `SpeculativeConfig` (chapter 06) a drafter proposes tokens
-for every decoding sequence between `schedule()` and the forward pass, the same single pass verifies
+plus a `StepRecord` for the trace. With a `SpeculativeConfig` (chapter 06) the runner's drafter
+proposes tokens for every decoding sequence before the forward pass, the same single pass verifies
 them, and `verify` turns its logits into runs of accepted tokens. Requests come in with
 `add_request` (checked there, so a bad one never reaches the scheduler) and leave as
 `RequestOutput`s. `generate` runs a list of prompts to the end; `stream` yields text deltas as they
@@ -18,14 +17,12 @@ are produced; `LLM` is the two-line front door.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 
-import torch
-
+from minivllm.attention.backend import get_backend, resolve_backend_name
 from minivllm.attention.storage import PagedKVStorage
-from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.engine.config import EngineConfig, _resolve_device
 from minivllm.engine.processing import (
     InputProcessor,
@@ -39,15 +36,9 @@ from minivllm.kv.block_manager import BlockManager
 from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.model.transformer import ModelConfig, Transformer
-from minivllm.runner.batch import build_batch
-from minivllm.runner.model_runner import ModelRunner
+from minivllm.runner.model_runner import ModelRunner, RunnerOutput
 from minivllm.runner.sampler import derive_seed
-from minivllm.runner.speculative import (
-    Proposal,
-    SpeculativeConfig,
-    make_drafter,
-    verify,
-)
+from minivllm.runner.speculative import SpeculativeConfig, make_drafter
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.scheduler import Scheduler, SchedulerConfig
 from minivllm.sched.sequence import SamplingParams, Sequence
@@ -64,18 +55,14 @@ class LLMEngine:
         self.tokenizer = tokenizer or ByteTokenizer()
         config = self.config
         self.device = _resolve_device(config.device)
-        self.model.to(
-            self.device
-        )  # in place: the engine runs the caller's model where its cache lives
-        backend = _attention_backend(config.attention_backend, self.device)
+        self.model.to(self.device)  # in place: the caller's model runs where its cache lives
+        backend = get_backend(resolve_backend_name(config.attention_backend, self.device))
         self.manager = BlockManager(config.num_blocks, config.block_size)
         self.storage = PagedKVStorage(
             model.config, config.num_blocks, config.block_size, config.dtype, self.device
         )
         scheduler_config, self.drafter = config.scheduler, None
-        if (
-            config.speculative is not None
-        ):  # reserve k lookahead slots after every decode for the drafts
+        if config.speculative is not None:  # reserve k lookahead slots after each decode for drafts
             self.drafter = make_drafter(
                 config.speculative,
                 model,
@@ -89,14 +76,13 @@ class LLMEngine:
                 scheduler_config, num_lookahead_slots=config.speculative.num_speculative_tokens
             )
         self.scheduler = Scheduler(scheduler_config, self.manager)
-        self.runner = ModelRunner(model, self.storage, self.manager, backend)
+        self.runner = ModelRunner(model, self.storage, self.manager, backend, self.drafter)
         self.inputs = InputProcessor(self.tokenizer, request_limits(model.config, config))
         self.outputs = OutputProcessor()
         self.trace: list[StepRecord] = []
         self._next_id = 0
 
-    # -- requests
-    # ------------------------------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------------------
     def add_request(
         self,
         prompt: str | SequenceOf[int],
@@ -135,77 +121,25 @@ class LLMEngine:
             kv_cache_usage=used / self.config.num_blocks,
         )
 
-    # -- the step
-    # ------------------------------------------------------------------------------------
+    # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return an output for every request that got a token or finished."""
+        """Run one scheduled step: an output for each request that got a token or finished."""
         if not self.has_unfinished():
             return []  # nothing queued: no plan, no forward pass, no trace record
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         sequences = self.scheduler.sequences
-        tokens, proposals, forward_s, draft_s = {}, {}, 0.0, 0.0
-        if (
-            plan.chunks
-        ):  # a plan can be empty when all it did was end a sequence too big for the cache
-            draft_started = time.perf_counter()
-            proposals = self._propose(plan, sequences)
-            draft_s = time.perf_counter() - draft_started
-            batch = build_batch(
-                plan, sequences, self.manager, {i: p.tokens for i, p in proposals.items()}
-            )
-            forward_started = time.perf_counter()
-            logits = self.runner.forward(batch)
-            forward_s = time.perf_counter() - forward_started
-            tokens = self._sample(plan, sequences, logits, proposals)
-        stepped = [sequences[i] for i in plan.sampling_seq_ids]
-        stepped += [
-            sequences[i] for i in plan.finished
-        ]  # ended by the scheduler without a new token
-        speculated = tuple((i, len(p.tokens), len(tokens[i]) - 1) for i, p in proposals.items())
-        finished = self.scheduler.update(plan, tokens)
-        self.trace.append(
-            self._record(
-                plan, finished, speculated, forward_s, draft_s, time.perf_counter() - started
-            )
-        )
+        result = self.runner.execute(plan, sequences)
+        # The scheduler ends some sequences itself, without a new token; update() may drop them.
+        stepped = [sequences[i] for i in (*plan.sampling_seq_ids, *plan.finished)]
+        finished = self.scheduler.update(plan, result.tokens)
+        self.trace.append(self._record(plan, finished, result, time.perf_counter() - started))
         return [self.outputs.output(seq) for seq in stepped]
 
-    def _propose(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> dict[int, Proposal]:
-        """The drafter's tokens for every chunk with lookahead slots (none without speculation)."""
-        chunks = [c for c in plan.chunks if c.num_lookahead]
-        if self.drafter is None or not chunks:
-            return {}
-        proposals = self.drafter.propose(
-            [sequences[c.seq_id] for c in chunks], [c.num_lookahead for c in chunks]
-        )
-        return {c.seq_id: p for c, p in zip(chunks, proposals)}
-
-    def _sample(
-        self,
-        plan: StepPlan,
-        sequences: Mapping[int, Sequence],
-        logits: torch.Tensor,
-        proposals: Mapping[int, Proposal],
-    ) -> dict[int, int | list[int]]:
-        if self.drafter is None:
-            return self.runner.sample(plan, sequences, logits)
-        ids = plan.sampling_seq_ids
-        runs = verify(
-            logits, [sequences[i] for i in ids], [proposals.get(i, Proposal()) for i in ids]
-        )
-        return dict(zip(ids, runs))
-
     def _record(
-        self,
-        plan: StepPlan,
-        finished: list[Sequence],
-        speculated: tuple[tuple[int, int, int], ...],
-        forward_s: float,
-        draft_s: float,
-        step_s: float,
+        self, plan: StepPlan, finished: list[Sequence], result: RunnerOutput, step_s: float
     ) -> StepRecord:
-        scheduler, blocks_used = self.scheduler, self.manager.allocator.num_used
+        scheduler, blocks_used = self.scheduler, self.config.num_blocks - self.manager.num_free
         return StepRecord(
             step=plan.step,
             admitted=plan.admitted,
@@ -222,14 +156,13 @@ class LLMEngine:
             recomputed_tokens=plan.recomputed_tokens,
             blocks_used=blocks_used,
             blocks_free=self.config.num_blocks - blocks_used,
-            speculated=speculated,
-            forward_s=forward_s,
-            draft_s=draft_s,
+            speculated=result.speculated,
+            forward_s=result.forward_s,
+            draft_s=result.draft_s,
             step_s=step_s,
         )
 
-    # -- whole workloads
-    # -----------------------------------------------------------------------------
+    # -- whole workloads ---------------------------------------------------------------------------
     def generate(
         self,
         prompts: SequenceOf[str | SequenceOf[int]],
@@ -278,18 +211,6 @@ class LLMEngine:
         return [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
 
 
-def _attention_backend(name: str, device: str) -> type:
-    """The attention class for the runner. The CUDA kernel's module is imported only when chosen:
-    importing it switches numba's simulator on when there is no GPU."""
-    if name == "auto":
-        name = "cuda" if device == "cuda" else "torch"
-    if name == "torch":
-        return TorchPagedAttention
-    from minivllm.attention.cuda.backend import CudaPagedAttention
-
-    return CudaPagedAttention
-
-
 class LLM:
     """The front door: `LLM("target").generate(["ROMEO:"], SamplingParams(max_tokens=50))`."""
 
@@ -331,10 +252,11 @@ class EngineStats:
 def request_limits(model_config: ModelConfig, config: EngineConfig) -> RequestLimits:
     """What a request may ask of this engine: the model's vocabulary and context, the cache."""
     scheduler = config.scheduler
+    unchunked = None if scheduler.chunked_prefill else scheduler.max_num_batched_tokens
     return RequestLimits(
         vocab_size=model_config.vocab_size,
         max_model_len=model_config.max_seq_len,
         max_prompt_blocks=config.num_blocks,
         block_size=config.block_size,
-        max_unchunked_prompt=None if scheduler.chunked_prefill else scheduler.max_num_batched_tokens,
+        max_unchunked_prompt=unchunked,
     )

@@ -53,11 +53,6 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-    @property
-    def kv_group_size(self) -> int:
-        """How many query heads share one key/value head (grouped-query attention)."""
-        return self.n_heads // self.n_kv_heads
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -1,4 +1,10 @@
-"""TODO split from model_runner.py"""
+"""From a StepPlan to a `VarlenBatch`, and one forward pass over it (chapter 04).
+
+`build_batch` turns each scheduled chunk into a `BatchPiece` -- its tokens, where they start, how
+many rows of logits it wants -- and `pack_batch` lays the pieces end to end. `run_model` runs the
+model once over the packed batch with an attention backend. Chapter 06's draft model uses the same
+two functions on pieces of its own.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.attention.backend import BackendFactory
 from minivllm.attention.batch import VarlenBatch
+from minivllm.attention.storage import PagedKVStorage
+from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.kv.block_manager import BlockManager
+from minivllm.model.transformer import Transformer
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.sequence import Sequence
 
@@ -17,7 +27,8 @@ from minivllm.sched.sequence import Sequence
 @dataclass(frozen=True)
 class BatchPiece:
     """Run `token_ids` of sequence `seq_id` at positions `start, start+1, ...`; the logits of the
-    last `num_logits` of them are wanted (0: none, 1: the next token, k + 1: a speculative verify)."""
+    last `num_logits` of them are wanted (0: none, 1: the next token, k + 1: a speculative
+    verify)."""
 
     seq_id: int
     start: int
@@ -56,26 +67,17 @@ def build_batch(
 def pack_batch(pieces: SequenceOf[BatchPiece], manager: BlockManager) -> VarlenBatch:
     """Flatten pieces into one `VarlenBatch`, in the order given. Every position a piece runs must
     already have a slot in its block table."""
-    input_ids, positions, slots, query_start, context_lens, tables, logits_indices = (
-        [],
-        [],
-        [],
-        [0],
-        [],
-        [],
-        [],
-    )
+    input_ids, positions, slots, context_lens, tables, logits_indices = [], [], [], [], [], []
+    query_start = [0]
     for piece in pieces:
         end = piece.start + len(piece.token_ids)
-        # EXERCISE ch04.3: flatten one chunk -- its token ids, positions and slots; where it ends; its context
+        # EXERCISE ch04.3: flatten one chunk -- token ids, positions, slots; where it ends; context
         ### BEGIN SOLUTION
         input_ids += list(piece.token_ids)
         positions += range(piece.start, end)
         slots += manager.slot_mapping(piece.seq_id, range(piece.start, end))
         query_start.append(query_start[-1] + len(piece.token_ids))
-        context_lens.append(
-            end
-        )  # everything before the chunk is in the cache, and the chunk joins it
+        context_lens.append(end)  # everything before the chunk is in the cache, and it joins them
         ### END SOLUTION
         tables.append(manager.block_table(piece.seq_id))
         # The last token predicts the next one; with drafts, each of the last k + 1 rows is checked.
@@ -103,3 +105,18 @@ def _leading_single_tokens(pieces: SequenceOf[BatchPiece]) -> int:
             break
         count += 1
     return count
+
+
+@torch.no_grad()
+def run_model(
+    model: Transformer,
+    storage: PagedKVStorage,
+    batch: VarlenBatch,
+    backend: BackendFactory = TorchPagedAttention,
+) -> torch.Tensor:
+    """One forward pass over a flattened batch, on the storage's device, with an attention backend
+    (see `minivllm.attention.backend`); the logits of the rows it asks for, `[S, vocab]`, back on
+    the CPU, where sampling happens."""
+    batch = batch.to(storage.kv.device)
+    logits = model(batch.input_ids, batch.positions, backend(storage, batch))
+    return logits[batch.logits_indices].float().cpu()

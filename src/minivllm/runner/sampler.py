@@ -16,9 +16,12 @@ position.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from minivllm.sched.sequence import Sequence as SequenceState
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -39,9 +42,7 @@ def position_uniforms(
     positions = np.asarray(positions, dtype=np.uint64).reshape(-1)
     key = _splitmix64(seeds ^ _splitmix64(np.full_like(seeds, stream) + _GOLDEN))
     bits = _splitmix64(key + positions * _GOLDEN)
-    return (bits >> np.uint64(11)).astype(
-        np.float64
-    ) * 2.0**-53  # the top 53 bits fill a double exactly
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53  # 53 bits fill a double exactly
 
 
 def derive_seed(engine_seed: int, request_id: int) -> int:
@@ -68,7 +69,7 @@ def token_probs(
     # -inf instead of overflowing everything to +inf (NaN probabilities).
     shifted = logits - logits.max(dim=-1, keepdim=True).values
     scaled = shifted / torch.where(greedy, 1.0, temperatures.to(torch.float64))[:, None]
-    # EXERCISE ch04.1: top-k / top-p -- keep each row's k most likely tokens, then the smallest head with mass >= p
+    # EXERCISE ch04.1: top-k / top-p -- each row's k likeliest tokens, then the smallest head >= p
     ### BEGIN SOLUTION
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     vocab = logits.shape[-1]
@@ -77,8 +78,8 @@ def token_probs(
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # Keep a token while the mass strictly before it is < p: the head reaches p, and the top token
-    # always stays.
+    # Keep a token while the mass strictly before it is < p: the head reaches p, and the top
+    # token always stays.
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_ps.to(torch.float64)[:, None], 0.0)
     probs = torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)
     probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -88,33 +89,97 @@ def token_probs(
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw, one token per row: the first token whose cumulative probability exceeds u."""
+    """Inverse-CDF draw, one token per row: the first token whose cumulative probability exceeds
+    u."""
     u = torch.as_tensor(uniforms, dtype=torch.float64).reshape(-1, 1)
-    # EXERCISE ch04.2: inverse CDF -- the first token whose running total of probability is > u * total
+    # EXERCISE ch04.2: inverse CDF -- the first token whose running probability total is > u * total
     ### BEGIN SOLUTION
     cdf = probs.cumsum(dim=-1)
-    # Scale u by the row's total (1 up to rounding), so a round-off shortfall can never run off the
-    # end.
+    # Scale u by the row's total (1 up to rounding): a round-off shortfall never runs off the end.
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return tokens.clamp(max=probs.shape[-1] - 1).reshape(-1)
     ### END SOLUTION
 
 
-def sample(
-    logits: torch.Tensor,
-    temperatures: Sequence[float],
-    top_ks: Sequence[int],
-    top_ps: Sequence[float],
-    seeds: Sequence[int],
-    positions: Sequence[int],
-) -> list[int]:
-    """The engine's sampler: one token per row of `logits`, each from its own request's distribution."""
-    if all(t == 0 for t in temperatures):
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """What the sampler needs of each row it draws, built ONCE per step from the sequences and then
+    only indexed: by the plain sampler (a row per sequence), by the drafter (a row per drafting
+    sequence and pass) and by the verify (a row per draft, plus the bonus row)."""
+
+    seq_ids: tuple[int, ...]  # the sequence each row belongs to
+    temperatures: torch.Tensor  # [R] float64; 0 = greedy
+    top_ks: torch.Tensor  # [R] long; 0 = no top-k
+    top_ps: torch.Tensor  # [R] float64; 1 = no top-p
+    seeds: tuple[int, ...]
+    positions: tuple[int, ...]  # the index in its sequence of the token the row draws
+    greedy: tuple[bool, ...]
+    all_greedy: bool  # then sampling is an argmax: no sort, no hash
+
+    @classmethod
+    def from_sequences(cls, seqs: Sequence[SequenceState]) -> SamplingMetadata:
+        """One row per sequence, drawing its next token (at position `num_tokens`)."""
+        params = [s.params for s in seqs]
+        return cls.from_lists(
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [s.seed for s in seqs],
+            [s.num_tokens for s in seqs],
+            seq_ids=[s.seq_id for s in seqs],
+        )
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperatures: Sequence[float],
+        top_ks: Sequence[int],
+        top_ps: Sequence[float],
+        seeds: Sequence[int],
+        positions: Sequence[int],
+        seq_ids: Sequence[int] | None = None,
+    ) -> SamplingMetadata:
+        """Rows given column by column; `seq_ids` default to 0, 1, 2, ..."""
+        greedy = tuple(t == 0 for t in temperatures)
+        return cls(
+            seq_ids=tuple(seq_ids if seq_ids is not None else range(len(temperatures))),
+            temperatures=torch.tensor(temperatures, dtype=torch.float64),
+            top_ks=torch.tensor(top_ks, dtype=torch.long),
+            top_ps=torch.tensor(top_ps, dtype=torch.float64),
+            seeds=tuple(seeds),
+            positions=tuple(positions),
+            greedy=greedy,
+            all_greedy=all(greedy),
+        )
+
+    def select(self, rows: Sequence[int], ahead: Sequence[int] | None = None) -> SamplingMetadata:
+        """Rows `rows` (repeats allowed), each drawing `ahead[i]` positions further on."""
+        ahead = ahead if ahead is not None else [0] * len(rows)
+        index = torch.tensor(rows, dtype=torch.long)
+        greedy = tuple(self.greedy[r] for r in rows)
+        return SamplingMetadata(
+            seq_ids=tuple(self.seq_ids[r] for r in rows),
+            temperatures=self.temperatures[index],
+            top_ks=self.top_ks[index],
+            top_ps=self.top_ps[index],
+            seeds=tuple(self.seeds[r] for r in rows),
+            positions=tuple(self.positions[r] + a for r, a in zip(rows, ahead)),
+            greedy=greedy,
+            all_greedy=all(greedy),
+        )
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's sampling distribution, float64 `[R, V]` (see `token_probs`)."""
+        return token_probs(logits, self.temperatures, self.top_ks, self.top_ps)
+
+    def uniforms(self, stream: int = 0) -> np.ndarray:
+        """Each row's uniform number for `stream` (see `position_uniforms`)."""
+        return position_uniforms(self.seeds, self.positions, stream)
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
+    """The engine's sampler: one token per row of `logits`, each from its own request's
+    distribution."""
+    if metadata.all_greedy:
         return logits.argmax(dim=-1).tolist()  # all greedy: skip the sort and the hash
-    probs = token_probs(
-        logits,
-        torch.tensor(temperatures, dtype=torch.float64),
-        torch.tensor(top_ks),
-        torch.tensor(top_ps, dtype=torch.float64),
-    )
-    return sample_from_probs(probs, position_uniforms(seeds, positions)).tolist()
+    return sample_from_probs(metadata.probs(logits), metadata.uniforms()).tolist()

@@ -43,9 +43,8 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.transformer import Transformer
-from minivllm.runner.batch import BatchPiece, pack_batch
-from minivllm.runner.model_runner import run_model
-from minivllm.runner.sampler import position_uniforms, sample_from_probs, token_probs
+from minivllm.runner.batch import BatchPiece, pack_batch, run_model
+from minivllm.runner.sampler import SamplingMetadata, sample_from_probs
 from minivllm.sched.sequence import Sequence
 
 # Independent random streams per position; stream 0 is the ordinary draw (and the bonus token's).
@@ -86,7 +85,8 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class Proposal:
     """A drafter's guess for one sequence: the tokens, and the distributions they were drawn from
-    (`[len(tokens), vocab]`); `probs=None` means a deterministic drafter, each q a one-hot at its token."""
+    (`[len(tokens), vocab]`); `probs=None` means a deterministic drafter, each q a one-hot at its
+    token."""
 
     tokens: tuple[int, ...] = ()
     probs: torch.Tensor | None = None
@@ -116,7 +116,7 @@ def accept_or_resample(
     """
     p_draft = p.gather(1, drafted.view(-1, 1)).view(-1)
     q_draft = q.gather(1, drafted.view(-1, 1)).view(-1)
-    # EXERCISE ch06.1: the acceptance rule -- accept with probability min(1, p/q); else draw from norm(max(0, p - q))
+    # EXERCISE ch06.1: acceptance rule -- accept w.p. min(1, p/q), else draw from norm(max(0, p-q))
     ### BEGIN SOLUTION
     # u < p/q, written without the division. A draft the drafter gave no probability (q = 0) is
     # never accepted: it cannot have been drawn from q, and p/q would be undefined.
@@ -132,62 +132,51 @@ def accept_or_resample(
 
 
 def verify(
-    logits: torch.Tensor, seqs: SequenceOf[Sequence], proposals: SequenceOf[Proposal]
+    logits: torch.Tensor, metadata: SamplingMetadata, proposals: SequenceOf[Proposal]
 ) -> list[list[int]]:
     """Turn the verify pass's logits into each sequence's emitted run of tokens.
 
-    `logits` holds, per sequence in order, `len(tokens) + 1` rows: row j is the target's prediction
-    for position `num_tokens + j` (the first checks draft 1, the last gives the bonus). A sequence
-    with no draft gets exactly the ordinary sampler's token. Returns, per sequence, the accepted
-    drafts followed by one token of the target's own (the resampled one at the first rejection, or
-    the bonus).
+    `metadata` has a row per sequence, drawing its next token. `logits` holds, per sequence in
+    order, `len(tokens) + 1` rows: row j is the target's prediction for position `num_tokens + j`
+    (the first checks draft 1, the last gives the bonus). A sequence with no draft gets exactly the
+    ordinary sampler's token. Returns, per sequence, the accepted drafts followed by one token of
+    the target's own (the resampled one at the first rejection, or the bonus).
     """
     rows = [len(p.tokens) + 1 for p in proposals]
     if sum(rows) != logits.shape[0]:
         raise ValueError(
-            f"{logits.shape[0]} rows of logits for {len(seqs)} sequences that need {sum(rows)}"
+            f"{logits.shape[0]} rows of logits for {len(rows)} sequences that need {sum(rows)}"
         )
-    if all(s.params.greedy for s in seqs):
+    if metadata.all_greedy:
         return _verify_greedy(logits.argmax(dim=-1).tolist(), proposals)
-    row_seqs = [s for s, n in zip(seqs, rows) for _ in range(n)]
-    positions = [s.num_tokens + j for s, n in zip(seqs, rows) for j in range(n)]
-    seeds = [s.seed for s in row_seqs]
-    p = token_probs(
-        logits,
-        torch.tensor([s.params.temperature for s in row_seqs], dtype=torch.float64),
-        torch.tensor([s.params.top_k for s in row_seqs]),
-        torch.tensor([s.params.top_p for s in row_seqs], dtype=torch.float64),
+    # One metadata row per logits row: sequence i's rows draw positions num_tokens + 0 .. + n - 1.
+    expanded = metadata.select(
+        [i for i, n in enumerate(rows) for _ in range(n)], [j for n in rows for j in range(n)]
     )
-    ends = np.cumsum(
-        rows
-    ).tolist()  # sequence i's rows end at ends[i]; the last of them is its bonus row
+    p = expanded.probs(logits)
+    ends = np.cumsum(rows).tolist()  # sequence i's rows end at ends[i]; the last is its bonus row
     bonus_rows = [end - 1 for end in ends]
     draft_rows = [r for end, n in zip(ends, rows) for r in range(end - n, end - 1)]
-    bonus = sample_from_probs(
-        p[bonus_rows],
-        position_uniforms([seeds[r] for r in bonus_rows], [positions[r] for r in bonus_rows]),
-    ).tolist()
+    bonus = sample_from_probs(p[bonus_rows], expanded.select(bonus_rows).uniforms()).tolist()
     accepted, resampled = [], []
     if draft_rows:
         q = torch.cat([prop.draft_probs(logits.shape[-1]) for prop in proposals if prop.tokens])
         drafted = torch.tensor([t for prop in proposals for t in prop.tokens], dtype=torch.long)
-        draft_seeds, draft_positions = (
-            [seeds[r] for r in draft_rows],
-            [positions[r] for r in draft_rows],
-        )
+        drafts = expanded.select(draft_rows)
         ok, again = accept_or_resample(
             p[draft_rows],
             q,
             drafted,
-            torch.from_numpy(position_uniforms(draft_seeds, draft_positions, STREAM_ACCEPT)),
-            torch.from_numpy(position_uniforms(draft_seeds, draft_positions, STREAM_RESIDUAL)),
+            torch.from_numpy(drafts.uniforms(STREAM_ACCEPT)),
+            torch.from_numpy(drafts.uniforms(STREAM_RESIDUAL)),
         )
         accepted, resampled = ok.tolist(), again.tolist()
     return _assemble(proposals, accepted, resampled, bonus)
 
 
 def _verify_greedy(choices: list[int], proposals: SequenceOf[Proposal]) -> list[list[int]]:
-    """All greedy: keep drafts while each is the target's argmax; then the argmax after the last kept."""
+    """All greedy: keep drafts while each is the target's argmax; then the argmax after the last
+    kept."""
     runs, base = [], 0
     for prop in proposals:
         run = []
@@ -204,7 +193,8 @@ def _verify_greedy(choices: list[int], proposals: SequenceOf[Proposal]) -> list[
 def _assemble(
     proposals: SequenceOf[Proposal], accepted: list[bool], resampled: list[int], bonus: list[int]
 ) -> list[list[int]]:
-    """Per sequence: drafts up to the first rejection, then the resampled token there (or the bonus)."""
+    """Per sequence: drafts up to the first rejection, then the resampled token there (or the
+    bonus)."""
     runs, base = [], 0
     for prop, bonus_token in zip(proposals, bonus):
         run = []
@@ -233,11 +223,18 @@ class NgramDrafter:
     def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs: SequenceOf[Sequence], lookaheads: SequenceOf[int]) -> list[Proposal]:
+    def propose(
+        self,
+        seqs: SequenceOf[Sequence],
+        lookaheads: SequenceOf[int],
+        metadata: SamplingMetadata | None = None,
+    ) -> list[Proposal]:
+        """Up to `lookaheads[i]` tokens for `seqs[i]` (no randomness: `metadata` is not needed)."""
         return [Proposal(tuple(self.lookup(s.token_ids, k))) for s, k in zip(seqs, lookaheads)]
 
     def lookup(self, token_ids: SequenceOf[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier match of the last n tokens; [] if none."""
+        """Up to k tokens that followed the latest earlier match of the last n tokens; [] if
+        none."""
         if k <= 0:
             return []
         tokens = np.asarray(token_ids)
@@ -279,31 +276,40 @@ class ModelDrafter:
         self.model, self.manager, self.backend = model.eval().to(device), manager, backend
         self.storage = PagedKVStorage(model.config, num_blocks, manager.block_size, dtype, device)
 
-    def propose(self, seqs: SequenceOf[Sequence], lookaheads: SequenceOf[int]) -> list[Proposal]:
+    def propose(
+        self,
+        seqs: SequenceOf[Sequence],
+        lookaheads: SequenceOf[int],
+        metadata: SamplingMetadata,
+    ) -> list[Proposal]:
+        """Up to `lookaheads[i]` draft tokens for `seqs[i]`; `metadata` has a row per sequence."""
         tokens = {s.seq_id: [] for s in seqs}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
-        active = [(s, k) for s, k in zip(seqs, lookaheads) if k > 0]
-        # Pass 1 catches each draft cache up to the sequence's last token; passes 2..k feed back one
-        # draft.
+        active = [(i, s, k) for i, (s, k) in enumerate(zip(seqs, lookaheads)) if k > 0]
+        # Pass 1 catches each draft cache up to the sequence's last token; passes 2..k feed back
+        # one draft.
         pieces = [
             BatchPiece(
                 s.seq_id, s.num_draft_computed_tokens, s.token_ids[s.num_draft_computed_tokens :], 1
             )
-            for s, _ in active
+            for _, s, _ in active
         ]
         while active:
-            order = sorted(
-                range(len(active)), key=lambda i: len(pieces[i].token_ids)
-            )  # decodes first
+            # Decodes first, as the attention wants them.
+            order = sorted(range(len(active)), key=lambda i: len(pieces[i].token_ids))
             active, pieces = [active[i] for i in order], [pieces[i] for i in order]
-            drawn, q = self._draw([s for s, _ in active], pieces)
+            # Row i draws the sequence's token number num_tokens + (drafts so far).
+            rows = metadata.select(
+                [i for i, _, _ in active], [len(tokens[s.seq_id]) for _, s, _ in active]
+            )
+            drawn, q = self._draw(pieces, rows)
             still, next_pieces = [], []
-            for (seq, k), piece, token, q_row in zip(active, pieces, drawn, q):
+            for (i, seq, k), piece, token, q_row in zip(active, pieces, drawn, q):
                 tokens[seq.seq_id].append(token)
                 probs[seq.seq_id].append(q_row)
                 seq.num_draft_computed_tokens = piece.start + len(piece.token_ids)
                 if len(tokens[seq.seq_id]) < k:
-                    still.append((seq, k))
+                    still.append((i, seq, k))
                     next_pieces.append(
                         BatchPiece(seq.seq_id, seq.num_draft_computed_tokens, [token], 1)
                     )
@@ -311,31 +317,23 @@ class ModelDrafter:
         return [Proposal(tuple(tokens[s.seq_id]), _stack_or_none(probs[s.seq_id])) for s in seqs]
 
     def _draw(
-        self, seqs: list[Sequence], pieces: list[BatchPiece]
+        self, pieces: list[BatchPiece], metadata: SamplingMetadata
     ) -> tuple[list[int], list[torch.Tensor | None]]:
-        """One batched draft pass: each sequence's next draft token and the distribution q it came
-        from (None for a greedy batch: q is the one-hot at the argmax, no need to build it)."""
+        """One batched draft pass: each piece's next draft token and the distribution q it came
+        from (None for a greedy row: q is the one-hot at the argmax, no need to build it)."""
         logits = run_model(self.model, self.storage, pack_batch(pieces, self.manager), self.backend)
-        greedy = [s.params.greedy for s in seqs]
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
-        q = token_probs(
-            logits,
-            torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64),
-            torch.tensor([s.params.top_k for s in seqs]),
-            torch.tensor([s.params.top_p for s in seqs], dtype=torch.float64),
-        )
-        positions = [piece.start + len(piece.token_ids) for piece in pieces]
-        uniforms = position_uniforms([s.seed for s in seqs], positions, STREAM_DRAFT)
+        if metadata.all_greedy:
+            return logits.argmax(dim=-1).tolist(), [None] * len(pieces)
+        q = metadata.probs(logits)
+        tokens = sample_from_probs(q, metadata.uniforms(STREAM_DRAFT)).tolist()
         # A greedy row's q is the one-hot at its token: leave it implied (None) whoever else is in
         # the pass.
-        return sample_from_probs(q, uniforms).tolist(), [
-            None if g else row for g, row in zip(greedy, q)
-        ]
+        return tokens, [None if g else row for g, row in zip(metadata.greedy, q)]
 
 
 def _stack_or_none(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """A sequence's q rows as one tensor; None when there are none or they are implied one-hots (greedy)."""
+    """A sequence's q rows as one tensor; None when there are none or they are implied one-hots
+    (greedy)."""
     return None if not rows or rows[0] is None else torch.stack(rows)
 
 

@@ -157,9 +157,3 @@ def corpus_sha256(plays: list[Play]) -> str:
 def shipped_validation_text() -> str:
     """The held-out plays as shipped with the package (no download needed at run time)."""
     return gzip.decompress(SHIPPED_VALIDATION.read_bytes()).decode("utf-8")
-
-
-def write_shipped_validation(validation: list[Play]) -> None:
-    text = "".join(play.text for play in validation)
-    DATA_DIR.mkdir(parents=True, exist_ok=True)
-    SHIPPED_VALIDATION.write_bytes(gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))

@@ -39,7 +39,8 @@ def combine(a, b, take_max):
 
 @cuda.jit(device=True)
 def warp_reduce(value, take_max):
-    """The sum (or max) over the 32 lanes of a warp, by butterfly shuffles: every lane ends with it."""
+    """The sum (or max) over the 32 lanes of a warp, by butterfly shuffles: every lane ends with
+    it."""
     offset = WARP_SIZE // 2
     while offset > 0:
         value = combine(value, cuda.shfl_xor_sync(FULL_MASK, value, offset), take_max)
@@ -64,8 +65,9 @@ def block_reduce(value, scratch, take_max):
 
 @cuda.jit(device=True)
 def cache_slot(table, position, block_size):
-    """Where token `position` of a sequence lives: (physical block, offset in it), via its block table."""
-    # EXERCISE ch07.1: the block-table address -- the physical block holding `position`, and the offset in it
+    """Where token `position` of a sequence lives: (physical block, offset in it), via its block
+    table."""
+    # EXERCISE ch07.1: the block-table address -- the block holding `position`, the offset in it
     ### BEGIN SOLUTION
     return table[position // block_size], position % block_size
     ### END SOLUTION
@@ -74,7 +76,8 @@ def cache_slot(table, position, block_size):
 @cuda.jit(device=True)
 def attend_range(out_row, q_row, key_cache, value_cache, table, kv_head, start, end, scale, shared):
     """Attention of one query row over tokens start..end-1 of one sequence, read through its block
-    table. Writes the softmax-weighted sum of values, normalised, to out_row; returns (max, sum of exp)."""
+    table. Writes the softmax-weighted sum of values, normalised, to out_row; returns (max, sum of
+    exp)."""
     tid, threads = cuda.threadIdx.x, cuda.blockDim.x
     warp, lane, num_warps = tid // WARP_SIZE, tid % WARP_SIZE, threads // WARP_SIZE
     dim, block_size = q_row.shape[0], key_cache.shape[1]
@@ -183,18 +186,19 @@ def paged_attention_v2(
 
 @cuda.jit
 def merge_partitions(out, partial_out, max_logits, exp_sums):
-    """Grid (sequences, heads): combine the partitions' normalised outputs by log-sum-exp weights."""
+    """Grid (sequences, heads): combine the partitions' normalised outputs by log-sum-exp
+    weights."""
     seq, head = cuda.blockIdx.x, cuda.blockIdx.y
     parts = max_logits.shape[2]
     m = -math.inf
     for p in range(parts):
         m = max(m, max_logits[seq, head, p])
     for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
-        # EXERCISE ch07.2: the log-sum-exp merge -- weight partition p by exp_sum_p * exp(max_p - m), normalise
+        # EXERCISE ch07.2: log-sum-exp merge -- weight partition p by exp_sum_p * exp(max_p - m)
         ### BEGIN SOLUTION
         # Partition p's output was normalised by its own sum l_p of exp(score - m_p). On the common
-        # scale exp(score - m) its weight is l_p * exp(m_p - m); an empty partition (l_p = 0) weighs
-        # nothing.
+        # scale exp(score - m) its weight is l_p * exp(m_p - m); an empty partition (l_p = 0)
+        # weighs nothing.
         acc, weight_total = float32(0.0), float32(0.0)
         for p in range(parts):
             if exp_sums[seq, head, p] > 0:

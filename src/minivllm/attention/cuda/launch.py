@@ -1,4 +1,5 @@
-"""TODO split from cuda_paged_attention.py"""
+"""Launching chapter 07's kernels from torch tensors: argument checks, grid and shared-memory
+sizes, v1 (one block per sequence and head) or v2 (partitions, then the merge)."""
 
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ def paged_attention(
     """One query per sequence, `q` `[num_seqs, num_heads, head_dim]`, against its cached keys and
     values: `key_cache`, `value_cache` `[num_blocks, block_size, n_kv_heads, head_dim]`,
     `block_tables` `[num_seqs, max_blocks]` and `context_lens` `[num_seqs]` (int32).
-    `partition_size=None` runs v1; a
-    number of tokens runs v2 with that partition size, then the merge. Returns `[num_seqs, num_heads, head_dim]`."""
+    `partition_size=None` runs v1; a number of tokens runs v2 with that partition size, then the
+    merge. Returns `[num_seqs, num_heads, head_dim]`."""
     group = _check(q, key_cache, value_cache, block_tables, context_lens, threads)
     num_seqs, num_heads, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale

@@ -1,4 +1,5 @@
-"""TODO split from cuda_paged_attention.py"""
+"""Switches numba's CUDA simulator on when torch sees no GPU (before anything imports
+`numba.cuda`), and gives the simulator what it lacks for chapter 07's kernels."""
 
 from __future__ import annotations
 

@@ -1,0 +1,109 @@
+"""The attention seam: what an attention backend is, and the registry the engine picks one from.
+
+The model calls attention once per layer and knows nothing of the paged cache. The backend does:
+the engine's runner builds one per forward pass from `(storage, batch)` -- the `PagedKVStorage` and
+the pass's `VarlenBatch`, so whatever depends only on the batch (slots, masks, tables) is prepared
+once -- and the model calls it once per layer as `backend(layer, q, k, v) -> out`. It writes the new
+K/V through the slot mapping and attends every sequence to its own context.
+
+What plugs in here:
+
+    "torch"  `TorchPagedAttention`, the reference (chapter 04): gathers and
+             `scaled_dot_product_attention`, on any device torch runs on.
+    "cuda"   `CudaPagedAttention`, chapter 07's numba-cuda decode kernel (prefill chunks stay the
+             reference's). Registered by module path: importing it switches numba's CUDA simulator
+             on when there is no GPU, so it is imported only when first asked for.
+
+A native CPU kernel (e.g. "numba") registers the same way. `EngineConfig.attention_backend` names
+one of `backend_names()`, or "auto": the first backend registered for the engine's device, else the
+reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from minivllm.attention.batch import VarlenBatch
+from minivllm.attention.storage import PagedKVStorage
+from minivllm.attention.torch_backend import TorchPagedAttention
+
+REFERENCE = "torch"
+
+
+class AttentionBackend(Protocol):
+    """One forward pass's attention: called once per layer."""
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write the new k, v `[N, kv_heads, D]` into the cache at the batch's slots, then attend
+        q `[N, heads, D]` to each sequence's context -> `[N, heads, D]`."""
+        ...
+
+
+BackendFactory = Callable[[PagedKVStorage, VarlenBatch], AttentionBackend]
+
+
+@dataclass
+class _Entry:
+    factory: BackendFactory | str  # the factory, or "module:name" to import when first asked for
+    devices: tuple[str, ...]  # where "auto" picks it
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_backend(
+    name: str, factory: BackendFactory | str, devices: tuple[str, ...] = ()
+) -> None:
+    """Make `name` an attention backend. `factory` builds one from `(storage, batch)`; give it as
+    "package.module:Name" to import it only when the backend is first asked for. `devices` are those
+    on which "auto" chooses it ("cpu", "cuda"); it can always be named explicitly."""
+    if name == "auto" or name in _REGISTRY:
+        raise ValueError(f"attention backend name {name!r} is taken")
+    _REGISTRY[name] = _Entry(factory, tuple(devices))
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def resolve_backend_name(name: str, device: str) -> str:
+    """The backend a name means on `device`: itself, or for "auto" the first backend registered for
+    the device, else the reference."""
+    if name != "auto":
+        _entry(name)
+        return name
+    return next((n for n, e in _REGISTRY.items() if device in e.devices), REFERENCE)
+
+
+def get_backend(name: str) -> BackendFactory:
+    """The factory registered as `name`, imported now if it was registered by path."""
+    entry = _entry(name)
+    if isinstance(entry.factory, str):
+        module, _, attr = entry.factory.partition(":")
+        entry.factory = getattr(importlib.import_module(module), attr)
+    return entry.factory
+
+
+def is_loaded(name: str) -> bool:
+    """Whether the backend's code has been imported (false for a path not yet asked for)."""
+    return not isinstance(_entry(name).factory, str)
+
+
+def _entry(name: str) -> _Entry:
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown attention backend {name!r}: choose 'auto' or one of "
+            f"{', '.join(repr(n) for n in _REGISTRY)}"
+        )
+    return _REGISTRY[name]
+
+
+register_backend(REFERENCE, TorchPagedAttention)
+register_backend("cuda", "minivllm.attention.cuda.backend:CudaPagedAttention", devices=("cuda",))
