@@ -1,11 +1,14 @@
-"""Chapter 05: preemption by recompute -- victim policies, the scheduler's `_preempt`, and what it must never change.
+"""Chapter 05: preemption by recompute -- victim policies, the scheduler's `preempt`, and what it
+must never change.
 
-The policies are checked on hand-made sequences, `_preempt` on small schedules worked by hand (no model). With the
-shipped target model: the chapter's worked example is pinned step by step for both policies; a seeded workload gives
-every request exactly the same tokens (greedy and sampled, with and without prefix caching) in a cache so small that it
-is preempted again and again as in one so big that nobody is; a request that can never fit ends "cache_full" without
-hurting its neighbour; without preemption the same kind of burst deadlocks. A hypothesis test drives the pure
-scheduler through random workloads over tiny caches and checks the bookkeeping of every preemption.
+The policies are checked on hand-made sequences, `preempt` on small schedules worked by hand (no
+model). With the shipped target model: the chapter's worked example is pinned step by step for both
+policies; a seeded workload gives every request exactly the same tokens (greedy and sampled, with
+and without prefix caching) in a cache so small that it is preempted again and again as in one so
+big that nobody is; a request that can never fit ends "cache_full" without hurting its neighbour;
+without preemption (the book's `Stall`) the same kind of burst deadlocks. A hypothesis test drives
+the pure scheduler through random workloads over tiny caches and checks the bookkeeping of every
+preemption.
 """
 
 from __future__ import annotations
@@ -18,13 +21,19 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from minivllm.book.modes import Stall, StaticBatching
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.trace import StepRecord, request_timeline
 from minivllm.kv.block_manager import BlockManager
 from minivllm.sched.plan import ScheduledChunk, StepPlan
-from minivllm.sched.preemption import VICTIM_POLICIES, least_progressed, newest_first
+from minivllm.sched.preemption import (
+    VICTIM_POLICIES,
+    RecomputePreemption,
+    least_progressed,
+    newest_first,
+)
 from minivllm.sched.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
 from minivllm.sched.sequence import (
     CACHE_FULL,
@@ -46,7 +55,7 @@ ch05_2 = pytest.mark.exercise("ch05.2")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-# -- helpers: the pure scheduler with a fake sampler ----------------------------------------------------------------
+# -- helpers: the pure scheduler with a fake sampler -----------------------------------------------
 
 
 def seq(
@@ -95,18 +104,21 @@ def assert_refcounts_match_tables(manager: BlockManager) -> None:
     assert manager.num_free == held.count(0)
 
 
-# -- victim policies (ch05.1) -------------------------------------------------------------------------------------
+# -- victim policies (ch05.1) ----------------------------------------------------------------------
 
 
 def test_the_policies_are_registered_and_checked_by_the_config() -> None:
     assert VICTIM_POLICIES == {"newest": newest_first, "least_progressed": least_progressed}
     with pytest.raises(ValueError, match="preemption"):
         SchedulerConfig(preemption="oldest")
-    assert scheduler(4, 1, preemption=None).victim_policy is None
-    assert scheduler(4, 1, preemption="least_progressed").victim_policy is least_progressed
-    assert (
-        scheduler(4, 1).victim_policy is newest_first
-    )  # preemption is on by default, newest first
+    with pytest.raises(ValueError, match="Stall"):  # no preemption is the book's Stall policy
+        SchedulerConfig(preemption=None)
+    stall = Stall()
+    assert scheduler(4, 1, preemption=stall).preemption is stall
+    chosen = scheduler(4, 1, preemption="least_progressed").preemption
+    assert isinstance(chosen, RecomputePreemption) and chosen.victim_policy is least_progressed
+    default = scheduler(4, 1).preemption  # preemption is on by default, newest first
+    assert isinstance(default, RecomputePreemption) and default.victim_policy is newest_first
 
 
 def test_newest_first_is_the_last_candidate_whatever_its_progress() -> None:
@@ -150,7 +162,7 @@ def test_least_progressed_breaks_a_tie_towards_the_higher_seq_id() -> None:
     assert least_progressed([pool[3]]) is pool[3]
 
 
-# -- _preempt (ch05.2) on the pure scheduler, worked by hand ---------------------------------------------------------
+# -- preempt (ch05.2) on the pure scheduler, worked by hand ---------------------------------------
 
 
 @ch05_2
@@ -295,7 +307,7 @@ def test_several_victims_in_one_step_queue_in_front_of_fresh_requests() -> None:
     assert s.manager.num_free == 6 and not s.manager.tables
 
 
-# -- the chapter's worked example, with the real engine ----------------------------------------------------------
+# -- the chapter's worked example, with the real engine --------------------------------------------
 
 
 WORKED = {  # request id: (name, arrival step, prompt ids, max_tokens) -- exactly chapter 05's
@@ -442,7 +454,7 @@ def test_the_worked_example_gives_the_same_tokens_as_a_roomy_cache(target) -> No
         assert {i: o.token_ids for i, o in done.items()} == expected, policy
 
 
-# -- output identity: preemption never changes a token ---------------------------------------------------------------
+# -- output identity: preemption never changes a token ---------------------------------------------
 
 
 SHARED_PREFIX = "FIRST WITCH:\nWhen shall we three meet again\n"  # 44 bytes + BOS: two full blocks of 16 and more
@@ -578,7 +590,7 @@ def test_the_two_policies_choose_different_victims(runs: Runs) -> None:
     assert victims["newest"] != victims["least_progressed"]
 
 
-# -- trace ------------------------------------------------------------------------------------------------------------
+# -- trace -----------------------------------------------------------------------------------------
 
 
 def check_preemption_trace(trace: list[StepRecord]) -> None:
@@ -612,7 +624,7 @@ def test_the_trace_shows_every_preemption_and_its_recompute(runs: Runs, policy: 
         check_preemption_trace(runs.get(name, policy, tight=True)[0].trace)
 
 
-# -- a request that can never fit ---------------------------------------------------------------------------------
+# -- a request that can never fit ------------------------------------------------------------------
 
 
 def small_engine(
@@ -659,7 +671,7 @@ def check_cache_full(
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("policy", ["newest", "least_progressed", None])
+@pytest.mark.parametrize("policy", ["newest", "least_progressed", Stall()])
 def test_a_request_that_cannot_fit_alone_ends_cache_full(target, normal_alone, policy) -> None:
     engine = small_engine(target, policy)
     too_long, normal = engine.generate(["ROMEO:\n", "JULIET:\n"], [TOO_LONG, NORMAL])
@@ -700,8 +712,9 @@ def test_a_neighbour_preempted_for_a_hopeless_request_comes_back(target, normal_
 
 
 def test_without_preemption_a_hopeless_request_with_a_neighbour_deadlocks(target) -> None:
-    # The same late arrival with preemption=None: two running sequences, both need a block, none is free.
-    engine = small_engine(target, None)
+    # The same late arrival with the Stall policy: two running sequences, both need a block, none
+    # is free.
+    engine = small_engine(target, Stall())
     engine.add_request("ROMEO:\n", TOO_LONG, request_id=0)
     with pytest.raises(SchedulerStalled, match="no sequence can make progress"):
         for index in range(300):
@@ -711,7 +724,7 @@ def test_without_preemption_a_hopeless_request_with_a_neighbour_deadlocks(target
     assert set(engine.trace[-1].running) == {0, 1} and engine.manager.num_free == 0
 
 
-# -- without preemption a burst deadlocks; with it, it finishes ------------------------------------------------------
+# -- without preemption a burst deadlocks; with it, it finishes ------------------------------------
 
 
 BURST = ["To be", "or not", "to be:", "that is"]
@@ -719,7 +732,7 @@ BURST_PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
 def test_without_preemption_a_burst_stalls(target) -> None:
-    engine = small_engine(target, None, num_blocks=12, block_size=4)
+    engine = small_engine(target, Stall(), num_blocks=12, block_size=4)
     with pytest.raises(SchedulerStalled, match="no sequence can make progress") as raised:
         engine.generate(BURST, BURST_PARAMS)
     assert "4 running sequence(s) need a new block" in str(raised.value)
@@ -747,13 +760,13 @@ def test_with_preemption_the_same_burst_finishes(target, policy: str) -> None:
         len(o.token_ids) == 20 for o in outs
     )
     assert preemptions(engine) > 0 and not any(r.stalled for r in engine.trace)
-    roomy = small_engine(target, None, num_blocks=64, block_size=4).generate(BURST, BURST_PARAMS)
+    roomy = small_engine(target, Stall(), num_blocks=64, block_size=4).generate(BURST, BURST_PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
     assert engine.manager.num_free == 12 and not engine.manager.tables
     check_preemption_trace(engine.trace)
 
 
-# -- the property test: random workloads over tiny caches, the pure scheduler ------------------------------------
+# -- the property test: random workloads over tiny caches, the pure scheduler ----------------------
 
 
 def blocks_for(n: int, block_size: int) -> int:
@@ -792,7 +805,7 @@ def preempting_workloads(draw):
         max_num_batched_tokens=budget,
         chunked_prefill=chunked,
         enable_prefix_caching=prefix_caching,
-        batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        batching=draw(st.sampled_from(["continuous", "continuous", StaticBatching()])),
         preemption=draw(st.sampled_from(["newest", "least_progressed"])),
     )
     return config, num_blocks, block_size, requests
