@@ -585,3 +585,48 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# -- the scheduler's seams: allocate_slots and commit ----------------------------------------------
+
+
+def test_allocate_slots_creates_the_table_and_grows_it_lazily() -> None:
+    m = BlockManager(4, 4)
+    assert m.allocate_slots(0, 0, 6) == 6 and m.block_table(0) == [0, 1] and m.num_tokens(0) == 6
+    assert m.allocate_slots(0, 6, 1) == 1 and m.num_tokens(0) == 7 and m.num_free == 2  # slack
+    assert m.allocate_slots(0, 7, 1, 4) == 1  # a decode and 4 lookahead slots: one more block
+    assert m.num_tokens(0) == 12 and m.block_table(0) == [0, 1, 2]
+
+
+def test_allocate_slots_is_all_or_nothing_unless_a_chunk_may_shrink() -> None:
+    m = BlockManager(4, 4)
+    m.allocate_slots(0, 0, 9)  # blocks [0, 1, 2]: 3 slots of slack, one block free
+    before = snapshot(m)
+    assert m.allocate_slots(0, 9, 8) == 0 and snapshot(m) == before  # 8 > 3 + 4: refused
+    assert m.allocate_slots(1, 0, 5) == 0 and 1 not in m and snapshot(m) == before
+    assert m.allocate_slots(0, 9, 3, 5) == 0 and snapshot(m) == before  # lookahead never shrinks
+    assert m.allocate_slots(0, 9, 8, shrink=True) == 7 and m.num_tokens(0) == 16
+    assert m.allocate_slots(0, 16, 1, shrink=True) == 0  # nothing free: refused, not shrunk to 0
+
+
+def test_allocate_slots_shares_prefix_blocks() -> None:
+    m = BlockManager(8, 2)
+    m.allocate_cached(0, [1, 2, 3, 4, 5])
+    hits, cached = m.computed_prefix([1, 2, 3, 4])  # never the last token: only [1, 2] counts
+    assert (hits, cached) == ([0], 2)
+    assert m.allocate_slots(1, cached, 2, prefix_blocks=hits) == 2
+    assert m.block_table(1) == [0, 3] and m.allocator.refcount(0) == 2
+    with pytest.raises(ValueError, match="not num_computed_tokens=0"):
+        m.allocate_slots(2, 0, 2, prefix_blocks=hits)
+
+
+def test_commit_rolls_back_rejected_drafts_and_names_written_blocks() -> None:
+    m, tokens = BlockManager(8, 2), [1, 2, 3, 4, 5, 6, 7]
+    m.allocate_slots(0, 0, 3)
+    m.commit(0, tokens, 3)  # prefix caching off: nothing named
+    assert m.tables[0].block_hashes == [] and m.num_tokens(0) == 3
+    m.allocate_slots(0, 3, 1, 3)  # a decode at position 3 and 3 draft tokens: slots up to 7
+    assert m.num_tokens(0) == 7 and m.block_table(0) == [0, 1, 2, 3]
+    m.commit(0, tokens, 5, num_cacheable_tokens=5)  # one draft accepted, two rejected
+    assert m.num_tokens(0) == 5 and m.block_table(0) == [0, 1, 2] and m.num_free == 5
+    assert len(m.tables[0].block_hashes) == 2 and m.cached_prefix(tokens[:4]) == [0, 1]

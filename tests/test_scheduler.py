@@ -48,7 +48,8 @@ def step(s: Scheduler, tokens: dict[int, int] | None = None) -> tuple[StepPlan, 
     return plan, s.update(plan, sampled)
 
 
-def C(seq_id, start, num_tokens, is_prefill, samples) -> ScheduledChunk:  # noqa: N802 -- reads like a table
+# A capital C, so that a plan reads like a table.
+def C(seq_id, start, num_tokens, is_prefill, samples) -> ScheduledChunk:  # noqa: N802
     return ScheduledChunk(seq_id, start, num_tokens, is_prefill, samples)
 
 
