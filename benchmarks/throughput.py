@@ -53,6 +53,7 @@ import torch
 from _common import Request, best_of, load_str, machine_record, make_workload
 
 import minivllm.runner.model_runner as runner_module
+from minivllm.book.modes import StaticBatching
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.checkpoint import hf_config, load_model
@@ -110,6 +111,8 @@ def blocks_for(requests: list[Request], block_size: int = 16) -> int:
 
 
 def make_engine(model: Transformer, requests: list[Request], **scheduler) -> LLMEngine:
+    if scheduler.get("batching") == "static":  # recorded as "static"; the book's admission rule
+        scheduler = {**scheduler, "batching": StaticBatching()}
     config = EngineConfig(num_blocks=blocks_for(requests), scheduler=SchedulerConfig(**scheduler))
     return LLMEngine(model, config)
 

@@ -1,35 +1,32 @@
-"""Chapter 03: the paged KV cache's policy half -- allocator, block tables, copy-on-write, prefix cache."""
+"""Chapter 03: the paged KV cache's policy half -- block pool (LRU free queue), block tables,
+copy-on-write, prefix cache, and the scheduler's seams (allocate_slots, commit)."""
 
 from __future__ import annotations
 
 import copy
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minivllm.kv.block_manager import (
-    BlockAllocator,
-    BlockManager,
-    OutOfBlocks,
-    SequenceTooLong,
-    block_hash,
-)
+from minivllm.kv.block_manager import BlockManager, SequenceTooLong
+from minivllm.kv.block_pool import BlockPool, OutOfBlocks
+from minivllm.kv.prefix_cache import block_hash
 
 
 def snapshot(m: BlockManager) -> tuple:
-    a = m.allocator
+    a, cache = m.allocator, m.prefix_cache
     return (
-        list(a.free_list),
+        a.free_blocks(),
         list(a.refcounts),
         copy.deepcopy(m.tables),
-        list(a.hashes),
-        dict(a.cached),
+        list(cache.hashes),
+        dict(cache.cached),
     )
 
 
-# -- BlockAllocator ------------------------------------------------------------------------------------
+# -- BlockPool ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -37,11 +34,11 @@ def snapshot(m: BlockManager) -> tuple:
 )
 def test_allocator_validates_its_sizes(args: tuple, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        BlockAllocator(*args)
+        BlockPool(*args)
 
 
 def test_allocator_counts_and_refcounts() -> None:
-    a = BlockAllocator(4, 2)
+    a = BlockPool(4, 2)
     assert [a.allocate() for _ in range(3)] == [0, 1, 2]
     assert (a.num_free, a.num_used, a.refcount(1), a.refcount(3)) == (1, 3, 1, 0)
     a.incref(1)
@@ -51,16 +48,28 @@ def test_allocator_counts_and_refcounts() -> None:
     assert a.refcount(1) == 0 and a.num_free == 2
 
 
-def test_lifo_reuse() -> None:
-    a = BlockAllocator(4, 2)
+def test_the_free_queue_is_least_recently_used_first() -> None:
+    a = BlockPool(4, 2)
     blk_a, blk_b = a.allocate(), a.allocate()
     a.decref(blk_a)
-    a.decref(blk_b)
-    assert [a.allocate(), a.allocate()] == [blk_b, blk_a]
+    a.decref(blk_b)  # both worth keeping (the default): to the back, in the order freed
+    assert a.free_blocks() == [2, 3, blk_a, blk_b]  # never-used blocks go first
+    assert [a.allocate() for _ in range(4)] == [2, 3, blk_a, blk_b]
+
+
+def test_a_block_with_nothing_worth_keeping_is_reused_first() -> None:
+    a = BlockPool(4, 2)
+    blk_a, blk_b = a.allocate(), a.allocate()
+    a.decref(blk_a, keep=False)
+    a.decref(blk_b, keep=False)  # to the front: the last one freed is handed out first
+    assert a.free_blocks() == [blk_b, blk_a, 2, 3]
+    a.take(blk_a)  # a prefix-cache hit takes a block out of the middle of the queue
+    assert a.free_blocks() == [blk_b, 2, 3] and a.refcount(blk_a) == 1
+    assert [a.allocate() for _ in range(3)] == [blk_b, 2, 3]
 
 
 def test_allocator_errors_are_loud() -> None:
-    a = BlockAllocator(2, 2)
+    a = BlockPool(2, 2)
     b = a.allocate()
     a.decref(b)
     with pytest.raises(ValueError, match="double free"):
@@ -75,7 +84,7 @@ def test_allocator_errors_are_loud() -> None:
     assert (err.value.needed, err.value.free) == (1, 0)
 
 
-# -- blocks_needed (exercise ch03.1) -------------------------------------------------------------------
+# -- blocks_needed (exercise ch03.1) ---------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch03.1")
@@ -110,7 +119,7 @@ def test_append_grows_only_when_the_slack_runs_out() -> None:
     assert m.tables[0].blocks == [0, 1, 2] and m.tables[0].num_tokens == 9
 
 
-# -- block tables --------------------------------------------------------------------------------------
+# -- block tables ----------------------------------------------------------------------------------
 
 
 def test_allocate_append_free_and_slot_mapping() -> None:
@@ -173,7 +182,7 @@ def test_fork_shares_every_block() -> None:
         m.fork(1, 1)
 
 
-# -- copy-on-write (exercise ch03.2) -------------------------------------------------------------------
+# -- copy-on-write (exercise ch03.2) ---------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch03.2")
@@ -217,7 +226,7 @@ def test_write_checks_the_position() -> None:
         m.write(0, 3)
 
 
-# -- prefix caching ------------------------------------------------------------------------------------
+# -- prefix caching --------------------------------------------------------------------------------
 
 
 def test_block_hash_is_deterministic_and_chained() -> None:
@@ -247,10 +256,10 @@ def test_freed_blocks_stay_hittable_until_reallocated() -> None:
     assert m.num_free == 4
     assert m.allocate_cached(1, [1, 2, 3, 4, 5]) == 4  # both taken back off the free list
     assert m.tables[1].blocks == [0, 1, 2] and m.num_free == 1
-    assert sorted(m.allocator.free_list) == [3]
+    assert sorted(m.allocator.free_blocks()) == [3]
     m.free(1)
     m.allocate(2, 8)  # reallocates every block: every stale name is cleared
-    assert m.allocator.cached == {} and set(m.allocator.hashes) == {None}
+    assert m.prefix_cache.cached == {} and set(m.prefix_cache.hashes) == {None}
     m.free(2)
     assert m.allocate_cached(3, [1, 2, 3, 4]) == 0
 
@@ -258,15 +267,51 @@ def test_freed_blocks_stay_hittable_until_reallocated() -> None:
 def test_a_hash_hit_is_verified_against_the_tokens() -> None:
     m = BlockManager(4, 2)
     m.allocate_cached(0, [1, 2])
-    m.allocator.tokens[0] = (6, 6)  # pretend a collision: same name, other tokens
+    m.prefix_cache.tokens[0] = (6, 6)  # pretend a collision: same name, other tokens
     assert m.allocate_cached(1, [1, 2]) == 0 and m.tables[1].blocks == [1]
+
+
+def test_a_hot_prefix_outlives_blocks_that_were_never_used() -> None:
+    # The bug a LIFO free list had: freeing a sequence put its prefix blocks on top of the stack,
+    # so the very next request overwrote them while blocks that were never used sat idle.
+    m, system_prompt = BlockManager(16, 4), list(range(100, 108))
+    m.allocate_cached(0, system_prompt + [1, 2, 3, 4, 5])  # blocks 0, 1, 2 named; 3 a partial tail
+    m.free(0)
+    free = m.allocator.free_blocks()
+    # The unnamed tail is reused first; the named blocks wait at the back, tail first, head last.
+    assert free[0] == 3 and free[-3:] == [2, 1, 0]
+    m.allocate_cached(1, [7] * 12)  # 3 blocks: 3, 4, 5
+    m.free(1)
+    assert m.cached_prefix(system_prompt + [9]) == [0, 1]  # the hot prefix kept both blocks
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 2), max_size=14)), max_size=30))
+def test_a_cached_block_is_never_handed_out_while_a_never_used_one_is_free(ops: list) -> None:
+    m = BlockManager(12, 2)
+    pool, cache = m.allocator, m.prefix_cache
+    never_used, live = set(range(12)), []
+    for seq_id, (free_one, tokens) in enumerate(ops):
+        if free_one and live:
+            m.free(live.pop(0))
+            continue
+        hittable = {b for b in pool.free_blocks() if cache.holds(b)}
+        try:
+            m.allocate_cached(seq_id, tokens)
+        except OutOfBlocks:
+            continue
+        live.append(seq_id)
+        # A hit keeps its name; a block handed out as a fresh one loses it.
+        evicted = {b for b in hittable if pool.refcount(b) and not cache.holds(b)}
+        never_used -= set(m.block_table(seq_id))
+        assert not (evicted and never_used), f"evicted {evicted}, never used {never_used}"
 
 
 def test_prefix_cache_out_of_blocks_is_transactional() -> None:
     m = BlockManager(3, 2)
     m.allocate_cached(0, [1, 2, 3, 4])
     m.free(0)  # blocks 0, 1 free but named
-    m.allocate(1, 1)  # takes block 1 (LIFO top), clearing its name
+    m.allocate(1, 1)  # takes block 2, never used: the named ones are evicted last
     before = snapshot(m)
     with pytest.raises(
         OutOfBlocks
@@ -278,7 +323,7 @@ def test_prefix_cache_out_of_blocks_is_transactional() -> None:
         m.allocate_cached(2, list(range(7)))
 
 
-# -- truncate: KV rollback for speculative decoding (exercise ch06.2) ----------------------------------
+# -- truncate: KV rollback for speculative decoding (exercise ch06.2) ------------------------------
 
 ch06_2 = pytest.mark.exercise("ch06.2")
 
@@ -306,7 +351,7 @@ def test_truncate_frees_exactly_the_tail_blocks() -> None:
     m.truncate(0, 5)  # 5 tokens need 2 blocks: 3 and 4 go back
     assert m.tables[0].blocks == [0, 1] and m.num_tokens(0) == 5 and m.num_free == 6
     assert [m.allocator.refcount(b) for b in range(6)] == [1, 1, 1, 0, 0, 1]
-    assert sorted(m.allocator.free_list) == [3, 4, 6, 7, 8, 9]
+    assert sorted(m.allocator.free_blocks()) == [3, 4, 6, 7, 8, 9]
     assert (m.tables[1].blocks, m.num_tokens(1), m.tables[2].blocks, m.num_tokens(2)) == (
         [2],
         3,
@@ -354,7 +399,9 @@ def test_blocks_given_back_by_truncate_come_back_in_the_same_order() -> None:
     table = m.block_table(0)
     assert table == [0, 2, 3, 4, 5]
     m.truncate(0, 4)  # a rejected speculative round: keep block 0 only
-    assert m.allocator.free_list[-4:] == [5, 4, 3, 2]  # the last block freed first: 2 is on top
+    # Unnamed blocks hold nothing worth keeping: they go to the front of the free queue, in
+    # their table order, ahead of the never-used blocks.
+    assert m.allocator.free_blocks()[:5] == [2, 3, 4, 5, 6]
     m.append(0, 13)  # the next round grows back into the very same blocks, in the same order
     assert m.block_table(0) == table and m.num_tokens(0) == 17 and m.num_free == 10
 
@@ -412,17 +459,18 @@ def test_truncate_of_shared_blocks_only_drops_a_reference() -> None:
     assert [m.allocator.refcount(b) for b in range(3)] == [2, 0, 0] and m.num_free == 7
     m.append(
         1, 1
-    )  # 5 tokens: a block of its own (block 1, on top of the stack); block 0 stays shared
+    )  # 5 tokens: a block of its own (block 1, at the front of the queue); 0 stays shared
     assert (
         m.tables[1].blocks == [0, 1] and m.write(1, 4) == (1, None) and m.allocator.refcount(0) == 2
     )
 
 
-# -- property test: long random sequences of operations on a tiny pool ---------------------------------
+# -- property test: long random sequences of operations on a tiny pool -----------------------------
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / write / truncate / free / prefix hits on 8 blocks, against a toy storage.
+    """Random allocate / append / fork / write / truncate / free / prefix hits on 8 blocks,
+    against a toy storage.
 
     The storage holds a value per physical slot and performs the copies that `write` asks for; the
     model remembers what each sequence wrote, so copy-on-write mistakes show up as wrong values.
@@ -518,10 +566,14 @@ class CacheMachine(RuleBasedStateMachine):
             for b in table.blocks:
                 holders[b] += 1
         assert a.refcounts == holders
-        assert len(set(a.free_list)) == len(a.free_list)  # no double free
-        assert set(a.free_list) == {b for b in range(8) if holders[b] == 0}  # no leak
+        free, cache = a.free_blocks(), self.m.prefix_cache
+        assert len(set(free)) == len(free)  # no double free
+        assert set(free) == {b for b in range(8) if holders[b] == 0}  # no leak
         assert a.num_free + a.num_used == 8
-        assert all(a.hashes[b] == h for h, b in a.cached.items())
+        assert all(cache.hashes[b] == h for h, b in cache.cached.items())
+        # LRU: every free block the prefix cache can hit is queued behind every one it cannot.
+        hittable = [cache.holds(b) for b in free]
+        assert hittable == sorted(hittable), f"a cached block before an empty one: {free}"
 
     @invariant()
     def every_sequence_reads_what_it_wrote(self) -> None:
@@ -533,3 +585,48 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# -- the scheduler's seams: allocate_slots and commit ----------------------------------------------
+
+
+def test_allocate_slots_creates_the_table_and_grows_it_lazily() -> None:
+    m = BlockManager(4, 4)
+    assert m.allocate_slots(0, 0, 6) == 6 and m.block_table(0) == [0, 1] and m.num_tokens(0) == 6
+    assert m.allocate_slots(0, 6, 1) == 1 and m.num_tokens(0) == 7 and m.num_free == 2  # slack
+    assert m.allocate_slots(0, 7, 1, 4) == 1  # a decode and 4 lookahead slots: one more block
+    assert m.num_tokens(0) == 12 and m.block_table(0) == [0, 1, 2]
+
+
+def test_allocate_slots_is_all_or_nothing_unless_a_chunk_may_shrink() -> None:
+    m = BlockManager(4, 4)
+    m.allocate_slots(0, 0, 9)  # blocks [0, 1, 2]: 3 slots of slack, one block free
+    before = snapshot(m)
+    assert m.allocate_slots(0, 9, 8) == 0 and snapshot(m) == before  # 8 > 3 + 4: refused
+    assert m.allocate_slots(1, 0, 5) == 0 and 1 not in m and snapshot(m) == before
+    assert m.allocate_slots(0, 9, 3, 5) == 0 and snapshot(m) == before  # lookahead never shrinks
+    assert m.allocate_slots(0, 9, 8, shrink=True) == 7 and m.num_tokens(0) == 16
+    assert m.allocate_slots(0, 16, 1, shrink=True) == 0  # nothing free: refused, not shrunk to 0
+
+
+def test_allocate_slots_shares_prefix_blocks() -> None:
+    m = BlockManager(8, 2)
+    m.allocate_cached(0, [1, 2, 3, 4, 5])
+    hits, cached = m.computed_prefix([1, 2, 3, 4])  # never the last token: only [1, 2] counts
+    assert (hits, cached) == ([0], 2)
+    assert m.allocate_slots(1, cached, 2, prefix_blocks=hits) == 2
+    assert m.block_table(1) == [0, 3] and m.allocator.refcount(0) == 2
+    with pytest.raises(ValueError, match="not num_computed_tokens=0"):
+        m.allocate_slots(2, 0, 2, prefix_blocks=hits)
+
+
+def test_commit_rolls_back_rejected_drafts_and_names_written_blocks() -> None:
+    m, tokens = BlockManager(8, 2), [1, 2, 3, 4, 5, 6, 7]
+    m.allocate_slots(0, 0, 3)
+    m.commit(0, tokens, 3)  # prefix caching off: nothing named
+    assert m.tables[0].block_hashes == [] and m.num_tokens(0) == 3
+    m.allocate_slots(0, 3, 1, 3)  # a decode at position 3 and 3 draft tokens: slots up to 7
+    assert m.num_tokens(0) == 7 and m.block_table(0) == [0, 1, 2, 3]
+    m.commit(0, tokens, 5, num_cacheable_tokens=5)  # one draft accepted, two rejected
+    assert m.num_tokens(0) == 5 and m.block_table(0) == [0, 1, 2] and m.num_free == 5
+    assert len(m.tables[0].block_hashes) == 2 and m.cached_prefix(tokens[:4]) == [0, 1]

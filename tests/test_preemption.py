@@ -1,11 +1,14 @@
-"""Chapter 05: preemption by recompute -- victim policies, the scheduler's `_preempt`, and what it must never change.
+"""Chapter 05: preemption by recompute -- victim policies, the scheduler's `preempt`, and what it
+must never change.
 
-The policies are checked on hand-made sequences, `_preempt` on small schedules worked by hand (no model). With the
-shipped target model: the chapter's worked example is pinned step by step for both policies; a seeded workload gives
-every request exactly the same tokens (greedy and sampled, with and without prefix caching) in a cache so small that it
-is preempted again and again as in one so big that nobody is; a request that can never fit ends "cache_full" without
-hurting its neighbour; without preemption the same kind of burst deadlocks. A hypothesis test drives the pure
-scheduler through random workloads over tiny caches and checks the bookkeeping of every preemption.
+The policies are checked on hand-made sequences, `preempt` on small schedules worked by hand (no
+model). With the shipped target model: the chapter's worked example is pinned step by step for both
+policies; a seeded workload gives every request exactly the same tokens (greedy and sampled, with
+and without prefix caching) in a cache so small that it is preempted again and again as in one so
+big that nobody is; a request that can never fit ends "cache_full" without hurting its neighbour;
+without preemption (the book's `Stall`) the same kind of burst deadlocks. A hypothesis test drives
+the pure scheduler through random workloads over tiny caches and checks the bookkeeping of every
+preemption.
 """
 
 from __future__ import annotations
@@ -18,13 +21,19 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from minivllm.book.modes import Stall, StaticBatching
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.processing import RequestOutput
 from minivllm.engine.trace import StepRecord, request_timeline
 from minivllm.kv.block_manager import BlockManager
 from minivllm.sched.plan import ScheduledChunk, StepPlan
-from minivllm.sched.preemption import VICTIM_POLICIES, least_progressed, newest_first
+from minivllm.sched.preemption import (
+    VICTIM_POLICIES,
+    RecomputePreemption,
+    least_progressed,
+    newest_first,
+)
 from minivllm.sched.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
 from minivllm.sched.sequence import (
     CACHE_FULL,
@@ -46,13 +55,14 @@ ch05_2 = pytest.mark.exercise("ch05.2")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-# -- helpers: the pure scheduler with a fake sampler ----------------------------------------------------------------
+# -- helpers: the pure scheduler with a fake sampler -----------------------------------------------
 
 
 def seq(
     seq_id: int, prompt: int | list[int], max_tokens: int = 4, outputs: int = 0, **params
 ) -> Sequence:
-    """A sequence with a `prompt`-token prompt (or these ids) and `outputs` output tokens already sampled."""
+    """A sequence with a `prompt`-token prompt (or these ids) and `outputs` output tokens already
+    sampled."""
     ids = prompt if isinstance(prompt, list) else [(seq_id * 31 + i) % 200 for i in range(prompt)]
     x = Sequence(
         seq_id,
@@ -76,7 +86,8 @@ def step(s: Scheduler) -> tuple[StepPlan, list[Sequence]]:
     return plan, s.update(plan, {i: TOKEN for i in plan.sampling_seq_ids})
 
 
-def C(seq_id, start, num_tokens, is_prefill, samples) -> ScheduledChunk:  # noqa: N802 -- reads like a table
+# A capital C, so that a plan reads like a table.
+def C(seq_id, start, num_tokens, is_prefill, samples) -> ScheduledChunk:  # noqa: N802
     return ScheduledChunk(seq_id, start, num_tokens, is_prefill, samples)
 
 
@@ -95,18 +106,21 @@ def assert_refcounts_match_tables(manager: BlockManager) -> None:
     assert manager.num_free == held.count(0)
 
 
-# -- victim policies (ch05.1) -------------------------------------------------------------------------------------
+# -- victim policies (ch05.1) ----------------------------------------------------------------------
 
 
 def test_the_policies_are_registered_and_checked_by_the_config() -> None:
     assert VICTIM_POLICIES == {"newest": newest_first, "least_progressed": least_progressed}
     with pytest.raises(ValueError, match="preemption"):
         SchedulerConfig(preemption="oldest")
-    assert scheduler(4, 1, preemption=None).victim_policy is None
-    assert scheduler(4, 1, preemption="least_progressed").victim_policy is least_progressed
-    assert (
-        scheduler(4, 1).victim_policy is newest_first
-    )  # preemption is on by default, newest first
+    with pytest.raises(ValueError, match="Stall"):  # no preemption is the book's Stall policy
+        SchedulerConfig(preemption=None)
+    stall = Stall()
+    assert scheduler(4, 1, preemption=stall).preemption is stall
+    chosen = scheduler(4, 1, preemption="least_progressed").preemption
+    assert isinstance(chosen, RecomputePreemption) and chosen.victim_policy is least_progressed
+    default = scheduler(4, 1).preemption  # preemption is on by default, newest first
+    assert isinstance(default, RecomputePreemption) and default.victim_policy is newest_first
 
 
 def test_newest_first_is_the_last_candidate_whatever_its_progress() -> None:
@@ -150,7 +164,7 @@ def test_least_progressed_breaks_a_tie_towards_the_higher_seq_id() -> None:
     assert least_progressed([pool[3]]) is pool[3]
 
 
-# -- _preempt (ch05.2) on the pure scheduler, worked by hand ---------------------------------------------------------
+# -- preempt (ch05.2) on the pure scheduler, worked by hand ---------------------------------------
 
 
 @ch05_2
@@ -186,14 +200,16 @@ def test_a_preemption_worked_by_hand() -> None:
     assert_refcounts_match_tables(s.manager)
     s.update(plan, {0: TOKEN})
 
-    # A runs alone until it is done (positions 5..7 need one more block); B needs 3 blocks to come back.
+    # A runs alone until it is done (positions 5..7 need one more block); B needs 3 blocks to come
+    # back.
     while not a.is_finished:
         plan, _ = step(s)
         assert plan.admitted == () and ids(s.waiting) == [1]
     assert s.manager.num_free == 4
 
-    # B is admitted again: prompt and both outputs recomputed in one prefill chunk; 4 of its 5 tokens were
-    # computed before the preemption (the 5th is the token it sampled last and never ran).
+    # B is admitted again: prompt and both outputs recomputed in one prefill chunk; 4 of its 5
+    # tokens were computed before the preemption (the 5th is the token it sampled last and never
+    # ran).
     plan, _ = step(s)
     assert (
         plan.admitted == (1,) and plan.resumed == (1,) and plan.chunks == (C(1, 0, 5, True, True),)
@@ -219,9 +235,9 @@ def test_a_preemption_worked_by_hand() -> None:
     ],
 )
 def test_a_sequence_can_be_its_own_victim(policy: str, victim: int) -> None:
-    # Seq 1 is admitted before seq 0; after two steps both have 2 outputs. Seq 1 decodes first and needs a block.
-    # Newest: seq 0 (admitted last) goes. Least progressed: a tie, so the higher id -- seq 1 itself -- goes,
-    # and seq 0 runs on in the blocks it freed.
+    # Seq 1 is admitted before seq 0; after two steps both have 2 outputs. Seq 1 decodes first and
+    # needs a block. Newest: seq 0 (admitted last) goes. Least progressed: a tie, so the higher id
+    # -- seq 1 itself -- goes, and seq 0 runs on in the blocks it freed.
     s = scheduler(4, 2, preemption=policy)
     first, second = seq(1, 3, max_tokens=6), seq(0, 3, max_tokens=6)
     s.add(first)
@@ -249,16 +265,16 @@ def test_a_custom_policy_sees_the_unserved_running_sequences_in_admission_order(
         seen.append([x.seq_id for x in candidates])
         return candidates[0]
 
-    # Three sequences of 2 prompt tokens in 4 blocks of 2: after one step each holds one full block and the
-    # fourth block is free; the first decode takes it, the second must preempt.
+    # Three sequences of 2 prompt tokens in 4 blocks of 2: after one step each holds one full block
+    # and the fourth block is free; the first decode takes it, the second must preempt.
     s = scheduler(4, 2, preemption=oldest_first)
     for i in (5, 3, 8):
         s.add(seq(i, 2, max_tokens=4))
     plan, _ = step(s)
     assert plan.admitted == (5, 3, 8) and s.manager.num_free == 1
     plan = s.schedule()
-    # Seq 5 got the last free block and is served; seq 3 needs one: candidates are 3 and 8 (never 5), and the
-    # oldest of them is seq 3 itself. Then seq 8 takes a block seq 3 freed.
+    # Seq 5 got the last free block and is served; seq 3 needs one: candidates are 3 and 8 (never
+    # 5), and the oldest of them is seq 3 itself. Then seq 8 takes a block seq 3 freed.
     assert seen == [[3, 8]]
     assert plan.preempted == (3,) and [c.seq_id for c in plan.chunks] == [5, 8]
     assert ids(s.waiting) == [3] and ids(s.running) == [5, 8]
@@ -271,7 +287,8 @@ def test_a_custom_policy_sees_the_unserved_running_sequences_in_admission_order(
 
 @ch05_2
 def test_several_victims_in_one_step_queue_in_front_of_fresh_requests() -> None:
-    # One long request and three short ones fill the cache; in the next step two of them must give way.
+    # One long request and three short ones fill the cache; in the next step two of them must give
+    # way.
     s = scheduler(6, 2, max_num_seqs=4, max_num_batched_tokens=16, preemption="newest")
     s.add(seq(0, 4, max_tokens=20))  # 2 blocks
     for i in (1, 2, 3):
@@ -280,8 +297,9 @@ def test_several_victims_in_one_step_queue_in_front_of_fresh_requests() -> None:
     assert plan.admitted == (0, 1, 2, 3) and s.manager.num_free == 1
     s.add(seq(4, 1, max_tokens=1))  # a fresh request arrives: it must not overtake the victims
     plan, _ = step(s)
-    # Position 4 of seq 0 takes the free block. Seq 1 needs one for position 2: the newest unserved, seq 3, goes.
-    # Seq 2 needs one too: the only unserved candidate left is seq 2 itself. Each victim went to the very front.
+    # Position 4 of seq 0 takes the free block. Seq 1 needs one for position 2: the newest unserved,
+    # seq 3, goes. Seq 2 needs one too: the only unserved candidate left is seq 2 itself. Each
+    # victim went to the very front.
     assert plan.preempted == (3, 2) and plan.admitted == ()
     assert plan.chunks == (C(0, 4, 1, False, True), C(1, 2, 1, False, True))
     assert ids(s.waiting) == [2, 3, 4] and ids(s.running) == [0, 1]
@@ -295,7 +313,7 @@ def test_several_victims_in_one_step_queue_in_front_of_fresh_requests() -> None:
     assert s.manager.num_free == 6 and not s.manager.tables
 
 
-# -- the chapter's worked example, with the real engine ----------------------------------------------------------
+# -- the chapter's worked example, with the real engine --------------------------------------------
 
 
 WORKED = {  # request id: (name, arrival step, prompt ids, max_tokens) -- exactly chapter 05's
@@ -350,7 +368,8 @@ WORKED_QUEUES = {
         ((), (), 6),
     ],
 }
-# C arrives before step 2 but waits (A still holds 4 blocks while it decodes); B is admitted at once in step 3.
+# C arrives before step 2 but waits (A still holds 4 blocks while it decodes); B is admitted at once
+# in step 3.
 WORKED_TIMELINES = {
     "newest": {
         0: {1: "prefill", 2: "decode"},
@@ -442,18 +461,19 @@ def test_the_worked_example_gives_the_same_tokens_as_a_roomy_cache(target) -> No
         assert {i: o.token_ids for i, o in done.items()} == expected, policy
 
 
-# -- output identity: preemption never changes a token ---------------------------------------------------------------
+# -- output identity: preemption never changes a token ---------------------------------------------
 
 
-SHARED_PREFIX = "FIRST WITCH:\nWhen shall we three meet again\n"  # 44 bytes + BOS: two full blocks of 16 and more
+# 44 bytes + BOS: two full blocks of 16 and more.
+SHARED_PREFIX = "FIRST WITCH:\nWhen shall we three meet again\n"
 
 
 def workload(
     seed: int, shared: str = "", new_tokens: tuple[int, int] = (30, 90), n: int = 12
 ) -> list[tuple]:
-    """(request id, prompt, params): real text, 30-90 new tokens, every other request greedy, the rest sampled
-    with a seed each. Request ids are a permutation, so a tie in output tokens (broken by id) and the admission
-    order (newest first) point at different victims."""
+    """(request id, prompt, params): real text, 30-90 new tokens, every other request greedy, the
+    rest sampled with a seed each. Request ids are a permutation, so a tie in output tokens (broken
+    by id) and the admission order (newest first) point at different victims."""
     text = shipped_validation_text()
     rng = np.random.default_rng(seed)
     lengths = rng.integers(10, 60, size=n)
@@ -556,7 +576,8 @@ def test_preemption_never_changes_a_token(runs: Runs, name: str, policy: str) ->
 def test_a_resumed_sequence_finds_its_prefix_in_the_cache(runs: Runs) -> None:
     for policy in ("newest", "least_progressed"):
         engine, _ = runs.get("shared_prefix", policy, tight=True)
-        # A step that admitted only resumed sequences and still hit the prefix cache: the hit is theirs.
+        # A step that admitted only resumed sequences and still hit the prefix cache: the hit is
+        # theirs.
         hits = [
             r
             for r in engine.trace
@@ -578,7 +599,7 @@ def test_the_two_policies_choose_different_victims(runs: Runs) -> None:
     assert victims["newest"] != victims["least_progressed"]
 
 
-# -- trace ------------------------------------------------------------------------------------------------------------
+# -- trace -----------------------------------------------------------------------------------------
 
 
 def check_preemption_trace(trace: list[StepRecord]) -> None:
@@ -612,7 +633,7 @@ def test_the_trace_shows_every_preemption_and_its_recompute(runs: Runs, policy: 
         check_preemption_trace(runs.get(name, policy, tight=True)[0].trace)
 
 
-# -- a request that can never fit ---------------------------------------------------------------------------------
+# -- a request that can never fit ------------------------------------------------------------------
 
 
 def small_engine(
@@ -637,7 +658,8 @@ def normal_alone(target) -> RequestOutput:
 def check_cache_full(
     engine: LLMEngine, too_long: RequestOutput, normal: RequestOutput, alone: RequestOutput
 ) -> None:
-    # 8 blocks of 16 hold 128 tokens: the 8-token prompt and 120 outputs; the 121st output needs a 129th slot.
+    # 8 blocks of 16 hold 128 tokens: the 8-token prompt and 120 outputs; the 121st output needs a
+    # 129th slot.
     assert too_long.finished and too_long.finish_reason == CACHE_FULL
     assert len(too_long.token_ids) == 121
     assert too_long.finish_message.startswith(
@@ -659,7 +681,7 @@ def check_cache_full(
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("policy", ["newest", "least_progressed", None])
+@pytest.mark.parametrize("policy", ["newest", "least_progressed", Stall()])
 def test_a_request_that_cannot_fit_alone_ends_cache_full(target, normal_alone, policy) -> None:
     engine = small_engine(target, policy)
     too_long, normal = engine.generate(["ROMEO:\n", "JULIET:\n"], [TOO_LONG, NORMAL])
@@ -675,8 +697,9 @@ def test_a_request_that_cannot_fit_alone_ends_cache_full(target, normal_alone, p
 
 @ch05_2
 def test_a_neighbour_preempted_for_a_hopeless_request_comes_back(target, normal_alone) -> None:
-    # The normal request arrives when the long one holds 7 of the 8 blocks; when the long one needs the
-    # 8th, the newcomer is preempted; then the long one ends cache_full and the newcomer resumes.
+    # The normal request arrives when the long one holds 7 of the 8 blocks; when the long one needs
+    # the 8th, the newcomer is preempted; then the long one ends cache_full and the newcomer
+    # resumes.
     engine = small_engine(target, "newest")
     engine.add_request("ROMEO:\n", TOO_LONG, request_id=0)
     done = {}
@@ -700,8 +723,9 @@ def test_a_neighbour_preempted_for_a_hopeless_request_comes_back(target, normal_
 
 
 def test_without_preemption_a_hopeless_request_with_a_neighbour_deadlocks(target) -> None:
-    # The same late arrival with preemption=None: two running sequences, both need a block, none is free.
-    engine = small_engine(target, None)
+    # The same late arrival with the Stall policy: two running sequences, both need a block, none
+    # is free.
+    engine = small_engine(target, Stall())
     engine.add_request("ROMEO:\n", TOO_LONG, request_id=0)
     with pytest.raises(SchedulerStalled, match="no sequence can make progress"):
         for index in range(300):
@@ -711,7 +735,7 @@ def test_without_preemption_a_hopeless_request_with_a_neighbour_deadlocks(target
     assert set(engine.trace[-1].running) == {0, 1} and engine.manager.num_free == 0
 
 
-# -- without preemption a burst deadlocks; with it, it finishes ------------------------------------------------------
+# -- without preemption a burst deadlocks; with it, it finishes ------------------------------------
 
 
 BURST = ["To be", "or not", "to be:", "that is"]
@@ -719,7 +743,7 @@ BURST_PARAMS = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
 def test_without_preemption_a_burst_stalls(target) -> None:
-    engine = small_engine(target, None, num_blocks=12, block_size=4)
+    engine = small_engine(target, Stall(), num_blocks=12, block_size=4)
     with pytest.raises(SchedulerStalled, match="no sequence can make progress") as raised:
         engine.generate(BURST, BURST_PARAMS)
     assert "4 running sequence(s) need a new block" in str(raised.value)
@@ -747,13 +771,13 @@ def test_with_preemption_the_same_burst_finishes(target, policy: str) -> None:
         len(o.token_ids) == 20 for o in outs
     )
     assert preemptions(engine) > 0 and not any(r.stalled for r in engine.trace)
-    roomy = small_engine(target, None, num_blocks=64, block_size=4).generate(BURST, BURST_PARAMS)
+    roomy = small_engine(target, Stall(), num_blocks=64, block_size=4).generate(BURST, BURST_PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
     assert engine.manager.num_free == 12 and not engine.manager.tables
     check_preemption_trace(engine.trace)
 
 
-# -- the property test: random workloads over tiny caches, the pure scheduler ------------------------------------
+# -- the property test: random workloads over tiny caches, the pure scheduler ----------------------
 
 
 def blocks_for(n: int, block_size: int) -> int:
@@ -782,7 +806,8 @@ def preempting_workloads(draw):
     longest = max(len(p) for p, *_ in requests)
     low = max(max_num_seqs, 1 if chunked else longest)
     budget = draw(st.integers(low, max(low, 20)))
-    # What a request needs alone: slots for its prompt and every output but the last (never computed).
+    # What a request needs alone: slots for its prompt and every output but the last (never
+    # computed).
     largest = max(blocks_for(len(p) + m - 1, block_size) for p, m, *_ in requests)
     num_blocks = largest + draw(
         st.integers(0, 2)
@@ -792,7 +817,7 @@ def preempting_workloads(draw):
         max_num_batched_tokens=budget,
         chunked_prefill=chunked,
         enable_prefix_caching=prefix_caching,
-        batching=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        batching=draw(st.sampled_from(["continuous", "continuous", StaticBatching()])),
         preemption=draw(st.sampled_from(["newest", "least_progressed"])),
     )
     return config, num_blocks, block_size, requests
@@ -837,7 +862,8 @@ def test_random_preempting_workloads_finish_and_keep_the_books(workload) -> None
         assert_refcounts_match_tables(manager)
         chunk_ids = [c.seq_id for c in plan.chunks]
         assert plan.chunks and not plan.finished  # nobody is too big
-        # Only a prompt chunk may wait for a block (rather than preempt for it); a decode never does.
+        # Only a prompt chunk may wait for a block (rather than preempt for it); a decode never
+        # does.
         assert all(not s.sequences[i].is_decoding for i in plan.stalled)
         assert len(set(chunk_ids)) == len(chunk_ids)
         if plan.preempted:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from minivllm.book.modes import Stall, StaticBatching
 from minivllm.kv.block_manager import BlockManager
 from minivllm.sched.plan import ScheduledChunk, StepPlan
 from minivllm.sched.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
@@ -47,7 +48,8 @@ def step(s: Scheduler, tokens: dict[int, int] | None = None) -> tuple[StepPlan, 
     return plan, s.update(plan, sampled)
 
 
-def C(seq_id, start, num_tokens, is_prefill, samples) -> ScheduledChunk:  # noqa: N802 -- reads like a table
+# A capital C, so that a plan reads like a table.
+def C(seq_id, start, num_tokens, is_prefill, samples) -> ScheduledChunk:  # noqa: N802
     return ScheduledChunk(seq_id, start, num_tokens, is_prefill, samples)
 
 
@@ -59,7 +61,7 @@ def run_to_end(s: Scheduler, max_steps: int = 1000) -> list[StepPlan]:
     return plans
 
 
-# -- config ---------------------------------------------------------------------------------------------------
+# -- config ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -311,7 +313,7 @@ def test_abort_between_schedule_and_update() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def admissions(batching: str) -> list[tuple[int, ...]]:
+def admissions(batching) -> list[tuple[int, ...]]:
     s = scheduler(max_num_seqs=2, max_num_batched_tokens=64, batching=batching)
     for i, n in enumerate([1, 4, 2, 2]):
         s.add(seq(i, 3, max_tokens=n))
@@ -320,17 +322,17 @@ def admissions(batching: str) -> list[tuple[int, ...]]:
 
 def test_static_batching_admits_only_when_the_whole_batch_is_done() -> None:
     # Request 0 finishes after step 1 but request 1 runs 4 steps: the static batch waits for it.
-    assert admissions("static") == [(0, 1), (), (), (), (2, 3), ()]
+    assert admissions(StaticBatching()) == [(0, 1), (), (), (), (2, 3), ()]
     # Continuous: 2 joins the step after 0 left; 3 the step after 2 left (the batch was full in
     # between).
     assert admissions("continuous") == [(0, 1), (2,), (), (3,), ()]
 
 
-# -- stalls ------------------------------------------------------------------------------------------------------
+# -- stalls ----------------------------------------------------------------------------------------
 
 
 def test_a_sequence_stalls_when_blocks_run_out_and_resumes_later() -> None:
-    s = scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=64, preemption=None)
+    s = scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=64, preemption=Stall())
     a, b = seq(0, 4, max_tokens=4), seq(1, 4, max_tokens=4)
     s.add(a)
     s.add(b)
@@ -349,7 +351,7 @@ def test_a_sequence_stalls_when_blocks_run_out_and_resumes_later() -> None:
 
 
 def test_scheduler_stalled_when_nothing_can_progress() -> None:
-    s = scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=64, preemption=None)
+    s = scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=64, preemption=Stall())
     s.add(seq(0, 4, max_tokens=8))
     s.add(seq(1, 4, max_tokens=8))
     step(s)
@@ -379,9 +381,9 @@ def test_a_repeated_prompt_hits_its_full_blocks_but_never_its_last_token(
     plan = s.schedule()
     # Scheduled but not computed yet: nothing may be named (a hit now would read K/V nobody has
     # written).
-    assert s.manager.cached_prefix(prompt) == [] and not s.manager.allocator.cached
+    assert s.manager.cached_prefix(prompt) == [] and not s.manager.prefix_cache.cached
     s.update(plan, {0: TOKEN})
-    assert len(s.manager.allocator.cached) == prompt_len // 4
+    assert len(s.manager.prefix_cache.cached) == prompt_len // 4
     s.add(seq(1, list(prompt), max_tokens=3))
     plan, _ = step(s)
     assert plan.admitted == (1,) and plan.prefix_hit_tokens == hit
@@ -423,7 +425,7 @@ def test_prefix_caching_off_never_hits() -> None:
     step(s)
     s.add(seq(1, list(range(10)), max_tokens=1))
     plan, _ = step(s)
-    assert plan.prefix_hit_tokens == 0 and not s.manager.allocator.cached
+    assert plan.prefix_hit_tokens == 0 and not s.manager.prefix_cache.cached
 
 
 def test_a_chunked_prompt_names_its_blocks_as_the_chunks_are_computed() -> None:
@@ -438,7 +440,7 @@ def test_a_chunked_prompt_names_its_blocks_as_the_chunks_are_computed() -> None:
     named = []
     while s.has_unfinished():
         step(s)
-        named.append(len(s.manager.allocator.cached))
+        named.append(len(s.manager.prefix_cache.cached))
     assert named == [1, 3, 4, 5]  # 6, 12, 18, 20 tokens computed: floor(n / 4) full blocks
 
 
@@ -483,9 +485,9 @@ def workloads(draw):
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         chunked_prefill=chunked,
-        batching=draw(st.sampled_from(["continuous", "static"])),
+        batching=draw(st.sampled_from(["continuous", StaticBatching()])),
         enable_prefix_caching=prefix_caching,
-        preemption=draw(st.sampled_from([None, "newest", "least_progressed"])),
+        preemption=draw(st.sampled_from([Stall(), "newest", "least_progressed"])),
     )
     return config, num_blocks, block_size, requests, num_blocks >= sum(needs)
 
@@ -522,7 +524,7 @@ def test_random_workloads_finish_with_every_block_back(workload) -> None:
             plan = s.schedule()
         except SchedulerStalled:
             assert not fits_at_once, "stalled although the cache holds every request at once"
-            assert config.preemption is None, "stalled although it may preempt"
+            assert isinstance(config.preemption, Stall), "stalled although it may preempt"
             event("stalled")
             break
         check_plan(s, plan, config, running_before)
@@ -586,7 +588,7 @@ def check_plan(s: Scheduler, plan: StepPlan, config: SchedulerConfig, running_be
     assert len(set(ids)) == len(ids) and not set(ids) & set(plan.stalled)
     kinds = [c.is_prefill for c in plan.chunks]
     assert kinds == sorted(kinds), f"a decode after a prefill chunk: {plan.chunks}"
-    if config.batching == "static" and running_before:
+    if isinstance(config.batching, StaticBatching) and running_before:
         assert plan.admitted == ()
     for c in plan.chunks:
         x = s.sequences[c.seq_id]

@@ -1,46 +1,43 @@
 """The paged KV cache, policy half: which physical block holds which tokens (chapter 03).
 
 A paged KV cache splits one big tensor into `num_blocks` fixed-size blocks of `block_size` token
-slots. This module is the *policy*: it hands out block ids, counts who holds each block, and keeps
-one
-**block table** per sequence (its logical blocks -> physical block ids). It never touches a tensor
-and imports no torch. The *storage* (a separate torch module) owns the tensor and only reads what
-this module decides: the **slot mapping** (physical slot = block * block_size + offset) and the
-copies that copy-on-write asks for. One module knows the layout; the other knows the bytes.
+slots. This module is the *policy*: it keeps one **block table** per sequence (its logical blocks
+-> physical block ids) on top of a `BlockPool` (block_pool.py: reference counts and the free queue)
+and a `PrefixCache` (prefix_cache.py). It never touches a tensor and imports no torch. The
+*storage* (a separate torch module) owns the tensor and only reads what this module decides: the
+**slot mapping** (physical slot = block * block_size + offset) and the copies that copy-on-write
+asks for. One module knows the layout; the other knows the bytes.
 
 Four ideas carry the whole file:
 
-- **LIFO reuse.** The free list is a stack: the block freed last is handed out first (it is the one
-  most likely still warm in a cache, and the order is easy to predict and test).
+- **Lazy growth.** A sequence holds just enough blocks for its tokens; a new block is taken only
+  when the last one is full.
 - **Reference counts.** `fork` lets a child share every block of its parent (beam search, parallel
-  sampling); a block returns to the free list only when its last holder lets go. Writing into a
-  shared block first copies it (**copy-on-write**), so a sequence never sees another's tokens
-  change.
-- **Transactional growth.** `allocate`, `append` and `write` check everything *before* they change
-  anything: they either fully succeed or raise `OutOfBlocks(needed, free)` with every structure
-  exactly as it was, so the scheduler can preempt someone and simply retry.
-- **Prefix caching.** A full block is named by a chained hash of its tokens and every token before
-  it;
-  a new prompt that starts the same way reuses those blocks instead of recomputing them. A freed
-  block keeps its name until it is handed out again, so a later request can still hit it.
+  sampling); a block returns to the pool only when its last holder lets go. Writing into a shared
+  block first copies it (**copy-on-write**), so a sequence never sees another's tokens change.
+- **Transactional growth.** `allocate`, `append`, `write` and `allocate_slots` check everything
+  *before* they change anything: they either fully succeed or refuse (raise `OutOfBlocks(needed,
+  free)`, or return 0) with every structure exactly as it was, so the scheduler can preempt
+  someone and simply retry.
+- **Prefix caching.** A full block whose K/V are written gets a name from the prefix cache; a new
+  prompt that starts the same way reuses those blocks instead of recomputing them. A freed block
+  keeps its name until the pool hands it out again, so a later request can still hit it.
+
+The scheduler talks to this module through two calls, as vLLM's scheduler talks to its
+`KVCacheManager`: `allocate_slots` ("can this sequence have n more slots?") before the forward
+pass, and `commit` (roll back what was not used, name what was written) after it.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from minivllm.kv.block_pool import BlockPool, OutOfBlocks
+from minivllm.kv.prefix_cache import HashPrefixCache, PrefixCache, block_hash
 
-class OutOfBlocks(Exception):
-    """Not enough free blocks right now; nothing was changed. Free or preempt a sequence and retry."""
-
-    def __init__(self, needed: int, free: int) -> None:
-        self.needed, self.free = needed, free
-        super().__init__(
-            f"out of KV-cache blocks: needed {needed}, only {free} free; "
-            f"free or preempt a sequence and retry"
-        )
+# OutOfBlocks and block_hash live next door; they are re-exported for callers that import them here.
+__all__ = ["BlockManager", "BlockTable", "OutOfBlocks", "SequenceTooLong", "block_hash"]
 
 
 class SequenceTooLong(ValueError):
@@ -54,123 +51,24 @@ class SequenceTooLong(ValueError):
         )
 
 
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of one full block: depends on this block's tokens and, via `parent`, on all
-    before.
-
-    sha256 over fixed-width integers, so it is the same in every run (Python's `hash()` of str is
-    salted).
-    """
-    h = hashlib.sha256(parent or b"")
-    for t in token_ids:
-        h.update(int(t).to_bytes(8, "little", signed=True))
-    return h.digest()
-
-
-class BlockAllocator:
-    """A fixed pool of physical blocks: a LIFO free list and a reference count per block."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        _positive("num_blocks", num_blocks)
-        _positive("block_size", block_size)
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.refcounts = [0] * num_blocks
-        self.free_list = list(
-            reversed(range(num_blocks))
-        )  # a stack: pop() from the end gives 0, 1, 2, ...
-        # Prefix cache: the name (hash) and tokens of each full block, kept after it is freed.
-        self.hashes: list[bytes | None] = [None] * num_blocks
-        self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}  # hash -> block
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_list)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self.free_list)
-
-    def refcount(self, block: int) -> int:
-        self._check(block)
-        return self.refcounts[block]
-
-    def allocate(self) -> int:
-        """Pop the most recently freed block; it starts with one holder and no prefix-cache name."""
-        if not self.free_list:
-            raise OutOfBlocks(1, 0)
-        block = self.free_list.pop()
-        self.refcounts[block] = 1
-        self.forget(
-            block
-        )  # its old contents are about to be overwritten: a stale hash must never match
-        return block
-
-    def incref(self, block: int) -> None:
-        if self.refcount(block) == 0:
-            raise ValueError(f"incref of block {block}, which is free: allocate it first")
-        self.refcounts[block] += 1
-
-    def decref(self, block: int) -> None:
-        """Drop one holder; at zero the block goes back on top of the free list."""
-        if self.refcount(block) == 0:
-            raise ValueError(f"decref of block {block}, which is already free (a double free)")
-        self.refcounts[block] -= 1
-        if self.refcounts[block] == 0:
-            self.free_list.append(block)
-
-    # -- prefix cache
-    # --------------------------------------------------------------------------------
-    def lookup(self, h: bytes, token_ids: Sequence[int]) -> int | None:
-        """The block named `h`, if its stored tokens really are `token_ids` (a hash is not a proof)."""
-        block = self.cached.get(h)
-        if block is None or self.tokens[block] != tuple(token_ids):
-            return None
-        return block
-
-    def take(self, block: int) -> None:
-        """Hold a cache hit: incref a block in use, or take a free one back off the free list."""
-        if self.refcount(block) == 0:
-            self.free_list.remove(block)
-        self.refcounts[block] += 1
-
-    def register(self, block: int, h: bytes, token_ids: Sequence[int]) -> None:
-        self.forget(block)
-        self.hashes[block], self.tokens[block] = h, tuple(token_ids)
-        self.cached[h] = block  # a newer block with the same tokens replaces the older one
-
-    def forget(self, block: int) -> None:
-        h = self.hashes[block]
-        if h is not None and self.cached.get(h) == block:
-            del self.cached[h]
-        self.hashes[block], self.tokens[block] = None, None
-
-    def _check(self, block: int) -> None:
-        if not 0 <= block < self.num_blocks:
-            raise IndexError(f"block {block} is outside the pool of {self.num_blocks} blocks")
-
-
 @dataclass
 class BlockTable:
     """One sequence's logical blocks, in order, and how many token slots of them it uses."""
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
-    block_hashes: list[bytes] = field(
-        default_factory=list
-    )  # prefix-cache names of its leading computed blocks
+    # Prefix-cache names of its leading computed blocks.
+    block_hashes: list[Hashable] = field(default_factory=list)
 
 
 class BlockManager:
-    """Block tables for every running sequence, on top of one BlockAllocator."""
+    """Block tables for every running sequence, on top of one BlockPool and one PrefixCache."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.allocator = BlockAllocator(num_blocks, block_size)
+    def __init__(
+        self, num_blocks: int, block_size: int, prefix_cache: PrefixCache | None = None
+    ) -> None:
+        self.allocator = BlockPool(num_blocks, block_size)
+        self.prefix_cache = prefix_cache or HashPrefixCache(num_blocks, block_size)
         self.block_size = block_size
         self.tables: dict[int, BlockTable] = {}
 
@@ -189,51 +87,50 @@ class BlockManager:
         return -(-(num_tokens_now + extra_tokens) // bs) - held
         ### END SOLUTION
 
+    # -- block tables ------------------------------------------------------------------------------
     def allocate(self, seq_id: int, num_tokens: int, prefix_blocks: Sequence[int] = ()) -> None:
-        """A block table for a new sequence of `num_tokens` tokens (all or nothing). `prefix_blocks`
-        are
-        prefix-cache hits (from `cached_prefix`) that become its first blocks, shared, not copied."""
+        """A block table for a new sequence of `num_tokens` tokens (all or nothing).
+
+        `prefix_blocks` are prefix-cache hits (from `cached_prefix`) that become its first blocks,
+        shared, not copied."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
-        alloc, hits = self.allocator, list(prefix_blocks)
+        pool, hits = self.allocator, list(prefix_blocks)
         total = -(-num_tokens // self.block_size)
-        if total > alloc.num_blocks:
-            raise SequenceTooLong(total, alloc.num_blocks)
+        if total > pool.num_blocks:
+            raise SequenceTooLong(total, pool.num_blocks)
         if len(hits) > total:
             raise ValueError(
                 f"{len(hits)} prefix blocks for a sequence of {num_tokens} tokens ({total} blocks)"
             )
-        # A hit that sits free (refcount 0) leaves the free list when taken: count it before
-        # deciding.
-        free_after_hits = alloc.num_free - sum(alloc.refcount(b) == 0 for b in hits)
-        if (
-            total - len(hits) > free_after_hits
-        ):  # check first: never allocate some and then roll back
+        # A hit that sits free (refcount 0) leaves the free queue when taken: count it first.
+        free_after_hits = pool.num_free - sum(pool.refcount(b) == 0 for b in hits)
+        if total - len(hits) > free_after_hits:  # check first: never allocate some, then roll back
             raise OutOfBlocks(total - len(hits), free_after_hits)
         for block in hits:
-            alloc.take(block)
-        blocks = hits + [alloc.allocate() for _ in range(total - len(hits))]
-        names = [alloc.hashes[b] for b in hits]
+            pool.take(block)
+        blocks = hits + [self._new_block() for _ in range(total - len(hits))]
+        names = [self.prefix_cache.name_of(b) for b in hits]
         self.tables[seq_id] = BlockTable(blocks, num_tokens, names)
 
     def append(self, seq_id: int, extra_tokens: int) -> None:
-        """Grow a sequence by `extra_tokens`; raises OutOfBlocks with nothing changed if they do not fit."""
-        self._grow(self._table(seq_id), extra_tokens)
-
-    def _grow(self, table: BlockTable, extra_tokens: int) -> None:
+        """Grow a sequence by `extra_tokens`; if they do not fit, raise OutOfBlocks, changing
+        nothing."""
+        table = self._table(seq_id)
         needed = self.blocks_needed(table.num_tokens, extra_tokens)
         if len(table.blocks) + needed > self.allocator.num_blocks:
             raise SequenceTooLong(len(table.blocks) + needed, self.allocator.num_blocks)
         if needed > self.num_free:  # check first: never allocate some and then roll back
             raise OutOfBlocks(needed, self.num_free)
-        table.blocks.extend(self.allocator.allocate() for _ in range(needed))
+        table.blocks.extend(self._new_block() for _ in range(needed))
         table.num_tokens += extra_tokens
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Roll the sequence back to its first `num_tokens` token slots and free the blocks past
-        them
-        (speculative decoding: the slots of rejected draft tokens, chapter 06). All or nothing: it
-        refuses, changing nothing, to cut into a block the prefix cache has named (others may share it)."""
+        them (speculative decoding: the slots of rejected draft tokens, chapter 06).
+
+        All or nothing: it refuses, changing nothing, to cut into a block the prefix cache has
+        named (others may share it)."""
         table = self._table(seq_id)
         if not 0 <= num_tokens <= table.num_tokens:
             raise ValueError(
@@ -243,23 +140,21 @@ class BlockManager:
         named = len(table.block_hashes) * self.block_size
         if num_tokens < named:
             raise ValueError(
-                f"cannot truncate sequence {seq_id} to {num_tokens} tokens: its first {named} are "
-                "in "
-                f"named prefix-cache blocks that other sequences may share"
+                f"cannot truncate sequence {seq_id} to {num_tokens} tokens: its first {named} "
+                f"are in named prefix-cache blocks that other sequences may share"
             )
-        # EXERCISE ch06.2: KV rollback -- keep the blocks that hold num_tokens, give the rest back, set the count
+        # EXERCISE ch06.2: KV rollback -- keep the blocks that hold num_tokens, release the rest
         ### BEGIN SOLUTION
         keep = -(-num_tokens // self.block_size)
-        # Free the last block first, so the LIFO stack hands the first freed block out again first:
-        # the next speculative round grows back into the very blocks this one gave up.
-        for block in reversed(table.blocks[keep:]):
-            self.allocator.decref(block)
+        # Released first-to-last: the next speculative round grows back into the very blocks this
+        # one gave up, in the same order.
+        self._release(table.blocks[keep:])
         del table.blocks[keep:]
         table.num_tokens = num_tokens
         ### END SOLUTION
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """The child shares every block of the parent; writes are separated later by copy-on-write."""
+        """The child shares every block of the parent; copy-on-write separates them later."""
         parent = self._table(parent_id)
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has a block table")
@@ -270,8 +165,7 @@ class BlockManager:
         )
 
     def write(self, seq_id: int, position: int) -> tuple[int, int | None]:
-        """Prepare to write token `position`: (block to write into, block to copy it from first, or
-        None).
+        """Prepare to write token `position`: (block to write into, block to copy first or None).
 
         A block held by one sequence is written in place. A shared block is copied first, so the
         other holders keep their tokens: the caller (storage) must copy `src` into the new block
@@ -281,18 +175,17 @@ class BlockManager:
         self._check_position(table, seq_id, position)
         index = position // self.block_size
         old = table.blocks[index]
-        # EXERCISE ch03.2: copy-on-write -- a shared block (refcount > 1) is copied into a fresh one first
+        # EXERCISE ch03.2: copy-on-write -- copy a shared block (refcount > 1) into a fresh one
         ### BEGIN SOLUTION
         if self.allocator.refcount(old) == 1:
             return old, None  # ours alone: write in place
         if self.num_free == 0:
             raise OutOfBlocks(1, 0)
         # Order: copy -> decref old -> swap in new. The new block is taken (and the copy from `old`
-        # recorded) while we still hold `old`, so `old` cannot be freed and handed back to us as the
-        # "fresh" block (with a LIFO list it would be the very next one) before its tokens are
-        # copied. The swap comes last, so the table never points at a block we do not hold a
-        # reference to.
-        new = self.allocator.allocate()
+        # recorded) while we still hold `old`, so `old` cannot be freed and handed back to us as
+        # the "fresh" block before its tokens are copied. The swap comes last, so the table never
+        # points at a block we do not hold a reference to.
+        new = self._new_block()
         self.allocator.decref(old)
         table.blocks[index] = new
         return new, old
@@ -305,13 +198,13 @@ class BlockManager:
             raise KeyError(
                 f"sequence {seq_id} has no block table (never allocated, or already freed)"
             )
-        # Tail blocks end on top of the LIFO stack and are reused first; prefix blocks (the ones a
-        # later prompt may hit in the prefix cache) stay free-but-named the longest.
-        for block in table.blocks:
-            self.allocator.decref(block)
+        # Tail first: a later prompt that shares this one's start hits its head blocks, so those
+        # are the ones to keep the longest.
+        self._release(table.blocks[::-1])
 
     def slot_mapping(self, seq_id: int, positions: Sequence[int]) -> list[int]:
-        """Physical slot of each token position: block * block_size + offset (what storage indexes)."""
+        """Physical slot of each token position: block * block_size + offset (what storage
+        indexes)."""
         table = self._table(seq_id)
         slots = []
         for p in positions:
@@ -319,24 +212,118 @@ class BlockManager:
             slots.append(table.blocks[p // self.block_size] * self.block_size + p % self.block_size)
         return slots
 
-    # -- prefix cache
-    # --------------------------------------------------------------------------------
+    def _new_block(self) -> int:
+        block = self.allocator.allocate()
+        self.prefix_cache.evict(block)  # its old contents are about to be overwritten
+        return block
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of `blocks`, given in the order they should be evicted.
+
+        Blocks the prefix cache can still hit go to the back of the free queue (kept the longest);
+        the others hold nothing worth keeping and go to the front, the first of them first.
+        """
+        cache = self.prefix_cache
+        for block in blocks:
+            if cache.holds(block):
+                self.allocator.decref(block, keep=True)
+        for block in reversed(blocks):
+            if not cache.holds(block):
+                self.allocator.decref(block, keep=False)
+
+    # -- the scheduler's seams ---------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        seq_id: int,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        *,
+        shrink: bool = False,
+        prefix_blocks: Sequence[int] = (),
+    ) -> int:
+        """Slots for positions up to `num_computed_tokens + num_new_tokens + num_lookahead_tokens`:
+        what the scheduler asks before it schedules `num_new_tokens` of a sequence this step.
+
+        The first call creates the sequence's block table; `prefix_blocks` are its prefix-cache
+        hits (from `computed_prefix`), shared, not copied, and `num_computed_tokens` must be the
+        tokens they hold. Returns the new tokens granted: all of them, or 0 = refused with nothing
+        changed. With `shrink` (a prefill chunk of a sequence that has its table) it grants as
+        many as the free blocks hold; lookahead slots (draft tokens, chapter 06) never shrink.
+        This is where a smarter block layer plugs in (vLLM's `KVCacheManager.allocate_slots`:
+        several KV-cache groups, sliding windows); the scheduler only sees the number.
+        """
+        if seq_id not in self.tables:
+            return self._allocate_new(
+                seq_id, num_computed_tokens, num_new_tokens, num_lookahead_tokens, prefix_blocks
+            )
+        if prefix_blocks:
+            raise ValueError(f"sequence {seq_id} has a block table already: no prefix blocks")
+        bs, holds = self.block_size, self.num_tokens(seq_id)
+        # Slots it could have past its computed tokens: those it holds, the slack of its last
+        # block, and every free block.
+        fits = holds - num_computed_tokens + (-holds % bs) + self.num_free * bs
+        granted = min(num_new_tokens, fits - num_lookahead_tokens) if shrink else num_new_tokens
+        if granted <= 0 or granted + num_lookahead_tokens > fits:
+            return 0
+        extra = num_computed_tokens + granted + num_lookahead_tokens - holds
+        if extra > 0:
+            self.append(seq_id, extra)
+        return granted
+
+    def _allocate_new(
+        self, seq_id: int, num_cached: int, num_new: int, num_lookahead: int, hits: Sequence[int]
+    ) -> int:
+        if num_cached != len(hits) * self.block_size:
+            raise ValueError(
+                f"{len(hits)} prefix blocks hold {len(hits) * self.block_size} tokens, "
+                f"not num_computed_tokens={num_cached}"
+            )
+        try:
+            self.allocate(seq_id, num_cached + num_new + num_lookahead, prefix_blocks=hits)
+        except OutOfBlocks:
+            return 0
+        return num_new
+
+    def commit(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        *,
+        num_cacheable_tokens: int | None = None,
+    ) -> None:
+        """After the forward pass: the sequence's first `num_computed_tokens` of `token_ids` have
+        their K/V written.
+
+        Slots reserved past them (for draft tokens the target rejected) are rolled back. With
+        prefix caching on, the caller passes `num_cacheable_tokens` (the leading tokens whose K/V
+        every model has written) and the full blocks among them are named; None names nothing.
+        A block layer that keeps more (a radix tree's LRU times, an offloading tier) plugs in here.
+        """
+        if self.num_tokens(seq_id) > num_computed_tokens:
+            self.truncate(seq_id, num_computed_tokens)
+        if num_cacheable_tokens is not None:
+            self.register_computed(seq_id, token_ids, num_cacheable_tokens)
+
+    # -- prefix cache ------------------------------------------------------------------------------
     def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The blocks already holding the longest cached run of full blocks that starts `token_ids`."""
-        hits, parent, bs = [], None, self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):  # full blocks only
-            chunk = token_ids[start : start + bs]
-            parent = block_hash(parent, chunk)
-            block = self.allocator.lookup(parent, chunk)
-            if block is None:
-                break  # a chain: once one block misses, no later block can be the same prefix
-            hits.append(block)
-        return hits
+        """The blocks already holding the longest cached run of full blocks that starts
+        `token_ids`."""
+        return self.prefix_cache.match(token_ids)
+
+    def computed_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """A new prompt's prefix-cache hits and how many tokens they hold. Never its last token:
+        the prefill must compute something, whose logits pick the next token."""
+        hits = self.cached_prefix(token_ids[:-1])
+        return hits, len(hits) * self.block_size
 
     def register_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Name the sequence's full blocks whose K/V are now written (the first `num_computed`
-        tokens of `token_ids`), so later prompts can hit them. Call it only *after* the forward pass
-        wrote them: a name on a block whose K/V are not there yet would hand garbage to the next hit."""
+        tokens of `token_ids`), so later prompts can hit them.
+
+        Call it only *after* the forward pass wrote them: a name on a block whose K/V are not
+        there yet would hand garbage to the next hit."""
         table, bs = self._table(seq_id), self.block_size
         if not 0 <= num_computed <= min(len(token_ids), table.num_tokens):
             raise ValueError(
@@ -346,25 +333,22 @@ class BlockManager:
         for index in range(len(table.block_hashes), num_computed // bs):
             parent = table.block_hashes[-1] if table.block_hashes else None
             chunk = token_ids[index * bs : (index + 1) * bs]
-            name = block_hash(parent, chunk)
-            self.allocator.register(table.blocks[index], name, chunk)
-            table.block_hashes.append(name)
+            table.block_hashes.append(self.prefix_cache.insert(table.blocks[index], parent, chunk))
 
     def allocate_cached(self, seq_id: int, token_ids: Sequence[int]) -> int:
         """`allocate` for a whole prompt, reusing prefix-cache hits and naming its full blocks at
         once; returns how many leading tokens were cached.
 
-        Naming before the K/V exist is only safe for a caller that computes the prompt before anyone
-        else can look (chapter 03's `stream_paged`). The engine instead names blocks after each
-        forward pass with `register_computed`.
+        Naming before the K/V exist is only safe for a caller that computes the prompt before
+        anyone else can look (chapter 03's `stream_paged`). The engine instead names blocks after
+        each forward pass, in `commit`.
         """
         hits = self.cached_prefix(token_ids)
         self.allocate(seq_id, len(token_ids), prefix_blocks=hits)
         self.register_computed(seq_id, token_ids, len(token_ids))
         return len(hits) * self.block_size
 
-    # -- read access
-    # ----------------------------------------------------------------------------------
+    # -- read access -------------------------------------------------------------------------------
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self.tables
 

@@ -21,7 +21,8 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one step computes. `chunks` is also the order of the flattened batch: decodes, then prefills."""
+    """What one step computes. `chunks` is also the order of the flattened batch: decodes, then
+    prefills."""
 
     step: int
     chunks: tuple[ScheduledChunk, ...]

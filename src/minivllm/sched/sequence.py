@@ -147,7 +147,7 @@ class Sequence:
 
     @property
     def is_decoding(self) -> bool:
-        """Its whole prompt is computed and only the token it sampled last is not: one token to run."""
+        """Its whole prompt is computed, and only the token it sampled last is not: one to run."""
         return (
             self.num_uncomputed_tokens == 1 and self.num_computed_tokens >= self.num_prompt_tokens
         )
