@@ -98,7 +98,7 @@ class PagedKVStorage:
         ### BEGIN SOLUTION
         used = -(-length // self.block_size)  # blocks that hold any of the tokens
         blocks = torch.tensor(list(block_table[:used]), dtype=torch.long)
-        # [2, used, block_size, heads, dim] in table order -> the blocks end to end -> cut to length.
+        # [2, used, block_size, heads, dim] in table order -> blocks end to end -> cut to length.
         rows = self.kv[layer][:, blocks].reshape(2, used * self.block_size, heads, dim)[:, :length]
         return rows[0], rows[1]
         ### END SOLUTION
