@@ -103,8 +103,7 @@ TEMPERATURE = 0.8
 GOAL_K, GOAL_TOKENS_PER_PASS, GOAL_SPEEDUP_BATCH1 = 4, 2.5, 1.5
 
 
-# -- the workload
-# ------------------------------------------------------------------------------------
+# -- the workload ----------------------------------------------------------------------------------
 
 
 def make_prompts(
@@ -113,9 +112,8 @@ def make_prompts(
     """The first 40-120 bytes (seeded length) of `num_prompts` distinct, seeded speeches."""
     lo, hi = prompt_bytes
     speeches = [s.encode("utf-8") for s in shipped_validation_text().split("\n\n")]
-    speeches = [
-        s for s in dict.fromkeys(speeches) if len(s) >= hi + 8
-    ]  # distinct, long enough to cut
+    # distinct, long enough to cut
+    speeches = [s for s in dict.fromkeys(speeches) if len(s) >= hi + 8]
     rng = np.random.default_rng(seed)
     prompts = []
     for index in rng.permutation(len(speeches))[:num_prompts]:
@@ -139,8 +137,7 @@ def sampling(max_tokens: int, temperature: float, count: int, seed: int) -> list
     ]
 
 
-# -- one system, one run
-# -----------------------------------------------------------------------------
+# -- one system, one run ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class System:
     key: str
@@ -164,9 +161,8 @@ def make_engine(
             method=system.method, num_speculative_tokens=system.k, draft_model=draft
         )
     tokens = [len(p.encode("utf-8")) + 1 + max_tokens + system.k for p in prompts]
-    num_blocks = max(
-        64, sum(-(-t // BLOCK_SIZE) for t in tokens)
-    )  # every request at full length at once
+    # every request at full length at once
+    num_blocks = max(64, sum(-(-t // BLOCK_SIZE) for t in tokens))
     scheduler = SchedulerConfig(max_num_seqs=system.batch, max_num_batched_tokens=BUDGET)
     return LLMEngine(
         target,
@@ -206,8 +202,7 @@ def run(
     }
 
 
-# -- what the trace says
-# -----------------------------------------------------------------------------
+# -- what the trace says ---------------------------------------------------------------------------
 def theory(alpha: float, n: int) -> float:
     """Expected tokens per target pass with n drafts, each reached draft accepted with probability
     alpha."""
@@ -219,9 +214,8 @@ def acceptance(trace, k: int) -> dict:
     if not verifies:
         return {"verifies": 0}
     accepted = sum(a for _, a in verifies)
-    rejected = sum(
-        a < p for p, a in verifies
-    )  # the first rejected draft of each verify that had one
+    # the first rejected draft of each verify that had one
+    rejected = sum(a < p for p, a in verifies)
     alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
     emitted = sum(a + 1 for _, a in verifies)
     speculative_ids = {s for r in trace for s, _, _ in r.speculated}
@@ -426,9 +420,8 @@ def main() -> None:
                         }
                     )
             r.pop("_tokens")
-            if (
-                repeat
-            ):  # only the best run's trace is read (greedy acceptance is the same every run)
+            # only the best run's trace is read (greedy acceptance is the same every run)
+            if repeat:
                 previous = min(runs[system.key], key=lambda x: x["seconds"])
                 if previous["seconds"] <= r["seconds"]:
                     r.pop("_trace")

@@ -68,8 +68,7 @@ THREADS = 2
 BIG_BATCH_DECODES = 48  # "batch 64": steps with at least this many running decodes
 
 
-# -- the workload (make_workload is in _common.py)
-# -----------------------------------------------------
+# -- the workload (make_workload is in _common.py) -------------------------------------------------
 def subset(requests: list[Request], count: int, seed: int) -> list[Request]:
     """A seeded subset (the first `count` of one permutation, so subsets nest), in workload
     order."""
@@ -240,9 +239,8 @@ def run_hf(hf, requests: list[Request], batch_size: int, label: str, total: int)
             batch = requests[i : i + batch_size]
             longest = max(r.max_tokens for r in batch)
             rows = hf_generate(hf, [r.prompt_ids for r in batch], longest)
-            tokens += [
-                row[: r.max_tokens] for row, r in zip(rows, batch)
-            ]  # only a request's own tokens count
+            # only a request's own tokens count
+            tokens += [row[: r.max_tokens] for row, r in zip(rows, batch)]
             padded += longest * len(batch)
         return tokens
 
@@ -314,9 +312,8 @@ def component_times(model: Transformer, requests: list[Request], budget: int, st
     engine.runner.forward = timed(engine.runner.forward, "forward")
     engine.runner.sample = timed(engine.runner.sample, "sample")
     engine._record = timed(engine._record, "record")
-    engine._output = timed(
-        engine._output, "outputs"
-    )  # built after step_s stops: not in the trace's overhead
+    # built after step_s stops: not in the trace's overhead
+    engine.outputs.output = timed(engine.outputs.output, "outputs")
     original_build = runner_module.build_batch  # what ModelRunner.execute calls
     runner_module.build_batch = timed(original_build, "build_batch")
     try:
@@ -360,9 +357,8 @@ def profile_decode(
     for _ in range(steps):
         engine.step()
     profiler.disable()
-    stats = pstats.Stats(
-        profiler
-    ).stats  # key -> (calls, primitive calls, tottime, cumtime, callers)
+    # key -> (calls, primitive calls, tottime, cumtime, callers)
+    stats = pstats.Stats(profiler).stats
     total = sum(v[2] for v in stats.values())
     # The engine's side: everything reachable from LLMEngine.step without passing
     # ModelRunner.forward.
@@ -394,9 +390,8 @@ def profile_decode(
     engine_side = []
     for key in reached:
         calls, _, self_s, cum_s, callers = stats[key]
-        if (
-            key not in roots
-        ):  # a function called from both sides: count only the calls from the engine's
+        # a function called from both sides: count only the calls from the engine's
+        if key not in roots:
             calls = sum(c[0] for caller, c in callers.items() if caller in reached)
             self_s = sum(c[2] for caller, c in callers.items() if caller in reached)
             cum_s = sum(c[3] for caller, c in callers.items() if caller in reached)

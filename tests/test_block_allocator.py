@@ -313,9 +313,8 @@ def test_prefix_cache_out_of_blocks_is_transactional() -> None:
     m.free(0)  # blocks 0, 1 free but named
     m.allocate(1, 1)  # takes block 2, never used: the named ones are evicted last
     before = snapshot(m)
-    with pytest.raises(
-        OutOfBlocks
-    ) as err:  # hits block 0, then needs 2 new blocks; 1 would be left
+    # hits block 0, then needs 2 new blocks; 1 would be left
+    with pytest.raises(OutOfBlocks) as err:
         m.allocate_cached(2, [1, 2, 5, 6, 7])
     assert (err.value.needed, err.value.free) == (2, 1)
     assert snapshot(m) == before
@@ -426,9 +425,8 @@ def test_truncate_refuses_what_it_cannot_do_and_changes_nothing() -> None:
 def test_truncate_never_cuts_into_named_prefix_cache_blocks() -> None:
     m = BlockManager(8, 4)
     m.allocate_cached(0, list(range(10)))  # blocks [0, 1, 2]; the full ones, 0 and 1, are named
-    m.allocate_cached(
-        1, list(range(10))
-    )  # shares 0 and 1 through the prefix cache, its own block 3
+    # shares 0 and 1 through the prefix cache, its own block 3
+    m.allocate_cached(1, list(range(10)))
     assert m.tables[1].blocks == [0, 1, 3]
     before = snapshot(m)
     for bad in (0, 4, 7):
@@ -457,9 +455,8 @@ def test_truncate_of_shared_blocks_only_drops_a_reference() -> None:
     ] and m.num_free == 5  # nothing freed
     m.truncate(0, 4)  # now the last holder lets go
     assert [m.allocator.refcount(b) for b in range(3)] == [2, 0, 0] and m.num_free == 7
-    m.append(
-        1, 1
-    )  # 5 tokens: a block of its own (block 1, at the front of the queue); 0 stays shared
+    # 5 tokens: a block of its own (block 1, at the front of the queue); 0 stays shared
+    m.append(1, 1)
     assert (
         m.tables[1].blocks == [0, 1] and m.write(1, 4) == (1, None) and m.allocator.refcount(0) == 2
     )

@@ -174,9 +174,8 @@ def test_the_real_model_gives_the_same_greedy_tokens_on_the_gpu_kernel(target) -
     from minivllm.training.corpus import shipped_validation_text
 
     text = shipped_validation_text()
-    prompts = [
-        text[i * 500 : i * 500 + 20 + 37 * i] for i in range(8)
-    ]  # uneven prompts, batched decodes
+    # uneven prompts, batched decodes
+    prompts = [text[i * 500 : i * 500 + 20 + 37 * i] for i in range(8)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     outputs = {}
     for backend in ["torch", "cuda"]:

@@ -76,8 +76,7 @@ def assert_pool_empty(engine: LLMEngine) -> None:
     assert not any(engine.manager.allocator.refcounts) and not engine.has_unfinished()
 
 
-# -- build_batch (ch04.3): no model needed
-# -----------------------------------------------------------------------
+# -- build_batch (ch04.3): no model needed ---------------------------------------------------------
 
 
 def hand_made_plan() -> tuple[StepPlan, dict[int, Sequence], BlockManager]:
@@ -244,16 +243,14 @@ def test_a_requests_tokens_do_not_depend_on_the_batch(target, mode: str) -> None
     prompts, params = workload(mode)
     engine = make_engine(target, num_blocks=256, max_num_seqs=32, max_num_batched_tokens=64)
     batch = engine.generate(prompts, params)
-    assert any(
-        len(r.prefilled) > 1 for r in engine.trace
-    )  # prefill chunks of several requests in one step
+    # prefill chunks of several requests in one step
+    assert any(len(r.prefilled) > 1 for r in engine.trace)
     assert any(r.decoded and r.prefilled for r in engine.trace)  # decodes mixed with prefill chunks
     assert max(len(r.running) for r in engine.trace) > 8
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         alone = make_engine(target, num_blocks=64, max_num_batched_tokens=64)
-        alone.add_request(
-            prompt, p, request_id=i
-        )  # the same id: an unseeded request derives the same seed
+        # the same id: an unseeded request derives the same seed
+        alone.add_request(prompt, p, request_id=i)
         (out,) = run_all(alone).values()
         assert batch[i].token_ids == out.token_ids and batch[i].text == out.text, f"request {i}"
         assert batch[i].finish_reason == out.finish_reason
@@ -272,8 +269,7 @@ def test_seeds_decide_sampled_tokens(target) -> None:
     assert x.token_ids == z.token_ids and x.token_ids != y.token_ids
 
 
-# -- bad requests
-# ----------------------------------------------------------------------------------------------
+# -- bad requests ----------------------------------------------------------------------------------
 
 GOOD, GOOD_PARAMS = "ROMEO:", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -410,8 +406,7 @@ def test_limits_are_exact(
         assert not engine.scheduler.waiting
 
 
-# -- abort, streams
-# ---------------------------------------------------------------------------------------------
+# -- abort, streams --------------------------------------------------------------------------------
 
 
 def test_abort_mid_run_frees_the_blocks_and_spares_the_others(target) -> None:
@@ -464,9 +459,8 @@ def test_stream_deltas_concatenate_to_generate(target) -> None:
         reasons.setdefault(delta.request_id, []).append(delta.finish_reason)
     for i, out in enumerate(want):
         assert texts[i] == out.text and ids[i] == out.token_ids, f"request {i}"
-        assert reasons[i][-1] == out.finish_reason and not any(
-            reasons[i][:-1]
-        )  # only the last delta ends it
+        # only the last delta ends it
+        assert reasons[i][-1] == out.finish_reason and not any(reasons[i][:-1])
     assert_pool_empty(engine)
 
 
@@ -519,9 +513,8 @@ def test_the_trace_tells_the_whole_story(target, tmp_path) -> None:
         r.step_s > 0 for r in trace
     )
     for r in trace:
-        assert r.blocks_used + r.blocks_free == 32 and (r.blocks_used > 0) == bool(
-            r.running
-        )  # after the step
+        # after the step
+        assert r.blocks_used + r.blocks_free == 32 and (r.blocks_used > 0) == bool(r.running)
         assert r.num_batched_tokens <= 32 and len(r.running) <= 4
         assert r.num_batched_tokens == len(r.decoded) + sum(n for _, n in r.prefilled)
         assert not set(r.running) & set(r.waiting) and not {i for i, _ in r.finished} & set(
@@ -541,8 +534,7 @@ def test_the_trace_tells_the_whole_story(target, tmp_path) -> None:
     assert trace[-1].running == () and trace[-1].waiting == ()
 
 
-# -- prefix caching
-# -----------------------------------------------------------------------------------------------
+# -- prefix caching --------------------------------------------------------------------------------
 
 PREFIX = "KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer by this sun "
 "of York;\n"
@@ -558,9 +550,8 @@ def test_prefix_caching_changes_the_work_not_the_tokens(target, together: bool) 
         engine = make_engine(
             target, num_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=caching
         )
-        if (
-            together
-        ):  # all at once: later prompts hit blocks of earlier ones as soon as those are computed
+        # all at once: later prompts hit blocks of earlier ones as soon as those are computed
+        if together:
             outs = engine.generate(prompts, params)
         else:  # the first request runs alone, then the rest find its prefix in the cache
             outs = engine.generate(prompts[:1], params) + engine.generate(prompts[1:], params)
@@ -578,8 +569,7 @@ def test_prefix_caching_changes_the_work_not_the_tokens(target, together: bool) 
     assert on_hits == sum(o.num_cached_tokens for o in on)
 
 
-# -- the front door
-# ---------------------------------------------------------------------------------------------
+# -- the front door --------------------------------------------------------------------------------
 
 
 def test_llm_front_door(target) -> None:
@@ -636,8 +626,7 @@ def test_the_attention_backend_and_device_are_chosen_and_checked(target) -> None
         EngineConfig(device="tpu")
 
 
-# -- the attention backend registry
-# -------------------------------------------------------------------------------
+# -- the attention backend registry ----------------------------------------------------------------
 
 
 def test_attention_backends_are_chosen_by_name_from_a_registry() -> None:
@@ -691,8 +680,7 @@ def test_the_cuda_backend_is_imported_only_when_asked_for() -> None:
     assert done.returncode == 0, done.stderr.decode()
 
 
-# -- ModelRunner.execute
-# ------------------------------------------------------------------------------------------
+# -- ModelRunner.execute ---------------------------------------------------------------------------
 
 
 def test_execute_runs_a_plan_and_samples_each_sampling_chunk(target) -> None:

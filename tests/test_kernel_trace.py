@@ -78,9 +78,8 @@ def test_warps_take_tokens_round_robin_in_block_table_order(recording) -> None:
     for (_, thread), indices in reads_by_thread(recording[2]).items():
         warp, lane = divmod(thread, WARP_SIZE)
         tokens = [TABLE.index(block) * BLOCK_SIZE + slot for block, slot, _, _ in indices]
-        assert tokens == list(
-            range(warp, LENGTH, num_warps)
-        )  # head_dim 32: one element per lane per row
+        # head_dim 32: one element per lane per row
+        assert tokens == list(range(warp, LENGTH, num_warps))
         assert {d for *_, d in indices} == {lane}
 
 
@@ -88,9 +87,8 @@ def test_value_phase_threads_own_one_element_each(recording) -> None:
     from minivllm.book.kernel_trace import reads_by_thread
 
     by_thread = reads_by_thread(recording[3])
-    assert sorted(thread for _, thread in by_thread) == list(
-        range(HEAD_DIM)
-    )  # threads past head_dim idle
+    # threads past head_dim idle
+    assert sorted(thread for _, thread in by_thread) == list(range(HEAD_DIM))
     for (_, thread), indices in by_thread.items():
         assert [(block, slot) for block, slot, _, _ in indices] == [
             (TABLE[t // BLOCK_SIZE], t % BLOCK_SIZE) for t in range(LENGTH)

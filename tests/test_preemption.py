@@ -136,9 +136,8 @@ def test_least_progressed_picks_the_fewest_output_tokens_in_any_order() -> None:
     pool = [seq(7, 2, outputs=5), seq(3, 9, outputs=1), seq(1, 2, outputs=6), seq(9, 1, outputs=3)]
     for order in itertools.permutations(pool):
         assert least_progressed(list(order)) is pool[1], [x.seq_id for x in order]
-    assert (
-        least_progressed(tuple(pool[2:])) is pool[3]
-    )  # any sequence of candidates, not only a list
+    # any sequence of candidates, not only a list
+    assert least_progressed(tuple(pool[2:])) is pool[3]
 
 
 @ch05_1
@@ -149,13 +148,11 @@ def test_least_progressed_breaks_a_tie_towards_the_higher_seq_id() -> None:
         seq(8, 6, outputs=2),
         seq(20, 2, outputs=7),
     ]
-    fresh = seq(
-        0, 30, outputs=0
-    )  # nothing sampled yet (still prefilling): the least progress of all
+    # nothing sampled yet (still prefilling): the least progress of all
+    fresh = seq(0, 30, outputs=0)
     for order in itertools.permutations(pool):
-        assert least_progressed(list(order)) is pool[1], [
-            x.seq_id for x in order
-        ]  # 11: highest of the 2s
+        # 11: highest of the 2s
+        assert least_progressed(list(order)) is pool[1], [x.seq_id for x in order]
         assert least_progressed([*order, fresh]) is fresh
     assert (
         least_progressed([pool[0], pool[2]]) is pool[2]
@@ -187,9 +184,8 @@ def test_a_preemption_worked_by_hand() -> None:
     )
     assert plan.chunks == (C(0, 4, 1, False, True),) and plan.recomputed_tokens == 0
     assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
-    assert (
-        b.token_ids == b_tokens and b.num_output_tokens == 2
-    )  # its tokens are kept, only the K/V are gone
+    # its tokens are kept, only the K/V are gone
+    assert b.token_ids == b_tokens and b.num_output_tokens == 2
     assert b.max_computed_tokens == 4  # what it had computed: the recompute will count against it
     assert 1 not in s.manager and ids(s.running) == [0] and ids(s.waiting) == [1]
     assert s.manager.num_free == 1 and s.manager.block_table(0) == [
@@ -584,9 +580,8 @@ def test_a_resumed_sequence_finds_its_prefix_in_the_cache(runs: Runs) -> None:
             if r.resumed and set(r.admitted) == set(r.resumed) and r.prefix_hit_tokens
         ]
         assert hits, policy
-        for r in (
-            hits
-        ):  # at least the shared prefix's two full blocks, which the other requests still hold
+        # at least the shared prefix's two full blocks, which the other requests still hold
+        for r in hits:
             assert r.prefix_hit_tokens % 16 == 0 and r.prefix_hit_tokens >= 32
 
 
@@ -750,9 +745,8 @@ def test_without_preemption_a_burst_stalls(target) -> None:
     assert "0 of 12 blocks are free" in str(raised.value)
     last = engine.trace[-1]
     assert len(last.running) == 4 and last.blocks_free == 0
-    assert (
-        set(last.stalled) | set(last.decoded) == set(last.running) and last.stalled
-    )  # then all four wait
+    # then all four wait
+    assert set(last.stalled) | set(last.decoded) == set(last.running) and last.stalled
     assert len(engine.trace) == engine.scheduler.step - 1  # the step that raised left no record
     assert not any(r.preempted for r in engine.trace)
 
@@ -809,9 +803,8 @@ def preempting_workloads(draw):
     # What a request needs alone: slots for its prompt and every output but the last (never
     # computed).
     largest = max(blocks_for(len(p) + m - 1, block_size) for p, m, *_ in requests)
-    num_blocks = largest + draw(
-        st.integers(0, 2)
-    )  # about the largest alone: the others must make room
+    # about the largest alone: the others must make room
+    num_blocks = largest + draw(st.integers(0, 2))
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
@@ -826,9 +819,8 @@ def preempting_workloads(draw):
 def fake_token(seq_id: int, position: int, eos_at: int | None, prompt_len: int) -> int:
     if eos_at is not None and position == prompt_len + eos_at - 1:
         return EOS
-    return (
-        seq_id * 5 + position * 3
-    ) % 4  # the prompts' tiny alphabet: outputs may extend a shared prefix
+    # the prompts' tiny alphabet: outputs may extend a shared prefix
+    return seq_id * 5 + position * 3 % 4
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -841,9 +833,8 @@ def test_random_preempting_workloads_finish_and_keep_the_books(workload) -> None
         Sequence(i, list(p), SamplingParams(max_tokens=m), seed=i, eos_token_id=EOS)
         for i, (p, m, _, _) in enumerate(requests)
     ]
-    high_water = {
-        x.seq_id: 0 for x in seqs
-    }  # our own count of what each sequence ever had computed
+    # our own count of what each sequence ever had computed
+    high_water = {x.seq_id: 0 for x in seqs}
     kv: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix whose "K/V" sits there
     last_arrival = max(a for *_, a in requests)
     max_steps = last_arrival + 40 * (sum(len(p) + m for p, m, *_ in requests) + 1)
@@ -856,9 +847,8 @@ def test_random_preempting_workloads_finish_and_keep_the_books(workload) -> None
                 break
             continue
         tokens_before = {x.seq_id: list(x.token_ids) for x in s.running}
-        plan = (
-            s.schedule()
-        )  # SchedulerStalled here fails the test: with preemption nothing may stall
+        # SchedulerStalled here fails the test: with preemption nothing may stall
+        plan = s.schedule()
         assert_refcounts_match_tables(manager)
         chunk_ids = [c.seq_id for c in plan.chunks]
         assert plan.chunks and not plan.finished  # nobody is too big

@@ -52,8 +52,7 @@ def draw(probs, uniforms) -> list[int]:
     return sample_from_probs(probs, np.asarray(uniforms, dtype=np.float64)).tolist()
 
 
-# -- position_uniforms: a pure function of (seed, position, stream)
-# ---------------------------------------------
+# -- position_uniforms: a pure function of (seed, position, stream) --------------------------------
 
 
 def test_uniforms_are_a_pure_function() -> None:
@@ -134,8 +133,7 @@ def test_derive_seed() -> None:
     assert isinstance(derive_seed(3, 9), int)
 
 
-# -- token_probs (ch04.1)
-# ------------------------------------------------------------------------------------
+# -- token_probs (ch04.1) --------------------------------------------------------------------------
 
 
 @pytest.mark.exercise("ch04.1")
@@ -154,9 +152,8 @@ def test_no_filter_is_the_softmax() -> None:
     want = torch.tensor(logits, dtype=torch.float64).softmax(-1)
     assert torch.allclose(probs_of(logits), want, atol=1e-12)
     assert torch.allclose(probs_of(logits, top_k=5), want, atol=1e-12)
-    assert torch.allclose(
-        probs_of(logits, top_k=100), want, atol=1e-12
-    )  # k larger than the vocabulary
+    # k larger than the vocabulary
+    assert torch.allclose(probs_of(logits, top_k=100), want, atol=1e-12)
     assert torch.allclose(probs_of(logits, top_p=1.0), want, atol=1e-12)
 
 
@@ -234,9 +231,8 @@ def test_top_p_is_applied_after_top_k_to_the_renormalised_head() -> None:
     # top-k 2 leaves [0.4, 0.3] -> [4/7, 3/7]; then p = 0.5 is reached by the first token alone.
     # (top-p on the original distribution would have kept two tokens: 0.4 < 0.5.)
     assert probs_of(logits_for([0.4, 0.3, 0.2, 0.1]), top_k=2, top_p=0.5).tolist() == [1, 0, 0, 0]
-    out = probs_of(
-        logits_for([0.4, 0.3, 0.2, 0.1]), top_k=3, top_p=0.7
-    )  # [4/9, 3/9, 2/9]: 7/9 >= 0.7
+    # [4/9, 3/9, 2/9]: 7/9 >= 0.7
+    out = probs_of(logits_for([0.4, 0.3, 0.2, 0.1]), top_k=3, top_p=0.7)
     assert (out > 0).tolist() == [True, True, False, False]
 
 
@@ -271,8 +267,7 @@ def test_masked_logits_stay_impossible() -> None:
     assert probs[0, 1] == 0 and probs[0, 3] == 0 and not probs.isnan().any()
 
 
-# -- sample_from_probs (ch04.2)
-# ----------------------------------------------------------------------------------
+# -- sample_from_probs (ch04.2) --------------------------------------------------------------------
 
 DYADIC = [0.0, 0.5, 0.0, 0.25, 0.25]  # cumulative 0, .5, .5, .75, 1 -- exact in binary
 
@@ -348,8 +343,7 @@ def test_never_picks_a_zero_probability_token(weights: list[float], u: float) ->
     assert before <= u * float(cdf[-1]) < float(cdf[token])
 
 
-# -- sample(): the engine's entry point
-# ---------------------------------------------------------------------------
+# -- sample(): the engine's entry point ------------------------------------------------------------
 metadata = SamplingMetadata.from_lists  # temperatures, top_ks, top_ps, seeds, positions
 
 

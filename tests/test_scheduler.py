@@ -86,8 +86,7 @@ def test_a_sequence_id_is_scheduled_once() -> None:
         s.add(seq(0, 3))
 
 
-# -- chunked prefill, token budget, phase order: one small case worked by hand
-# ----------------------------------
+# -- chunked prefill, token budget, phase order: one small case worked by hand ---------------------
 
 
 def test_hand_worked_chunked_prefill() -> None:
@@ -180,13 +179,11 @@ def test_chunked_prefill_off_never_admits_a_prompt_larger_than_the_budget() -> N
     s.add(seq(0, 9))
     with pytest.raises(SchedulerStalled):
         s.schedule()
-    assert [x.seq_id for x in s.waiting] == [
-        0
-    ] and s.manager.num_free == 64  # nothing was half-done
+    # nothing was half-done
+    assert [x.seq_id for x in s.waiting] == [0] and s.manager.num_free == 64
 
 
-# -- admission limits
-# ------------------------------------------------------------------------------------------
+# -- admission limits ------------------------------------------------------------------------------
 
 
 def test_admission_is_limited_by_max_num_seqs() -> None:
@@ -196,9 +193,8 @@ def test_admission_is_limited_by_max_num_seqs() -> None:
         s.add(seq(i, 3, max_tokens=3))
     plan, finished = step(s)
     assert plan.admitted == (0, 1) and [x.seq_id for x in s.waiting] == [2, 3]
-    assert [x.seq_id for x in finished] == [
-        0
-    ]  # done after one token: its slot is free for the next step
+    # done after one token: its slot is free for the next step
+    assert [x.seq_id for x in finished] == [0]
     plan, _ = step(s)
     assert plan.admitted == (2,) and [c.seq_id for c in plan.chunks] == [1, 2]
     plans = run_to_end(s)
@@ -221,13 +217,11 @@ def test_fifo_head_of_line_blocks_later_requests_when_out_of_blocks() -> None:
     s.add(seq(2, 2, max_tokens=1))  # 1 block would fit, but it must not overtake B
     plan, finished = step(s)
     assert plan.admitted == (0,) and [x.seq_id for x in s.waiting] == [1, 2]
-    assert [x.seq_id for x in finished] == [
-        0
-    ] and s.manager.num_free == 4  # retired in the same update
+    # retired in the same update
+    assert [x.seq_id for x in finished] == [0] and s.manager.num_free == 4
     plan = s.schedule()
-    assert (
-        plan.admitted == (1, 2) and s.manager.num_free == 0
-    )  # now B goes first, and C fits beside it
+    # now B goes first, and C fits beside it
+    assert plan.admitted == (1, 2) and s.manager.num_free == 0
 
 
 def test_admission_keeps_arrival_order() -> None:
@@ -238,8 +232,7 @@ def test_admission_keeps_arrival_order() -> None:
     assert admitted == [0, 1, 2, 3, 4]
 
 
-# -- retirement and abort
-# ----------------------------------------------------------------------------------------
+# -- retirement and abort --------------------------------------------------------------------------
 
 
 def test_finished_sequences_free_their_blocks_in_the_same_update() -> None:
@@ -309,8 +302,7 @@ def test_abort_between_schedule_and_update() -> None:
     assert s.manager.num_free == 16
 
 
-# -- static batching
-# --------------------------------------------------------------------------------------------
+# -- static batching -------------------------------------------------------------------------------
 
 
 def admissions(batching) -> list[tuple[int, ...]]:
@@ -363,8 +355,7 @@ def test_scheduler_stalled_when_nothing_can_progress() -> None:
     assert s.manager.num_free == 0
 
 
-# -- prefix caching
-# -----------------------------------------------------------------------------------------------
+# -- prefix caching --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -444,8 +435,7 @@ def test_a_chunked_prompt_names_its_blocks_as_the_chunks_are_computed() -> None:
     assert named == [1, 3, 4, 5]  # 6, 12, 18, 20 tokens computed: floor(n / 4) full blocks
 
 
-# -- the property test: random workloads
-# ----------------------------------------------------------------------------
+# -- the property test: random workloads -----------------------------------------------------------
 
 
 def blocks_for(n: int, block_size: int) -> int:
@@ -456,9 +446,8 @@ def blocks_for(n: int, block_size: int) -> int:
 def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4]))
     prefix_caching = draw(st.booleans())
-    shared = draw(
-        st.lists(st.integers(0, 3), min_size=0, max_size=12)
-    )  # a common prefix, from a tiny alphabet
+    # a common prefix, from a tiny alphabet
+    shared = draw(st.lists(st.integers(0, 3), min_size=0, max_size=12))
     requests = []
     for _ in range(draw(st.integers(1, 8))):
         head = shared[: draw(st.integers(0, len(shared)))] if prefix_caching else []
@@ -467,9 +456,8 @@ def workloads(draw):
     max_num_seqs = draw(st.integers(1, 4))
     chunked = draw(st.booleans())
     longest = max(len(p) for p, _, _ in requests)
-    low = max(
-        max_num_seqs, 1 if chunked else longest
-    )  # unchunked, each prompt must fit one step's budget
+    # unchunked, each prompt must fit one step's budget
+    low = max(max_num_seqs, 1 if chunked else longest)
     budget = draw(st.integers(low, max(low, 24)))
     # Tokens that ever need a slot: the prompt and every output but the last (which is never
     # computed).
@@ -495,9 +483,8 @@ def workloads(draw):
 def fake_token(seq_id: int, position: int, eos_at: int | None, prompt_len: int) -> int:
     if eos_at is not None and position == prompt_len + eos_at - 1:
         return EOS
-    return (
-        seq_id * 7 + position * 3
-    ) % 4  # the same tiny alphabet: outputs may extend a shared prefix
+    # the same tiny alphabet: outputs may extend a shared prefix
+    return seq_id * 7 + position * 3 % 4
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -598,13 +585,11 @@ def check_plan(s: Scheduler, plan: StepPlan, config: SchedulerConfig, running_be
             assert c.start < x.num_prompt_tokens or x.num_preemptions
         else:  # a decode: the one token it sampled last step
             assert c.num_tokens == 1 and c.start >= x.num_prompt_tokens
-        assert (
-            s.manager.num_tokens(c.seq_id) >= c.start + c.num_tokens
-        )  # slots reserved before the pass
+        # slots reserved before the pass
+        assert s.manager.num_tokens(c.seq_id) >= c.start + c.num_tokens
         if not config.chunked_prefill and c.is_prefill and not x.num_preemptions:
-            assert (
-                c.start == x.num_cached_tokens and c.samples
-            )  # the whole rest of the prompt at once
+            # the whole rest of the prompt at once
+            assert c.start == x.num_cached_tokens and c.samples
     if not config.enable_prefix_caching:
         assert plan.prefix_hit_tokens == 0
 

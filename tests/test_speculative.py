@@ -76,8 +76,7 @@ def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> float:
     return chi_square(counts, probs)[2]
 
 
-# -- the acceptance rule on hand-made rows (ch06.1)
-# ---------------------------------------------------------------
+# -- the acceptance rule on hand-made rows (ch06.1) ------------------------------------------------
 
 ALMOST_ONE = 1.0 - 2.0**-53  # the largest uniform position_uniforms can return
 
@@ -224,8 +223,7 @@ def test_rows_are_independent() -> None:
     assert alone == [([accepted[i]], [resampled[i]]) for i in range(0, 64, 9)]
 
 
-# -- the emitted distribution: chi-square through verify
-# ----------------------------------------------------------
+# -- the emitted distribution: chi-square through verify -------------------------------------------
 
 N_TRIALS = 20_000
 START = 7  # the sequences' length when they speculate: the position of the first draft
@@ -243,9 +241,8 @@ Q_FIRST = normalise([0.10, 0.25, 0.00, 0.20, 0.05, 0.15, 0.15, 0.10])
 # V = 6 for the joint: p2 and q2 depend on the token before them (differently), each with a zero.
 P1 = normalise([0.30, 0.10, 0.20, 0.00, 0.25, 0.15])
 Q1 = normalise([0.10, 0.30, 0.00, 0.20, 0.15, 0.25])
-P2 = np.stack(
-    [np.roll(normalise([0.40, 0.05, 0.00, 0.25, 0.10, 0.20]), x) for x in range(6)]
-)  # P2[x1] = p2(.|x1)
+# P2[x1] = p2(.|x1)
+P2 = np.stack([np.roll(normalise([0.40, 0.05, 0.00, 0.25, 0.10, 0.20]), x) for x in range(6)])
 Q2 = np.stack([np.roll(normalise([0.05, 0.35, 0.20, 0.00, 0.30, 0.10]), 2 * d) for d in range(6)])
 P3 = normalise(np.ones(6))  # the bonus after two accepted drafts: never part of (x1, x2)
 
@@ -266,27 +263,24 @@ def draw(probs: np.ndarray, seeds: list[int], position: int) -> np.ndarray:
 
 def log(probs: np.ndarray) -> torch.Tensor:
     with np.errstate(divide="ignore"):
-        return torch.from_numpy(
-            np.log(probs)
-        )  # p = 0 -> -inf: the sampler gives those tokens nothing
+        # p = 0 -> -inf: the sampler gives those tokens nothing
+        return torch.from_numpy(np.log(probs))
 
 
 def first_tokens(seed0: int, deterministic: bool) -> np.ndarray:
     """One speculative round (k = 1) per trial; the first emitted token of each."""
     seqs = sequences(N_TRIALS, START, seed0)
     seeds = [s.seed for s in seqs]
-    if (
-        deterministic
-    ):  # an n-gram style drafter: a guess that is no draw at all, q one-hot (Proposal.probs None)
+    # an n-gram style drafter: a guess that is no draw at all, q one-hot (Proposal.probs None)
+    if deterministic:
         drafts = np.arange(N_TRIALS) % len(P_FIRST)
         proposals = [Proposal((int(d),)) for d in drafts]
     else:
         drafts = draw(np.broadcast_to(Q_FIRST, (N_TRIALS, len(Q_FIRST))), seeds, START)
         q = torch.from_numpy(Q_FIRST)[None]
         proposals = [Proposal((int(d),), q) for d in drafts]
-    logits = log(
-        np.broadcast_to(P_FIRST, (2 * N_TRIALS, len(P_FIRST)))
-    )  # [p, bonus p] per sequence
+    # [p, bonus p] per sequence
+    logits = log(np.broadcast_to(P_FIRST, (2 * N_TRIALS, len(P_FIRST))))
     runs = verify(logits, SamplingMetadata.from_sequences(seqs), proposals)
     assert all(1 <= len(run) <= 2 for run in runs)
     return np.array([run[0] for run in runs])
@@ -300,9 +294,8 @@ def joint_tokens(seed0: int, k: int) -> np.ndarray:
     seqs = sequences(N_TRIALS, START, seed0)
     seeds = [s.seed for s in seqs]
     d1 = draw(np.broadcast_to(Q1, (N_TRIALS, v)), seeds, START)
-    d2 = draw(
-        Q2[d1], seeds, START + 1
-    )  # the drafter's next token, from the distribution given its first
+    # the drafter's next token, from the distribution given its first
+    d2 = draw(Q2[d1], seeds, START + 1)
     if k == 1:
         proposals = [Proposal((int(a),), torch.from_numpy(Q1)[None]) for a in d1]
         per_seq = [P1[None], P2[d1][:, None]]  # the bonus row is p2(.|d1)
@@ -316,9 +309,8 @@ def joint_tokens(seed0: int, k: int) -> np.ndarray:
     runs = verify(log(logits), SamplingMetadata.from_sequences(seqs), proposals)
     x1 = np.array([run[0] for run in runs])
     x2 = np.array([run[1] if len(run) > 1 else -1 for run in runs])
-    again = np.flatnonzero(
-        x2 == -1
-    )  # the next round: one draft from q2(.|x1), verified against p2(.|x1)
+    # the next round: one draft from q2(.|x1), verified against p2(.|x1)
+    again = np.flatnonzero(x2 == -1)
     assert 0 < len(again) < N_TRIALS
     later = sequences(len(again), START, seed0)
     for s, i in zip(later, again):
@@ -400,8 +392,7 @@ def test_the_chi_square_tests_reject_wrong_rules(monkeypatch, wrong) -> None:
         assert zero_cells_hit or goodness_of_fit(counts, probs) < 1e-6
 
 
-# -- verify on hand-made logits
-# -----------------------------------------------------------------------------------
+# -- verify on hand-made logits --------------------------------------------------------------------
 
 
 def greedy_seqs(n: int) -> list[Sequence]:
@@ -418,9 +409,8 @@ def one_hot_logits(choices: list[int], v: int = 10) -> torch.Tensor:
 def test_greedy_verify_keeps_drafts_while_they_are_the_argmax() -> None:
     proposals = [Proposal((4, 5, 6)), Proposal((4, 5, 6)), Proposal((7,)), Proposal(())]
     greedy = SamplingMetadata.from_sequences(greedy_seqs(4))
-    choices = (
-        [4, 5, 6, 9] + [4, 8, 6, 9] + [3, 2] + [1]
-    )  # all kept + bonus 9; rejected at 5 -> 8; at 7 -> 3; none
+    # all kept + bonus 9; rejected at 5 -> 8; at 7 -> 3; none
+    choices = [4, 5, 6, 9] + [4, 8, 6, 9] + [3, 2] + [1]
     assert verify(one_hot_logits(choices), greedy, proposals) == [
         [4, 5, 6, 9],
         [4, 8],
@@ -471,8 +461,7 @@ def test_sampled_verify_uses_the_request_streams() -> None:
     assert 50 < sum(len(run) == 2 for run in runs) < 350
 
 
-# -- the n-gram drafter
-# -------------------------------------------------------------------------------------------
+# -- the n-gram drafter ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -515,8 +504,7 @@ def test_ngram_propose_is_deterministic_one_hot() -> None:
     assert proposals[0].draft_probs(5).tolist() == [[0, 0, 0, 1, 0], [0, 1, 0, 0, 0]]
 
 
-# -- the engine with real models: greedy output is the plain engine's
-# ---------------------------------------------
+# -- the engine with real models: greedy output is the plain engine's ------------------------------
 
 PROMPTS = [
     "ROMEO:",
@@ -595,9 +583,8 @@ class Run:
             for i, proposed, accepted in engine.trace[-1].speculated:
                 assert 0 <= accepted <= proposed
                 self.rounds[i].append((proposed, accepted, len(got[i].token_ids) - lengths[i]))
-                if not got[
-                    i
-                ].finished:  # its accepted drafts were computed in the verify pass: one token left
+                # its accepted drafts were computed in the verify pass: one token left
+                if not got[i].finished:
                     assert engine.scheduler.sequences[i].is_decoding, f"sequence {i} after a round"
             for i, out in got.items():
                 lengths[i] = len(out.token_ids)
@@ -704,8 +691,7 @@ def test_llm_front_door_takes_a_speculative_dict(target, plain) -> None:
         LLM(target, speculative={"method": "medusa"})
 
 
-# -- the edges: stops inside an accepted run, max_tokens, the pool
-# ------------------------------------------------
+# -- the edges: stops inside an accepted run, max_tokens, the pool ---------------------------------
 
 EOS_PROMPTS = [
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nSecond Citizen:\n",
@@ -747,9 +733,8 @@ def test_eos_accepted_mid_run_ends_the_request_there(eos_models) -> None:
     # An accepted EOS cuts its round: the drafts after it and the bonus token are thrown away.
     cut = [i for i in ended if run.cut_rounds(i)]
     assert cut, "no request got EOS as an accepted draft: the workload no longer tests the cut"
-    assert all(
-        run.cut_rounds(i) == run.rounds[run.outputs[i].request_id][-1:] for i in cut
-    )  # only the last round
+    # only the last round
+    assert all(run.cut_rounds(i) == run.rounds[run.outputs[i].request_id][-1:] for i in cut)
 
 
 STOP_PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "To be", "HAMLET:"]
@@ -806,9 +791,8 @@ def test_max_tokens_is_never_passed(target, draft, method: str) -> None:
         for rounds in run.rounds.values():
             produced = 1  # the prefill's token
             for proposed, _accepted, appended in rounds:
-                assert proposed <= min(
-                    k, max_tokens - produced - 1
-                )  # lookahead clipped before the round
+                # lookahead clipped before the round
+                assert proposed <= min(k, max_tokens - produced - 1)
                 clipped |= proposed < k and max_tokens - produced - 1 < k
                 produced += appended
     assert clipped
@@ -857,8 +841,7 @@ def test_prefix_caching_changes_the_work_not_the_tokens_nor_the_drafts(
     assert sum(a for rounds in together.rounds.values() for _, a, _ in rounds) > 0
 
 
-# -- sampling through the engine
-# ----------------------------------------------------------------------------------
+# -- sampling through the engine -------------------------------------------------------------------
 
 SAMPLED_PROMPTS = [
     "ROMEO:",
@@ -875,9 +858,8 @@ SAMPLED_PROMPTS = [
 def sampled_params() -> list[SamplingParams]:
     params = []
     for i in range(8):
-        seed = (
-            None if i == 5 else 100 + i
-        )  # one request without a seed: the engine derives it from its id
+        # one request without a seed: the engine derives it from its id
+        seed = None if i == 5 else 100 + i
         params.append(
             SamplingParams(
                 max_tokens=14 + i,
@@ -956,9 +938,8 @@ def test_first_speculative_token_has_the_targets_distribution_end_to_end(target,
     outs = engine.generate([prompt] * n, params)
     proposed = sum(p for r in engine.trace for _, p, _ in r.speculated)
     accepted = sum(a for r in engine.trace for _, _, a in r.speculated)
-    assert proposed == n and 0.2 * n < accepted < 0.95 * n, (
-        accepted
-    )  # the draft is often right, not always
+    # the draft is often right, not always
+    assert proposed == n and 0.2 * n < accepted < 0.95 * n, accepted
     v = target.config.vocab_size
     with torch.no_grad():
         p1 = target(torch.tensor(prompt))[-1].double().softmax(-1)
@@ -970,8 +951,7 @@ def test_first_speculative_token_has_the_targets_distribution_end_to_end(target,
     assert goodness_of_fit(counts, joint) > 1e-4
 
 
-# -- configuration errors
-# -----------------------------------------------------------------------------------------
+# -- configuration errors --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -1004,9 +984,8 @@ def test_a_draft_that_does_not_fit_the_target_is_refused(target) -> None:
         make_engine(target, SpeculativeConfig("draft", 2, draft_model=small_model(vocab_size=100)))
     with pytest.raises(ValueError, match=r"context \(128\) is shorter"):
         make_engine(target, SpeculativeConfig("draft", 2, draft_model=small_model(max_seq_len=128)))
-    make_engine(
-        target, SpeculativeConfig("draft", 2, draft_model=small_model())
-    )  # same vocab and context: fine
+    # same vocab and context: fine
+    make_engine(target, SpeculativeConfig("draft", 2, draft_model=small_model()))
 
 
 def test_a_budget_too_small_for_the_lookahead_is_refused(target) -> None:
@@ -1017,6 +996,5 @@ def test_a_budget_too_small_for_the_lookahead_is_refused(target) -> None:
         make_engine(
             target, SpeculativeConfig("ngram", 4), max_num_seqs=8, max_num_batched_tokens=32
         )
-    make_engine(
-        target, SpeculativeConfig("ngram", 4), max_num_seqs=8, max_num_batched_tokens=40
-    )  # 8 x 5 fits
+    # 8 x 5 fits
+    make_engine(target, SpeculativeConfig("ngram", 4), max_num_seqs=8, max_num_batched_tokens=40)

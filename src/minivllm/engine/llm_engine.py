@@ -228,9 +228,8 @@ class LLM:
         scheduler = SchedulerConfig(
             **{k: config.pop(k) for k in list(config) if k in scheduler_keys}
         )
-        if isinstance(
-            config.get("speculative"), dict
-        ):  # vLLM style: speculative={"method": "ngram", ...}
+        # vLLM style: speculative={"method": "ngram", ...}
+        if isinstance(config.get("speculative"), dict):
             config["speculative"] = SpeculativeConfig(**config["speculative"])
         self.engine = LLMEngine(model, EngineConfig(scheduler=scheduler, **config))
 

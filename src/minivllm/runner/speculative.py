@@ -58,9 +58,8 @@ class SpeculativeConfig:
 
     method: str = "draft"  # "draft": a small model drafts; "ngram": prompt lookup, no model
     num_speculative_tokens: int = 4  # k, drafts per sequence per step
-    draft_model: Transformer | str = (
-        "draft"  # a model, or the name of a shipped one (method "draft")
-    )
+    # a model, or the name of a shipped one (method "draft")
+    draft_model: Transformer | str = "draft"
     prompt_lookup_min: int = 1  # n-gram sizes tried, longest first (method "ngram")
     prompt_lookup_max: int = 3
 
@@ -98,8 +97,7 @@ class Proposal:
         return one_hot.scatter(1, torch.tensor(self.tokens, dtype=torch.long).view(-1, 1), 1.0)
 
 
-# -- the acceptance rule
-# --------------------------------------------------------------------------------
+# -- the acceptance rule ---------------------------------------------------------------------------
 def accept_or_resample(
     p: torch.Tensor,
     q: torch.Tensor,
@@ -210,8 +208,7 @@ def _assemble(
     return runs
 
 
-# -- drafters
-# -------------------------------------------------------------------------------------------
+# -- drafters --------------------------------------------------------------------------------------
 class NgramDrafter:
     """Prompt lookup: find the latest earlier place where the context's last n tokens occurred (n
     from
@@ -350,8 +347,9 @@ def make_drafter(
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
     draft = config.draft_model
     if isinstance(draft, str):
+        # only the draft method needs weights
         from minivllm.model.checkpoint import (
-            load_model,  # only the draft method needs weights
+            load_model,
         )
 
         draft = load_model(draft)

@@ -12,9 +12,8 @@ class ScheduledChunk:
     seq_id: int
     start: int
     num_tokens: int
-    is_prefill: (
-        bool  # prompt (or recomputed) tokens; False for a decode: the one token sampled last step
-    )
+    # prompt (or recomputed) tokens; False for a decode: the one token sampled last step
+    is_prefill: bool
     samples: bool  # this chunk reaches the sequence's last token: its logits pick the next token
     num_lookahead: int = 0  # slots reserved after it for draft tokens to verify (chapter 06)
 
@@ -28,13 +27,11 @@ class StepPlan:
     chunks: tuple[ScheduledChunk, ...]
     admitted: tuple[int, ...] = ()  # waiting -> running this step
     stalled: tuple[int, ...] = ()  # running, but skipped: no free block for their next token
-    preempted: tuple[
-        int, ...
-    ] = ()  # running -> front of the waiting queue, blocks freed (chapter 05)
+    # running -> front of the waiting queue, blocks freed (chapter 05)
+    preempted: tuple[int, ...] = ()
     resumed: tuple[int, ...] = ()  # admitted again after a preemption (a subset of `admitted`)
-    finished: tuple[
-        int, ...
-    ] = ()  # ended by the scheduler itself: too big for the whole cache, alone
+    # ended by the scheduler itself: too big for the whole cache, alone
+    finished: tuple[int, ...] = ()
     prefix_hit_tokens: int = 0  # prompt tokens the admitted sequences found in the prefix cache
     recomputed_tokens: int = 0  # tokens computed again because a preemption threw their K/V away
 

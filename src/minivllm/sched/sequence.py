@@ -112,9 +112,8 @@ class Sequence:
     num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    stop_reason: int | str | None = (
-        None  # the stop token or string that ended it (None for EOS / length)
-    )
+    # the stop token or string that ended it (None for EOS / length)
+    stop_reason: int | str | None = None
     finish_message: str | None = None  # why, in words, when the engine ended it (cache_full)
     output_text: str = ""
     _decoder: StreamingDecoder = field(default_factory=StreamingDecoder, repr=False)
@@ -176,9 +175,8 @@ class Sequence:
             self.finish(STOP, stop_reason=token)
         elif (hit := self._find_stop_string()) is not None:
             self.finish(STOP, stop_reason=hit[1])
-            self.output_text = self.output_text[
-                : hit[0]
-            ]  # the stop string is not part of the answer
+            # the stop string is not part of the answer
+            self.output_text = self.output_text[: hit[0]]
         elif self.num_output_tokens >= params.max_tokens:
             self.finish(LENGTH)
 
@@ -193,7 +191,6 @@ class Sequence:
         return best
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
-        self.output_text += (
-            self._decoder.flush()
-        )  # a cut-off character is shown as U+FFFD, not lost
+        # a cut-off character is shown as U+FFFD, not lost
+        self.output_text += self._decoder.flush()
         self.status, self.finish_reason, self.stop_reason = Status.FINISHED, reason, stop_reason

@@ -12,8 +12,7 @@ from minivllm.attention.cuda.kernels import (
 )
 from minivllm.attention.cuda.simulator import WARP_SIZE, _simulator_pace
 
-# -- launchers
-# ------------------------------------------------------------------------------------------
+# -- launchers -------------------------------------------------------------------------------------
 DEFAULT_THREADS = 128  # 4 warps per block
 
 
