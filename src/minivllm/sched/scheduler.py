@@ -356,8 +356,9 @@ class Scheduler:
     def _advance(self, seq: Sequence) -> None:
         seq.max_computed_tokens = max(seq.max_computed_tokens, seq.num_computed_tokens)
         ready = seq.num_computed_tokens
-        if seq.num_draft_computed_tokens is not None:  # the draft's K/V past the accepted run
-            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, ready)  # are wrong
+        if seq.num_draft_computed_tokens is not None:
+            # The draft model's K/V past the accepted run are wrong: it drafted rejected tokens.
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, ready)
             ready = seq.num_draft_computed_tokens
         # Roll back the slots of rejected draft tokens; name full blocks only once every model's
         # K/V are in them.
