@@ -36,7 +36,7 @@ use_book_style()
 
 model = load_model("target")
 tokenizer = ByteTokenizer()
-model.config
+print(model.config)
 
 # %% [markdown]
 # ## What a language model computes
@@ -143,9 +143,8 @@ def rotated_score(pos_q: int, pos_k: int) -> float:
 
 
 for pos_q, pos_k in [(3, 0), (103, 100), (403, 400), (3, 2)]:
-    print(
-        f"query at {pos_q:3d}, key at {pos_k:3d}, distance {pos_q - pos_k}: score {rotated_score(pos_q, pos_k):+.4f}"
-    )
+    score = rotated_score(pos_q, pos_k)
+    print(f"query at {pos_q:3d}, key at {pos_k:3d}, distance {pos_q - pos_k}: score {score:+.4f}")
 
 # %% [markdown]
 # The same distance gives the same score wherever the pair sits; a different distance gives a
@@ -210,12 +209,11 @@ plt.show()
 c = model.config
 kv_bytes_per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
 print(
-    f"KV cache per token: {c.n_layers} layers x 2 (k, v) x {c.n_kv_heads} heads x {c.head_dim} dims x 4 bytes "
-    f"= {kv_bytes_per_token:,} bytes"
+    f"KV cache per token: {c.n_layers} layers x 2 (k, v) x {c.n_kv_heads} heads x {c.head_dim} dims"
+    f" x 4 bytes = {kv_bytes_per_token:,} bytes"
 )
-print(
-    f"with 8 kv heads (no grouping) it would be {kv_bytes_per_token * c.n_heads // c.n_kv_heads:,} bytes"
-)
+ungrouped_bytes = kv_bytes_per_token * c.n_heads // c.n_kv_heads
+print(f"with {c.n_heads} kv heads (no grouping) it would be {ungrouped_bytes:,} bytes")
 
 # %% [markdown]
 # ## The weights on disk
@@ -259,9 +257,9 @@ with tempfile.TemporaryDirectory() as tmp:
 # %% [markdown]
 # ## How it was trained
 #
-# `python -m minivllm.training.train --preset target` trains this model from a fixed seed on the plays in the
-# corpus except *Macbeth* and *Twelfth Night*, and scores it on those two, which it never saw. The
-# folder's model card records the result.
+# `python -m minivllm.training.train --preset target` trains this model from a fixed seed on the
+# plays in the corpus except *Macbeth* and *Twelfth Night*, and scores it on those two, which it
+# never saw. The folder's model card records the result.
 
 # %%
 card = json.loads((WEIGHTS_DIR / "target" / "training.json").read_text())
@@ -419,10 +417,10 @@ plt.show()
 # pytest tests/test_model.py --exercise ch00.1
 # ```
 #
-# 1. **ch00.1 — RMSNorm.** Implement `RMSNorm.forward` in `src/minivllm/model.py`: divide `x` by the
-#    root-mean-square of its last dimension (plus `eps`, inside the square root), then multiply by
-#    `self.weight`. The tests check the definition and that the output has unit RMS whatever the
-#    input's scale.
+# 1. **ch00.1 — RMSNorm.** Implement `RMSNorm.forward` in `src/minivllm/model/transformer.py`:
+#    divide `x` by the root-mean-square of its last dimension (plus `eps`, inside the square root),
+#    then multiply by `self.weight`. The tests check the definition and that the output has unit RMS
+#    whatever the input's scale.
 # 2. **ch00.2 — RoPE.** Implement `apply_rope`: split the last dimension in halves, build
 #    `rotate_half(x) = [-x2, x1]`, and return `x * cos + rotate_half(x) * sin` (broadcast over heads).
 #    The tests check the identity at position 0, an exact rotation, and that scores depend only on

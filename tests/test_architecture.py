@@ -126,6 +126,7 @@ def test_the_public_surface_is_vllms() -> None:
 
     assert LLM.__name__ == "LLM" and SamplingParams().max_tokens >= 1
     assert EngineConfig and RequestOutput
+    assert sorted(minivllm.__all__) == sorted(minivllm._HOMES)
     for name in minivllm.__all__:
         assert getattr(minivllm, name).__name__ == name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
