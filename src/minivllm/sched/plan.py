@@ -1,4 +1,11 @@
-"""TODO split from scheduler.py"""
+"""The `StepPlan`: what one step computes, as a plain value (chapter 04).
+
+`Scheduler.schedule()` returns it and the engine executes it: a tuple of `ScheduledChunk`s (a
+sequence, the first position, how many tokens, whether its last row samples, how many lookahead
+slots follow it), in the order of the flattened batch -- decodes, then prefill chunks -- and who was
+admitted, stalled, preempted or ended this step. No tensors, no model: a plan can be printed,
+compared and tested on its own.
+"""
 
 from __future__ import annotations
 

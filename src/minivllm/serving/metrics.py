@@ -121,7 +121,7 @@ def render(metrics: Iterable[Counter | Gauge | Histogram]) -> str:
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0)
-FINISH_REASONS = ("stop", "length", "abort", "cache_full")  # the engine's, see sequence.py
+FINISH_REASONS = ("stop", "length", "abort", "cache_full")  # the engine's, see sched/sequence.py
 
 
 class ServingMetrics:

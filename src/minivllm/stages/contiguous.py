@@ -6,9 +6,9 @@ the keys and values of the earlier tokens never change: token i's k and v depend
 0..i. So we compute them once, keep them, and feed the model only the new token at its position. A
 step then costs a forward pass over one token plus an attention read over the cached history.
 
-`ContiguousKVCache` is an attention object (the model's seam, see `model.py`) for ONE sequence. It
-stores, per layer, K and V as one contiguous `[length, n_kv_heads, head_dim]` tensor each, grown by
-one of the two classic strategies:
+`ContiguousKVCache` is an attention object (the model's seam, see `model/transformer.py`) for ONE
+sequence. It stores, per layer, K and V as one contiguous `[length, n_kv_heads, head_dim]` tensor
+each, grown by one of the two classic strategies:
 
 * `"concat"` -- `torch.cat` the history with the new rows on every append. Memory is exactly what
   the sequence needs, but every append copies the whole history: O(T^2) bytes over a generation

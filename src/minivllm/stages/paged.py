@@ -1,21 +1,16 @@
-"""The paged KV cache, storage half: one tensor for every layer, read through a block table (chapter
-03).
+"""One sequence over a paged KV cache (chapter 03): chapter 02's generator, with its keys and
+values in blocks.
 
-`block_allocator.py` decides *where* each token's keys and values go (block tables, the slot
-mapping, copy-on-write). This module owns the bytes. All layers share ONE tensor,
+`kv/` decides *where* each token's keys and values go (block tables, the slot mapping,
+copy-on-write); `attention/storage.py`'s `PagedKVStorage` owns the bytes. This module connects the
+two for ONE sequence, before chapter 04's engine batches many:
 
-    kv: [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]      (2 = K, V)
-
-the layout vLLM's and nano-vllm's flash-attention paths use. A token's **slot** is
-`block * block_size + offset`, so flattening `(num_blocks, block_size)` into one axis turns a write
-into a scatter at the slot mapping, and a read into a gather of the sequence's blocks in table
-order. Only this module indexes `kv`; everyone else goes through `write`, `copy_block` and `gather`.
-
-`PagedAttention` is the model's attention seam (see `model.py`) for ONE sequence over a shared pool:
-`prepare` grows the block table and computes the slot mapping for the new tokens, then each layer's
-call writes its k, v through the slots and attends over the gathered history. `generate_paged`
-mirrors chapter 02's `generate_cached` token for token, and can skip a prompt prefix that the prefix
-cache already holds.
+`PagedAttention` is the model's attention seam (see `model/transformer.py`) for one sequence over a
+shared pool: `prepare` grows the block table and computes the slot mapping for the new tokens, then
+each layer's call writes its k, v through the slots and attends over the history gathered through
+the block table (`paged_attention_reference`). `generate_paged` mirrors chapter 02's
+`generate_cached` token for token, and can skip a prompt prefix that the prefix cache already
+holds.
 """
 
 from __future__ import annotations

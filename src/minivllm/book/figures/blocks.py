@@ -1,5 +1,4 @@
-"""Figures the chapters draw: the block pool and block tables, request timelines, speculative
-rounds, and chapter 07's kernel: its launch hierarchy and which thread read which slot of the cache.
+"""Figures of the paged KV cache (chapters 03, 05, 06): the block pool and the block tables.
 
 Colour = sequence id, from `minivllm.book`'s palette, in every chapter. A block held by more than
 one sequence (prefix sharing, fork) is hatched and labelled with its reference count.

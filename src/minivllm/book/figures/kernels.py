@@ -1,4 +1,6 @@
-"""TODO split from plots.py"""
+"""Figures of chapter 07's CUDA kernel: the launch hierarchy (grid -> thread block -> warp ->
+lanes), and which warp read which slot of the paged cache in a recorded simulator run.
+"""
 
 from __future__ import annotations
 

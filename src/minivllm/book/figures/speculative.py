@@ -1,4 +1,6 @@
-"""TODO split from plots.py"""
+"""Figures of speculative decoding (chapter 06): one draft-and-verify round, and which drafts
+were accepted step by step.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""TODO split from plots.py"""
+"""Figures of the engine over time (chapters 04, 05, 08): who ran in which step, and a step's
+flattened batch.
+
+`draw_gantt` colours each request's state per step from a trace (waiting, prefill, decode,
+preempted, recompute ...), `draw_batch_places` shows which batch places were busy, and
+`draw_flat_batch` lays one step's tokens end to end with their positions and cache slots.
+"""
 
 from __future__ import annotations
 
