@@ -20,7 +20,7 @@
 # tiny embedding table), and the one place where it bites: a character can span several tokens, so
 # streaming text token by token needs a decoder that knows when a character is finished.
 #
-# The code lives in `src/minivllm/tokenizer.py`; its tests are in `tests/test_tokenizer.py`.
+# The code lives in `src/minivllm/model/tokenizer.py`; its tests are in `tests/test_tokenizer.py`.
 
 # %%
 import random
@@ -443,9 +443,8 @@ print(
 # %%
 full_vocab = len(set(words(validation)))
 print(f"embedding rows, byte tokenizer:          {VOCAB_SIZE}")
-print(
-    f"embedding rows, words of these two plays: {full_vocab:,} ({full_vocab / VOCAB_SIZE:.0f}x more)"
-)
+times_more = full_vocab / VOCAB_SIZE
+print(f"embedding rows, words of these two plays: {full_vocab:,} ({times_more:.0f}x more)")
 
 # %% [markdown]
 # Each row is one vector of the model's width, and the output layer has one row per token too, so
@@ -457,7 +456,7 @@ print(
 # %% [markdown]
 # ## Exercises
 #
-# Each exercise is a function in `src/minivllm/tokenizer.py` whose body sits between
+# Each exercise is a function in `src/minivllm/model/tokenizer.py` whose body sits between
 # `### BEGIN SOLUTION` and `### END SOLUTION`. In the student copy (`make student DEST=somewhere`)
 # the body is replaced by `raise NotImplementedError`, and you write it. The tests marked with the
 # exercise's id grade it:

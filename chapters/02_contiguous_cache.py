@@ -70,9 +70,8 @@ short, full = KeepKeys(), KeepKeys()
 with torch.no_grad():
     model(torch.tensor(ids[:20]), attention=short)
     model(torch.tensor(ids), attention=full)
-print(
-    f"max |difference| between the first 20 keys of both passes: {(short.k0 - full.k0[:20]).abs().max():.1e}"
-)
+difference = (short.k0 - full.k0[:20]).abs().max()
+print(f"max |difference| between the first 20 keys of both passes: {difference:.1e}")
 
 # %% [markdown]
 # Identical. The fix is to compute each token's keys and values once, keep them, and feed the model
@@ -240,7 +239,7 @@ plt.show()
 def follow(strategy: str, tokens: int) -> list[tuple[int, int, int, int]]:
     """(length, used, reserved, copied) bytes after each step of a generation."""
     cache, rows = ContiguousKVCache(config, strategy, max_len=config.max_seq_len), []
-    for token in stream_cached(model, start_ids, tokens, cache):
+    for _ in stream_cached(model, start_ids, tokens, cache):
         rows.append((cache.length, cache.used_bytes, cache.reserved_bytes, cache.bytes_copied))
     return rows
 
@@ -251,8 +250,8 @@ print(f"one token's K and V in all {config.n_layers} layers: {cache.per_token_by
 for name, rows in [("concat", concat_rows), ("preallocate", prealloc_rows)]:
     length, used, reserved, copied = rows[-1]
     print(
-        f"{name:11}: {length} tokens cached, {used / 1024:6.0f} KiB used, {reserved / 1024:6.0f} KiB reserved, "
-        f"{copied / 2**20:6.1f} MiB copied"
+        f"{name:11}: {length} tokens cached, {used / 1024:6.0f} KiB used, "
+        f"{reserved / 1024:6.0f} KiB reserved, {copied / 2**20:6.1f} MiB copied"
     )
 
 # %%
@@ -316,9 +315,8 @@ reserved = [r.max_len for r in workload]
 print(f"{len(workload)} requests arriving over {workload[-1].arrival} steps")
 print(f"prompt tokens: mean {sum(prompts) / len(prompts):.0f}, max {max(prompts)}")
 print(f"reply tokens:  mean {sum(outputs) / len(outputs):.0f}, max {max(outputs)}")
-print(
-    f"slots a contiguous cache must reserve (prompt + max_tokens): mean {sum(reserved) / len(reserved):.0f}"
-)
+mean_reserved = sum(reserved) / len(reserved)
+print(f"slots a contiguous cache must reserve (prompt + max_tokens): mean {mean_reserved:.0f}")
 
 # %%
 show(simulate_contiguous)
@@ -326,15 +324,15 @@ show(simulate_contiguous)
 # %%
 ARENA_SLOTS = 8192
 contiguous = simulate_contiguous(workload, arena_slots=ARENA_SLOTS)
-print(
-    f"arena: {ARENA_SLOTS:,} token slots = {ARENA_SLOTS * cache.per_token_bytes / 2**20:.0f} MiB of KV for this model"
-)
+arena_mib = ARENA_SLOTS * cache.per_token_bytes / 2**20
+print(f"arena: {ARENA_SLOTS:,} token slots = {arena_mib:.0f} MiB of KV for this model")
 print(f"finished all {len(contiguous.completed)} requests in {contiguous.num_steps} steps")
 print(f"KV utilisation (used / reserved, mean over steps): {contiguous.kv_utilisation:.1%}")
 print(f"internal waste (reserved but unused):              {contiguous.internal_waste:.1%}")
 print(
-    f"external fragmentation: {contiguous.fragmentation_refusals} steps in which the next request was refused "
-    f"although enough memory was free in total ({contiguous.fragmented_requests} distinct requests)"
+    f"external fragmentation: {contiguous.fragmentation_refusals} steps in which the next request "
+    f"was refused although enough memory was free in total "
+    f"({contiguous.fragmented_requests} distinct requests)"
 )
 print(f"running sequences: mean {contiguous.mean_running:.1f}, peak {contiguous.peak_running}")
 
@@ -357,7 +355,7 @@ from minivllm.book import FREE_COLOR
 
 
 def memory_map_image(result, steps: int, bin_slots: int = 16) -> np.ndarray:
-    """An RGB image: column = step, row = a bin of `bin_slots` slots; used, reserved-only or free."""
+    """RGB image: column = step, row = a bin of `bin_slots` slots; used, reserved-only or free."""
     image = np.tile(np.array(to_rgb(FREE_COLOR)), (result.capacity // bin_slots, steps, 1))
     for column, record in enumerate(result.steps[:steps]):
         for extent in record.memory_map:
@@ -419,9 +417,10 @@ plt.show()
 #
 # ## Exercises
 #
-# Solutions live in `src/minivllm/kv_cache.py` between `### BEGIN SOLUTION` and `### END SOLUTION`;
-# a student copy (`make student DEST=...`) replaces them with `raise NotImplementedError`. Run one
-# exercise's tests with `pytest tests/test_kv_cache.py --exercise ch02.1`.
+# Solutions live in `src/minivllm/stages/contiguous.py` between `### BEGIN SOLUTION` and
+# `### END SOLUTION`; a student copy (`make student DEST=...`) replaces them with
+# `raise NotImplementedError`. Run one exercise's tests with
+# `pytest tests/test_kv_cache.py --exercise ch02.1`.
 #
 # 1. **ch02.1 — grow by concatenation.** Implement `ContiguousKVCache._append_concat`: `torch.cat`
 #    the new rows onto this layer's K and V, and add the bytes of the history you copied to

@@ -30,7 +30,9 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.book import sequence_color, show, use_book_style
 from minivllm.book.arena import make_workload, simulate_contiguous, simulate_paged
 from minivllm.book.figures.blocks import draw_block_pool, draw_block_tables
-from minivllm.kv.block_manager import BlockManager, OutOfBlocks, block_hash
+from minivllm.kv.block_manager import BlockManager
+from minivllm.kv.block_pool import BlockPool, OutOfBlocks
+from minivllm.kv.prefix_cache import PrefixCache, block_hash
 from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.stages.contiguous import ContiguousKVCache, generate_cached
@@ -64,10 +66,13 @@ print(
 # %% [markdown]
 # ## Build: the policy — blocks, block tables, reference counts
 #
-# The paged cache is two modules with one boundary between them. `block_allocator` is the *policy*:
-# plain Python, no torch, testable without a model. It hands out block ids from a free list, counts
-# who holds each block, and keeps a block table per sequence. `paged_cache` is the *storage*: one
-# tensor, written and read only through what the policy decides.
+# The paged cache has one boundary running through it. On one side is the *policy*, the package
+# `minivllm.kv`: plain Python, no torch, testable without a model. `kv/block_pool.py` (`BlockPool`)
+# counts who holds each block and hands out free blocks from a *free queue*; `kv/prefix_cache.py`
+# names blocks so that a later prompt can reuse them (the prefix-caching section below);
+# `kv/block_manager.py` (`BlockManager`) keeps a block table per sequence on top of both. On the
+# other side is the *storage*, `attention/storage.py` (`PagedKVStorage`): one tensor, written and
+# read only through what the policy decides.
 #
 # A sequence takes a new block only when the last one is full — *lazy growth*. How many new blocks
 # does a sequence need to hold `extra_tokens` more? That is exercise ch03.1:
@@ -89,7 +94,7 @@ for held, extra in [(0, 1), (0, 4), (0, 5), (5, 3), (5, 4), (8, 1)]:
 # someone (chapter 05), and simply retry.
 
 # %%
-show(BlockManager._grow)
+show(BlockManager.append)
 
 # %%
 manager = BlockManager(num_blocks=12, block_size=4)
@@ -107,6 +112,19 @@ print("state unchanged:", before == after)
 # %% [markdown]
 # ## See: block tables and the pool
 #
+# Which free block does a sequence get? `BlockPool` keeps the free blocks in a **free queue** and
+# always hands out the one at the front. Blocks never used yet start at the front, in order 0, 1,
+# 2, …. A block whose last holder lets go returns to the queue in `decref`, and that is where the
+# order is decided: a block that holds nothing worth keeping goes to the *front*, to be reused
+# first; a block the prefix cache can still hit (`keep`) goes to the *back*, to be evicted last. A
+# prefix-cache hit can also take a free block back out of the middle of the queue, so all three
+# moves must be O(1): an `OrderedDict` is the doubly linked list. vLLM's is `FreeKVCacheBlockQueue`
+# in `vllm/v1/core/kv_cache_utils.py`.
+
+# %%
+show(BlockPool.decref)
+
+# %% [markdown]
 # Three sequences of different lengths in a pool of 16 blocks of 4 slots. Each sequence's block table
 # (left) points into the pool (right); the blocks of one sequence need not be next to each other,
 # which is exactly why there is no external fragmentation: any free block will do.
@@ -127,19 +145,21 @@ manager = BlockManager(num_blocks=16, block_size=4)
 manager.allocate(0, 10)
 manager.allocate(1, 5)
 manager.allocate(2, 13)
-manager.free(1)  # sequence 1 finishes: its 2 blocks go back on top of the free list
-manager.allocate(3, 7)  # ...and are the first to be reused (LIFO)
+print("free queue, front first:  ", manager.allocator.free_blocks())
+manager.free(1)  # sequence 1 finishes: its blocks hold nothing reusable, so they go to the front
+print("after sequence 1 finishes:", manager.allocator.free_blocks())
+manager.allocate(3, 7)  # ...and are the first to be reused
 manager.append(0, 3)
-show_state(manager, "sequence 1 finished; sequence 3 reuses its blocks first (LIFO free list)")
+show_state(manager, "sequence 1 finished; sequence 3 reuses its blocks first (front of the queue)")
 
 # %% [markdown]
 # ## Build: the storage, and attention through the block table
 #
-# All layers' keys and values live in **one** tensor, `[num_layers, 2, num_blocks, block_size,
-# n_kv_heads, head_dim]` — the layout vLLM's and nano-vllm's paths use. A token's place in it is its
-# **slot**: `block * block_size + offset`. The model writes the new tokens' k and v through the slot
-# mapping the policy computed; attention reads a sequence's history back by *gathering* its blocks in
-# table order (exercise ch03.3).
+# `PagedKVStorage` (`attention/storage.py`) keeps all layers' keys and values in **one** tensor,
+# `[num_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]` — the layout vLLM's and
+# nano-vllm's paths use. A token's place in it is its **slot**: `block * block_size + offset`. The
+# model writes the new tokens' k and v through the slot mapping the policy computed; attention reads
+# a sequence's history back by *gathering* its blocks in table order (exercise ch03.3).
 
 # %%
 show(PagedKVStorage.gather)
@@ -148,9 +168,9 @@ show(PagedKVStorage.gather)
 show(paged_attention_reference)
 
 # %% [markdown]
-# `PagedAttention` is the attention object that ties them together at the model's seam: before each
-# pass it grows the block table and maps the new tokens to slots; in each layer it writes k and v
-# there and attends through the block table.
+# `PagedAttention` (`stages/paged.py`) is the attention object that ties them together at the
+# model's seam, for one sequence at a time: before each pass it grows the block table and maps the
+# new tokens to slots; in each layer it writes k and v there and attends through the block table.
 
 # %%
 show(PagedAttention.prepare)
@@ -211,9 +231,8 @@ print("B: cached prefix tokens:", hit, "of", len(prompt_b))
 with torch.no_grad():
     logits_hit = attention_b.forward(model, prompt_b[hit:], hit)[-1]
     logits_scratch = model(torch.tensor(prompt_b))[-1]
-print(
-    f"max |logits with the prefix hit - logits from scratch| = {(logits_hit - logits_scratch).abs().max():.1e}"
-)
+difference = (logits_hit - logits_scratch).abs().max()
+print(f"max |logits with the prefix hit - logits from scratch| = {difference:.1e}")
 assert torch.allclose(logits_hit, logits_scratch, atol=1e-4)
 show_state(
     manager, "the system prompt's blocks are shared (hatched, ×2); each sequence owns its tail"
@@ -224,14 +243,51 @@ show_state(
 # out again, so a later request can still hit it; when it *is* reallocated, its old name is forgotten
 # so a stale hash can never match new contents.
 #
+# That is why the free queue has two ends. A block the prefix cache can still hit goes to the *back*
+# when it is freed, so the cache evicts its least recently used blocks first (an LRU queue), and a
+# finished sequence is released tail first, so its head — the part other prompts are most likely to
+# share — is evicted last. Blocks that hold nothing reusable, and blocks never used at all, are handed
+# out before any of them. A stack would do the opposite: the blocks freed last, the hottest entries
+# of the cache, would be the first overwritten.
+#
+# Watch a "system prompt" of whole blocks survive an unrelated request that comes after it:
+
+# %%
+m = BlockManager(num_blocks=16, block_size=4)
+sp = list(range(100, 108))  # two full blocks of 4
+m.allocate_cached(0, sp + [1, 2, 3, 4, 5])  # the system prompt, then a question of its own
+m.free(0)
+print("sequence 0 finished; free queue, front first:", m.allocator.free_blocks())
+m.allocate_cached(1, [7] * 12)  # an unrelated prompt of three blocks
+print("sequence 1, unrelated, gets blocks:", m.block_table(1))
+m.free(1)
+hits = m.cached_prefix(sp + [9])
+print("a new request with the same system prompt hits blocks:", hits)
+assert len(hits) * m.block_size == len(sp)
+
+# %% [markdown]
+# Sequence 0's last block was only partly filled, and the cache names full blocks only, so it went
+# to the front and was the first one reused; sequence 1 took never-used blocks after it; the named
+# blocks waited at the back, the head of the prompt last, and the whole system prompt still hits.
+#
+# The block manager asks the prefix cache only five questions, written down as a `Protocol`:
+
+# %%
+show(PrefixCache)
+
+# %% [markdown]
+# `HashPrefixCache`, the chained hash above, is the one that ships. A radix tree over token ids —
+# SGLang's RadixAttention — answers the same five questions with a tree walk instead of a dict, and
+# plugs in at the same place: `BlockManager(num_blocks, block_size, prefix_cache=...)`.
+#
 # ### Copy-on-write
 #
 # What if a sequence must write into a block it shares? It first takes a fresh block, records that the
 # old block's contents must be copied there, lets go of the old block, and only then swaps the new
 # block into its table (exercise ch03.2). The order is the safety argument: the new block is taken
-# while we still hold the old one, so the free list can never hand the old block back to us as the
-# "fresh" one before its tokens are copied — with a LIFO list it would be the very next block out;
-# and the table is switched last, so it never points at a block we hold no reference to.
+# while we still hold the old one, so the free queue can never hand the old block back to us as the
+# "fresh" one before its tokens are copied, whichever end of the queue it would have gone to; and the
+# table is switched last, so it never points at a block we hold no reference to.
 
 # %%
 show(BlockManager.write)
@@ -242,7 +298,8 @@ manager.fork(1, 2)
 last = manager.tables[2].num_tokens - 1
 block, copied_from = manager.write(2, last)
 print(
-    f"sequence 2 writes position {last}: block {copied_from} is shared, so it is copied to block {block} first"
+    f"sequence 2 writes position {last}: block {copied_from} is shared, "
+    f"so it is copied to block {block} first"
 )
 show_state(manager, "after fork and one copy-on-write: sequence 2's tail block is its own")
 
@@ -285,7 +342,7 @@ def draw_pool_step(ax, record) -> None:
 
 
 def pool_png(step: int) -> bytes:
-    """The pool at `step`, rendered to PNG bytes for an Image widget (redrawn when the slider moves)."""
+    """The pool at `step` as PNG bytes for an Image widget (redrawn when the slider moves)."""
     fig, ax = plt.subplots(figsize=(7, 3))
     draw_pool_step(ax, paged.steps[step])
     buffer = io.BytesIO()
@@ -345,8 +402,9 @@ rows = [
 print(f"{'':48} {'contiguous':>11} {'paged':>8}")
 for name, a, b in rows:
     print(f"{name:48} {a!s:>11} {b!s:>8}")
+saturated = paged.mean_running_saturated / contiguous.mean_running_saturated
 print(
-    f"\nconcurrency while requests queue: {paged.mean_running_saturated / contiguous.mean_running_saturated:.2f}x; "
+    f"\nconcurrency while requests queue: {saturated:.2f}x; "
     f"peak: {paged.peak_running / contiguous.peak_running:.2f}x"
 )
 
@@ -416,9 +474,10 @@ print(
 #
 # ## Exercises
 #
-# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/block_allocator.py`
-# and `src/minivllm/paged_cache.py`; run one exercise's tests with
-# `pytest tests/test_block_allocator.py --exercise ch03.1`.
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
+# `src/minivllm/kv/block_manager.py` (ch03.1, ch03.2) and `src/minivllm/attention/storage.py`
+# (ch03.3); run one exercise's tests with `pytest tests/test_block_allocator.py --exercise ch03.1`
+# (ch03.3's are in `tests/test_paged_cache.py`).
 #
 # 1. **ch03.1 — `blocks_needed`.** How many new blocks does a sequence holding `num_tokens_now` tokens
 #    need for `extra_tokens` more? None while its last block has room. The tests check the boundary
