@@ -25,22 +25,20 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.book import sequence_color, show, use_book_style
-from minivllm.book.figures.timelines import (
-    draw_batch_places,
-    draw_flat_batch,
-    draw_gantt,
-)
-from minivllm.engine.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.book.figures.timelines import draw_batch_places, draw_flat_batch, draw_gantt
+from minivllm.book.modes import StaticBatching
 from minivllm.engine.trace import read_jsonl, write_jsonl
+from minivllm.kv.block_manager import BlockManager
 from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.runner.batch import build_batch, pack_batch
+from minivllm.runner.model_runner import ModelRunner
 from minivllm.runner.sampler import position_uniforms, token_probs
-from minivllm.sched.scheduler import Scheduler, SchedulerConfig
-from minivllm.sched.sequence import SamplingParams, Sequence
+from minivllm.sched.scheduler import Scheduler
+from minivllm.sched.sequence import Sequence
 from minivllm.stages.contiguous import ContiguousKVCache, generate_cached
 from minivllm.training.corpus import shipped_validation_text
 
@@ -57,6 +55,10 @@ EOS = model.config.eos_token_id
 # until *all four* are done, then take the next four. Requests want different numbers of tokens, so
 # a batch that started full empties out one request at a time, and its freed places stay idle until
 # the last, longest member finishes.
+#
+# minivllm's engine never batches this way, so the book keeps static batching on its own side, as a
+# baseline: `StaticBatching` (in `minivllm.book.modes`) is an *admission rule* that lets new requests
+# in only when nothing is running. The engine runs with it as with any other rule.
 #
 # Here are 16 requests: a few lines of the held-out plays as the prompt, and between 8 and 120 new
 # tokens each (`ignore_eos`, so every request produces exactly what it asked for).
@@ -82,7 +84,7 @@ def slot_use(trace, slots):
     return busy / (slots * len(trace))
 
 
-static, static_out = run(prompts, params, max_num_seqs=4, batching="static")
+static, static_out = run(prompts, params, max_num_seqs=4, batching=StaticBatching())
 print(
     f"static batching: {len(static.trace)} steps, {slot_use(static.trace, 4):.0%} of the 4 batch places busy"
 )
@@ -127,12 +129,14 @@ show(Sequence.num_uncomputed_tokens.fget)
 # ## Build: the scheduler and its StepPlan
 #
 # `Scheduler.schedule()` runs once per step. It does not touch a tensor: it returns a plain value, the
-# `StepPlan`, and changes only its queues and the block tables. The phases, in order: decodes first
-# (each reserves the slot for its next token *before* the forward pass), then prompts still being
-# prefilled, then admissions from the waiting queue, first come first served, while three limits
-# hold: `max_num_seqs`, the per-step token budget `max_num_batched_tokens`, and free blocks.
-# (`_make_room` is `_reserve` plus chapter 05's preemption; with `preemption=None` it only reserves, and
-# a sequence it cannot serve is *stalled* for the step.)
+# `StepPlan`, and changes only its queues and the block tables. The phases, in order: the running
+# batch — decodes first (each reserves the slot for its next token *before* the forward pass), then
+# prompts still being prefilled — and then admissions from the waiting queue, first come first served,
+# while three limits hold: `max_num_seqs`, the per-step token budget `max_num_batched_tokens`, and
+# free blocks. Two names point ahead: `_reserve` asks for a running sequence's slots and, when there
+# are none, hands the sequence to the **preemption policy** (chapter 05; `may_preempt`, `served`,
+# `preempted` and `_finish_too_big` are its part), and `_lookahead` is the number of slots chapter 06
+# reserves after a decode for draft tokens (0 in this chapter).
 
 # %%
 show(Scheduler.schedule)
@@ -141,9 +145,31 @@ show(Scheduler.schedule)
 # Admission is where the limits bite. A prompt longer than what is left of the token budget is not
 # turned away: it is admitted with a first **chunk**, and continues next step (**chunked prefill**).
 # That keeps every step's size bounded, so one long prompt cannot freeze everyone else's decoding.
+# With prefix caching on, a prompt starts with the blocks it finds in chapter 03's prefix cache
+# (`computed_prefix`) and computes only the rest. The head of the queue that does not fit ends the
+# admissions for this step: nobody overtakes it.
 
 # %%
 show(Scheduler._admit)
+
+# %% [markdown]
+# The first line of `_admit` is the batching rule, a seam of its own: `ContinuousBatching` may always
+# admit; the `StaticBatching` of the "Why" section only when the last batch is gone.
+
+# %%
+show(StaticBatching.may_admit)
+
+# %% [markdown]
+# Neither method counts blocks. Both ask the block manager one question, `allocate_slots`: *may this
+# sequence have `num_new_tokens` more slots after its `num_computed_tokens`?* The block layer does the
+# arithmetic — the slack in the last block, the free blocks, a new block table on a sequence's first
+# call — and grows the table, or answers 0 and changes nothing. A prompt chunk may `shrink` to what is
+# free; a decode gets all its slots or none. This is vLLM's split too: its scheduler asks
+# `KVCacheManager.allocate_slots` (`vllm/v1/core/kv_cache_manager.py`) and only sees the answer, so a
+# smarter block layer (several cache groups, sliding windows) changes nothing in the scheduler.
+
+# %%
+show(BlockManager.allocate_slots)
 
 # %% [markdown]
 # Let us run the scheduler with no model at all: three requests, a budget of 8 tokens per step, and a
@@ -151,8 +177,6 @@ show(Scheduler._admit)
 # steps of prefill; watch request 1 and 2 get the budget it leaves.
 
 # %%
-from minivllm.kv.block_manager import BlockManager
-
 manager = BlockManager(num_blocks=16, block_size=4)
 toy = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), manager)
 for seq_id, (prompt_len, max_tokens) in enumerate([(12, 3), (3, 2), (5, 2)]):
@@ -221,10 +245,14 @@ print("num_decodes ", batch.num_decodes, "          logits_indices", batch.logit
 
 # %% [markdown]
 # Inside the model nothing changes: embeddings, projections and the MLP see `N` rows and do not care
-# whose they are. Only attention must keep sequences apart. `TorchPagedAttention` is the attention
-# seam for the step: every layer first writes the new K/V of all sequences through the slot mapping,
-# then attends, in two groups — the decodes as one `[decodes, heads, 1, context]` call, the prefill
-# chunks padded to the longest chunk — so a long prompt never pads every decode to its length.
+# whose they are. Only attention must keep sequences apart, and the model reaches it through one
+# seam: an **attention backend**, built once per forward pass from the cache storage and the
+# `VarlenBatch` (so the gathers and masks are prepared once, not per layer), and called by every
+# layer. `TorchPagedAttention`, the reference backend, first writes the new K/V of all sequences
+# through the slot mapping, then attends in two groups: `DecodeAttention`, all decodes as one
+# `[decodes, kv_heads, group, context]` call, and `PrefillAttention`, the prefill chunks padded to the
+# longest chunk — so a long prompt never pads every decode to its length. Backends are registered by
+# name; `EngineConfig(attention_backend=...)` picks one, and chapter 07 registers a CUDA kernel.
 
 # %%
 show(TorchPagedAttention.__call__)
@@ -232,9 +260,10 @@ show(TorchPagedAttention.__call__)
 # %% [markdown]
 # ## Build: sampling that belongs to the request
 #
-# The runner samples all rows in one call. Each row has its own temperature, top-k and top-p;
-# `token_probs` turns the logits into the distribution the request asked for, `sample_from_probs`
-# draws from it by inverse CDF with one uniform number per row.
+# The runner samples all rows in one call. Each row has its own temperature, top-k and top-p, gathered
+# once per step into a `SamplingMetadata` (`SamplingMetadata.from_sequences`, one row per sequence
+# that picks a token); `token_probs` turns the logits into the distribution each request asked for,
+# and `sample_from_probs` draws from it by inverse CDF with one uniform number per row.
 
 # %%
 show(token_probs)
@@ -270,11 +299,20 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# ## The engine
+# ## The model runner and the engine
 #
-# `LLMEngine` connects the pieces and adds no policy of its own: schedule, build the batch, one
-# forward pass, sample, update, and one trace record. (The drafter's proposals are chapter 06's
-# speculative decoding; without it they are empty.)
+# The model runner turns a `StepPlan` into tokens, and holds no policy: it builds the sampling
+# metadata and the batch once, runs one forward pass and samples. (The drafter's proposals are
+# chapter 06's speculative decoding; without a drafter `propose` returns nothing and `sample` draws
+# one token per row.)
+
+# %%
+show(ModelRunner.execute)
+
+# %% [markdown]
+# `LLMEngine` connects the pieces and adds no policy of its own either: schedule, execute, update the
+# sequences (append the tokens, check for stops, free the finished ones' blocks), record one trace
+# entry, and hand back a `RequestOutput` for every request that got a token or finished.
 
 # %%
 show(LLMEngine.step)
@@ -370,7 +408,8 @@ plt.show()
 #
 # Every step left a `StepRecord`: who was admitted, who decoded, who prefilled how many tokens, who
 # finished and why, who is running and waiting, how many blocks are used. The figures above were
-# drawn from nothing else. Records export as JSON lines (chapters 05 and 08 read them back):
+# drawn from nothing else (chapter 05's timelines will be too). Records export as JSON lines and
+# read back, so a trace saved from a run, or from chapter 08's server, can be plotted later:
 
 # %%
 import tempfile
@@ -390,8 +429,8 @@ print(f"{len(continuous.trace)} records written and read back")
 # ## Measure: throughput against concurrency
 #
 # 16 requests of 32 new tokens each, with at most 1, 2, 4, 8 or 16 of them running at once. The number
-# of steps halves with each doubling; the time per step barely moves, because a decode step is
-# dominated by reading the weights, not by the number of rows.
+# of steps halves with each doubling; the time per step grows far more slowly than the batch,
+# because a decode step is dominated by reading the weights, not by the number of rows.
 
 # %%
 bench_prompts = [text[s : s + 48] for s in rng.integers(0, len(text) - 48, size=16)]
@@ -429,8 +468,9 @@ plt.show()
 #
 # ## Exercises
 #
-# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/sampler.py` and
-# `src/minivllm/model_runner.py`; run one exercise's tests with `pytest tests --exercise ch04.1`.
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
+# `src/minivllm/runner/sampler.py` (ch04.1, ch04.2) and `src/minivllm/runner/batch.py` (ch04.3); run
+# one exercise's tests with `pytest tests --exercise ch04.1`.
 #
 # 1. **ch04.1 — top-k and top-p.** In `token_probs`, keep each row's `top_k` most likely tokens
 #    (0 = all), then the smallest head of the sorted distribution whose mass reaches `top_p`, and

@@ -27,15 +27,20 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from minivllm.book import sequence_color, show, use_book_style
 from minivllm.book.figures.blocks import draw_block_pool, draw_block_tables
 from minivllm.book.figures.timelines import draw_gantt
-from minivllm.engine.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.book.modes import Stall
 from minivllm.model.checkpoint import load_model
-from minivllm.sched.preemption import CountingPolicy, least_progressed, newest_first
-from minivllm.sched.scheduler import Scheduler, SchedulerConfig, SchedulerStalled
-from minivllm.sched.sequence import SamplingParams
+from minivllm.sched.preemption import (
+    CountingPolicy,
+    Preemption,
+    RecomputePreemption,
+    least_progressed,
+    newest_first,
+)
+from minivllm.sched.scheduler import Scheduler, SchedulerStalled
 from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
@@ -48,8 +53,10 @@ text = shipped_validation_text()
 # ## Why: chapter 04's engine in a small cache
 #
 # A burst of 12 requests, each a line of a play and 120 new tokens, into a cache of 24 blocks of 16
-# tokens. With `preemption=None` the scheduler behaves as in chapter 04: a sequence that finds no
-# block for its next token is *stalled* and waits for someone else to finish.
+# tokens. Chapter 04's `schedule()` hands a running sequence that gets no slots to a *preemption
+# policy*. Here it gets the book's `Stall` (in `minivllm.book.modes`), which never preempts: the
+# sequence is *stalled* for the step and waits for someone else to finish — all that chapter 04's
+# engine could do without this chapter.
 
 # %%
 rng = np.random.default_rng(0)
@@ -65,7 +72,7 @@ def small_engine(preemption, num_blocks=24, block_size=16, **scheduler):
     )
 
 
-stuck = small_engine(preemption=None)
+stuck = small_engine(preemption=Stall())
 try:
     stuck.generate(burst, long_answers)
 except SchedulerStalled as error:
@@ -96,29 +103,53 @@ plt.show()
 # Because sampling depends only on (request seed, position), it produces exactly the tokens it would
 # have produced without the interruption.
 #
-# (The alternative, *swapping* the blocks out to CPU memory and back, saves the recompute but costs
-# a copy each way; vLLM V1 dropped it. On a CPU there is nowhere cheaper to swap to.)
+# `Scheduler.preempt` is that move, on the scheduler's queues and the block manager:
 
 # %%
-show(Scheduler._preempt)
+show(Scheduler.preempt)
 
 # %% [markdown]
-# `schedule()` asks `_make_room` for every running sequence's next tokens. When `_reserve` fails, it
-# picks a victim among the running sequences not yet scheduled in this step, preempts it and retries —
-# until the sequence fits or is itself the victim. Three rules keep this from doing harm:
+# Preemption enters the scheduler through **one seam**: the policy object that
+# `SchedulerConfig(preemption=...)` names. When `schedule()` needs slots for a running sequence it
+# calls `_reserve`, which packs the block manager's question (`allocate_slots`, chapter 04) into an
+# `allocate` function and gives it to the policy's `make_room`. The policy answers with the tokens
+# granted and the victims it preempted on the way. Nothing else in the scheduler knows how room is
+# made.
+
+# %%
+show(Scheduler._reserve)
+
+# %%
+show(Preemption)
+
+# %% [markdown]
+# The policy that ships, `RecomputePreemption`, asks once; while the answer is "no room" and the
+# sequence is not alone, it picks a victim among the running sequences not yet scheduled in this step,
+# preempts it and asks again — until the sequence fits or is itself the victim. (vLLM's V1 scheduler
+# does the same inside its `schedule()`, in `vllm/v1/core/sched/scheduler.py`.)
+
+# %%
+show(RecomputePreemption.make_room)
+
+# %% [markdown]
+# Three rules, in `schedule()` (chapter 04 showed it), keep this from doing harm:
 #
 # - A step that preempted admits no one: the freed blocks are for the running batch.
 # - A *prompt chunk* that finds no block waits (is stalled) instead of preempting, once the step has
-#   other work. Preempting for it would throw away keys and values — often its own half-computed
-#   prompt — to run a few prompt tokens one step sooner. Decodes do preempt: a user is waiting on them.
-# - A sequence that is **alone** and still does not fit can never fit: it ends with finish reason
-#   `"cache_full"` instead of looping forever.
-
-# %%
-show(Scheduler._make_room)
-
-# %% [markdown]
-# Whom to evict is a *policy*, a plain function from the candidates to the victim. Two ship:
+#   other work (`may_preempt`). Preempting for it would throw away keys and values — often its own
+#   half-computed prompt — to run a few prompt tokens one step sooner. Decodes do preempt: a user is
+#   waiting on them.
+# - A sequence that is **alone** and still does not fit can never fit: `make_room` gives up and
+#   `schedule()` ends it with finish reason `"cache_full"` instead of looping forever.
+#
+# The seam is also where other ways of making room plug in. The book's `Stall` from the top of the
+# chapter is a `make_room` that only asks. **Swap-to-host** preemption would be a policy whose
+# `make_room` copies the victim's blocks to CPU memory (plus a block copy in `attention/storage.py`)
+# instead of dropping them, and copies them back when it is readmitted: no recompute, but a copy each
+# way. vLLM V0 had it (`PreemptionMode.SWAP` in `vllm/core/scheduler.py`); V1 dropped it. On a CPU
+# there is nowhere cheaper to swap to.
+#
+# Whom to evict is a *victim policy*, a plain function from the candidates to the victim. Two ship:
 #
 # - **newest first** (LIFO) — the most recently admitted; vLLM's and nano-vllm's choice. The newest has
 #   waited least, and usually has the least computed.
@@ -127,6 +158,8 @@ show(Scheduler._make_room)
 
 # %%
 show(newest_first)
+
+# %%
 show(least_progressed)
 
 # %% [markdown]
@@ -167,7 +200,7 @@ def run_worked(policy):
     )
     names, snapshots = {i: name for i, (name, *_) in WORKED.items()}, []
     for step in range(40):
-        for request_id, (name, arrival, ids, max_tokens) in WORKED.items():
+        for request_id, (_, arrival, ids, max_tokens) in WORKED.items():
             if arrival == step:
                 params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
                 engine.add_request(ids, params, request_id=request_id)
@@ -189,7 +222,7 @@ def describe(names, record):
 for policy in ["newest", "least_progressed"]:
     names, snapshots = run_worked(policy)
     print(f"{policy}:")
-    for manager, record in snapshots:
+    for _, record in snapshots:
         running = " ".join(names[i] for i in record.running) or "-"
         waiting = " ".join(names[i] for i in record.waiting) or "-"
         print(
@@ -234,7 +267,7 @@ print("sequence ids:", {i: n for i, n in names.items()}, "(colours follow the id
 # %%
 burst_engine = small_engine("newest")
 burst_snapshots = []
-for i, prompt in enumerate(burst):
+for prompt in burst:
     burst_engine.add_request(prompt, long_answers)
 while burst_engine.has_unfinished():
     burst_engine.step()
@@ -430,12 +463,13 @@ plt.show()
 #
 # ## Exercises
 #
-# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/preemption.py`
-# and `src/minivllm/scheduler.py`; run one exercise's tests with `pytest tests --exercise ch05.1`.
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
+# `src/minivllm/sched/preemption.py` (ch05.1) and `src/minivllm/sched/scheduler.py` (ch05.2); run one
+# exercise's tests with `pytest tests --exercise ch05.1`.
 #
 # 1. **ch05.1 — least progressed.** Return the candidate with the fewest output tokens; on a tie, the
 #    one with the higher `seq_id`. The tests pin the worked example's victims.
-# 2. **ch05.2 — preempt.** In `Scheduler._preempt`, give back every block of the victim, take it out of
+# 2. **ch05.2 — preempt.** In `Scheduler.preempt`, give back every block of the victim, take it out of
 #    the running list, reset what it has computed (its tokens stay) and put it at the *front* of the
 #    waiting queue. The tests check output identity under heavy preemption.
 # 3. *(Explore, no test.)* Write a third policy — *longest remaining* (evict the sequence furthest from
