@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig, SpeculativeConfig
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.book import sequence_color, show, use_book_style
 from minivllm.book.figures.blocks import draw_block_tables
@@ -33,24 +34,20 @@ from minivllm.book.figures.speculative import (
     draw_speculative_round,
 )
 from minivllm.book.stats import chi_square
-from minivllm.engine.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.checkpoint import load_model
-from minivllm.runner.batch import BatchPiece, build_batch, pack_batch
-from minivllm.runner.model_runner import run_model
-from minivllm.runner.sampler import position_uniforms, sample_from_probs, token_probs
+from minivllm.runner.batch import BatchPiece, build_batch, pack_batch, run_model
+from minivllm.runner.model_runner import ModelRunner
+from minivllm.runner.sampler import SamplingMetadata, position_uniforms, sample_from_probs
 from minivllm.runner.speculative import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
     STREAM_RESIDUAL,
     ModelDrafter,
     NgramDrafter,
-    SpeculativeConfig,
     accept_or_resample,
 )
-from minivllm.sched.scheduler import Scheduler, SchedulerConfig
-from minivllm.sched.sequence import SamplingParams
+from minivllm.sched.scheduler import Scheduler
 from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
@@ -264,7 +261,9 @@ print(repr(bytes(context[-12:]).decode()), "->", repr(bytes(ngram.lookup(context
 # per sequence in k batched passes; its keys and values live in a tensor of their own but at the same
 # slots as the target's, read through the target's block tables, as vLLM's draft models do. One
 # reservation covers both models, and one truncation rolls both back. The draft lags the target by a
-# token or two (`num_draft_computed_tokens`); the first pass of each round catches it up.
+# token or two (`num_draft_computed_tokens`); the first pass of each round catches it up. Its draws
+# come from the step's `SamplingMetadata` — each sampling sequence's temperature, top-k, top-p, seed
+# and position, built once per step — with each pass's rows selected one position further on.
 
 # %%
 show(ModelDrafter.propose)
@@ -282,13 +281,21 @@ show(ModelDrafter.propose)
 show(Scheduler._lookahead)
 
 # %% [markdown]
-# 2. **One verify pass.** Between `schedule()` and the forward pass the drafter proposes; `build_batch`
-#    appends each sequence's drafts to its decode chunk, so a decode becomes a (k + 1)-token chunk —
-#    chapter 04's varlen attention already handles a multi-token chunk at any position — and all
-#    k + 1 rows of it return logits. `verify` turns them into runs: the accepted drafts, then the
-#    target's own token.
-# 3. **Rollback.** `update` appends the run, counts the accepted drafts as computed (their K/V were
-#    written by the verify pass), and gives back the slots of the rejected ones:
+# 2. **One verify pass.** The model runner's `execute` is the engine step on the model's side. Before
+#    the forward pass its drafter proposes (`propose`, for every chunk with lookahead slots);
+#    `build_batch` appends each sequence's drafts to its decode chunk, so a decode becomes a
+#    (k + 1)-token chunk — chapter 04's varlen attention already handles a multi-token chunk at any
+#    position — and all k + 1 rows of it return logits. `sample` hands them to `verify`, which turns
+#    them into runs: the accepted drafts, then the target's own token.
+
+# %%
+show(ModelRunner.execute)
+
+# %% [markdown]
+# 3. **Rollback.** The scheduler's `update` appends the run and counts the accepted drafts as computed
+#    (their K/V were written by the verify pass). Then it calls the block layer's `commit(seq_id,
+#    token_ids, num_computed_tokens)`, the one call after every forward pass: a sequence that holds
+#    more slots than it has computed tokens — the slots of rejected drafts — is truncated back to them:
 
 # %%
 show(BlockManager.truncate)
@@ -298,7 +305,8 @@ show(BlockManager.truncate)
 #
 # A request at temperature 0.8, blocks of 4 tokens so the tables are readable. The engine runs until
 # it reaches a round where the draft model gets some tokens right and then one wrong; that round is
-# then run by hand with the engine's own parts — the four lines of `LLMEngine.step`.
+# then run by hand with the engine's own parts — `LLMEngine.step`, with the runner's `execute`
+# unrolled into its public pieces.
 
 
 # %%
@@ -327,20 +335,15 @@ for _ in range(round_step - 1):
     engine.step()
 plan = engine.scheduler.schedule()
 sequences = engine.scheduler.sequences
-proposals = engine._propose(plan, sequences)
+md = SamplingMetadata.from_sequences([sequences[i] for i in plan.sampling_seq_ids])
+proposals = engine.runner.propose(plan, sequences, md)
 batch = build_batch(plan, sequences, engine.manager, {i: p.tokens for i, p in proposals.items()})
 logits = engine.runner.forward(batch)
-runs = engine._sample(plan, sequences, logits, proposals)
+runs = engine.runner.sample(logits, md, proposals)
 tables_before = copy.deepcopy(engine.manager)
 [(seq_id, proposal)] = proposals.items()
 seq = sequences[seq_id]
-params = seq.params
-p_rows = token_probs(
-    logits,
-    torch.full((len(logits),), params.temperature, dtype=torch.float64),
-    torch.zeros(len(logits), dtype=torch.long),
-    torch.ones(len(logits), dtype=torch.float64),
-)
+p_rows = md.select([0] * len(logits)).probs(logits)  # the target's p at every verified position
 drafted_ids = list(proposal.tokens)
 p_of_draft = [float(p_rows[i, t]) for i, t in enumerate(drafted_ids)]
 q_of_draft = [float(proposal.probs[i, t]) for i, t in enumerate(drafted_ids)]
@@ -628,15 +631,16 @@ for name in ["draft model", "n-gram"]:
 #
 # ## Exercises
 #
-# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/speculative.py`
-# and `src/minivllm/block_allocator.py`; run one exercise's tests with `pytest tests --exercise ch06.1`.
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
+# `src/minivllm/runner/speculative.py` and `src/minivllm/kv/block_manager.py`; run one exercise's
+# tests with `pytest tests --exercise ch06.1`.
 #
 # 1. **ch06.1 — the acceptance rule.** In `accept_or_resample`, accept each draft with probability
 #    min(1, p/q) (never when q = 0), and draw each row's replacement from norm(max(0, p − q)), falling
 #    back to p where that residual is empty. The tests include a chi-square test of the output.
 # 2. **ch06.2 — KV rollback.** In `BlockManager.truncate`, keep the blocks that hold the first
-#    `num_tokens` slots, give the others back (last one first, so the next round gets them back in
-#    order) and update the table's token count.
+#    `num_tokens` slots, give the others back with `_release` (in table order, so the next round grows
+#    back into the same blocks) and update the table's token count.
 # 3. *(Explore, no test.)* Make k adaptive: keep a running α per sequence and choose the k that
 #    maximises E / (k·c + v) with the c and v measured above (c = D / k). Where does it beat a fixed k = 4?
 # 4. *(Explore, no test.)* Measure α of the draft model against temperature (0, 0.5, 0.8, 1.2). Does

@@ -31,20 +31,27 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from minivllm.attention.cuda import kernels as kernels
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.attention import backend as attention_backend
+from minivllm.attention.backend import AttentionBackend, resolve_backend_name
 from minivllm.attention.cuda.backend import CudaPagedAttention
-from minivllm.attention.cuda.kernels import paged_attention_v1
+from minivllm.attention.cuda.kernels import (
+    attend_range,
+    block_reduce,
+    cache_slot,
+    merge_partitions,
+    paged_attention_v1,
+    paged_attention_v2,
+    warp_reduce,
+)
 from minivllm.attention.cuda.launch import paged_attention, shared_bytes
 from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE
-from minivllm.attention.torch_backend import TorchPagedAttention
-from minivllm.book import kernel_check, show, use_book_style
+from minivllm.attention.torch_backend import DecodeAttention
+from minivllm.book import kernel_check, show, source, use_book_style
 from minivllm.book.figures.kernels import draw_cache_reads, draw_execution_model
 from minivllm.book.kernel_check import kernel_error, random_inputs, reference_attention
 from minivllm.book.kernel_trace import reads_by_thread, recorded
-from minivllm.engine.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.checkpoint import load_model
-from minivllm.sched.sequence import SamplingParams
 from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
@@ -66,10 +73,11 @@ print(
 # %% [markdown]
 # ## Why: the gather copies every context, every layer, every step
 #
-# Here is the reference backend's decode path, the one every engine step has used so far:
+# Here is the reference backend's decode piece, `DecodeAttention` in `attention/torch_backend.py`,
+# the one every engine step has used so far:
 
 # %%
-show(TorchPagedAttention._attend_decodes)
+show(DecodeAttention)
 
 # %% [markdown]
 # `read_slots` is an `index_select`: it reads each sequence's K/V from its blocks and *writes* them
@@ -136,24 +144,24 @@ plt.show()
 # function* every thread calls (exercise ch07.1):
 
 # %%
-show(kernels.cache_slot)
+show(cache_slot)
 
 # %% [markdown]
 # **Reductions without memory.** A dot product split over 32 lanes must be added up. A butterfly of
 # five shuffles does it: at each step every lane adds the value of the lane whose index differs in one
 # bit, so after log₂ 32 = 5 steps every lane holds the total. The same function takes the maximum.
-# (The simulator has no shuffles; the module gives it one, built from two block barriers — which is
+# (The simulator has no shuffles; `simulator.py` gives it one, built on a block barrier — which is
 # why the kernels always call reductions with the whole block.)
 
 # %%
-show(kernels.warp_reduce)
+show(warp_reduce)
 
 # %% [markdown]
 # A whole block reduces in two levels: each warp with shuffles, then the warps' results through a few
 # words of shared memory.
 
 # %%
-show(kernels.block_reduce)
+show(block_reduce)
 
 # %% [markdown]
 # **The attention.** One thread block, one query row, one stretch of context, in three phases:
@@ -169,18 +177,22 @@ show(kernels.block_reduce)
 # It returns the max and the sum of exponentials; v1 ignores them, the partitioned kernel below needs them.
 
 # %%
-show(kernels.attend_range)
+show(attend_range)
 
 # %% [markdown]
 # The kernel itself is a few lines: which (sequence, head) this block is, from `cuda.blockIdx`, and
-# grouped-query attention's K/V head, `head // group`. The launcher checks the shapes and launches
-# `kernel[grid, threads_per_block, stream, shared_bytes](...)` with one block per (sequence, head).
+# grouped-query attention's K/V head, `head // group`. The launcher checks the shapes, sizes the
+# dynamic shared memory (`shared_bytes`: the scaled query, a word per warp, a score per token) and
+# launches `kernel[grid, threads_per_block, stream, shared_bytes](...)` with one block per
+# (sequence, head); its v1 path is below (`_simulator_pace` only makes the simulator pass Python's
+# GIL around more often; on a GPU it does nothing). The kernels live in `attention/cuda/kernels.py`,
+# the launcher in `attention/cuda/launch.py`.
 
 # %%
 show(paged_attention_v1)
 
 # %%
-show(kernels.paged_attention, lines=(1, 6))
+show(paged_attention, lines=(1, 33))
 
 # %% [markdown]
 # ## Check: the kernel against a plain softmax
@@ -304,10 +316,10 @@ print(
 # weighs nothing.
 
 # %%
-show(kernels.paged_attention_v2)
+show(paged_attention_v2)
 
 # %%
-show(kernels.merge_partitions)
+show(merge_partitions)
 
 # %%
 case = random_case([1, 24, 40], num_heads=2, num_kv_heads=1, seed=6)
@@ -377,10 +389,30 @@ for batch in (1, 16, 64):
 #
 # ## The engine on the kernel
 #
-# `EngineConfig(attention_backend="cuda")` swaps the backend: `CudaPagedAttention` is the reference
-# backend with its decode attention on the kernel. Writing the new K/V and prefill chunks stay
-# torch's — the kernel is a decode kernel, one query per sequence. By default the engine picks the
-# kernel on a GPU and the reference on a CPU.
+# What does the engine need of an attention backend? Very little: the runner builds one per forward
+# pass from the K/V storage and the pass's `VarlenBatch`, and the model calls it once per layer. That
+# is the `AttentionBackend` protocol in `attention/backend.py`:
+
+# %%
+show(AttentionBackend)
+
+# %% [markdown]
+# Backends are registered there by name, and `EngineConfig(attention_backend=...)` picks one. The
+# kernel is registered by its module path, so importing the registry never imports numba (nor
+# switches on its simulator). "auto", the default, takes the first backend registered for the
+# engine's device, else the reference — the last line below says what that means on each device. A
+# new kernel — a native CPU one, say — plugs in with one more `register_backend` line.
+
+# %%
+registrations = source(attention_backend).splitlines()
+print("\n".join(line for line in registrations if line.startswith("register_backend(")))
+print({device: resolve_backend_name("auto", device) for device in ("cpu", "cuda")})
+
+# %% [markdown]
+# `CudaPagedAttention` composes the reference's pieces rather than copying them: it writes the new
+# K/V through the storage as the reference does, runs the kernel where the reference runs
+# `DecodeAttention`, and hands prefill chunks to the reference's `PrefillAttention` — the kernel is
+# a decode kernel, one query per sequence.
 
 # %%
 show(CudaPagedAttention)
@@ -447,7 +479,8 @@ for batch in (1, 16, 64):
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/cuda_paged_attention.py`; run one exercise's tests with `pytest tests --exercise ch07.1`.
+# `src/minivllm/attention/cuda/kernels.py`; run one exercise's tests with
+# `pytest tests --exercise ch07.1`.
 # They run in the simulator, so no GPU is needed.
 #
 # 1. **ch07.1 — the block-table address.** In `cache_slot`, return the physical block that holds

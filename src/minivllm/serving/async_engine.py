@@ -237,8 +237,9 @@ class AsyncEngine:
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn(self.engine))
-                    # the caller's error (a bad request), not the engine's
                     except Exception as error:
+                        # The caller's error (a bad request), not the engine's: it goes back to
+                        # the caller, and the engine steps on.
                         future.set_exception(error)
             if closing:
                 return self._stop(EngineDeadError("the engine was closed"))

@@ -230,8 +230,8 @@ async def sse_stream(
                     [], usage=usage(sum(stream.num_prompt_tokens.values()), completion_tokens)
                 )
             )
-    # the 200 status has gone out already: the error becomes an event
     except EngineDeadError as error:
+        # The 200 status has gone out already: the error becomes an event.
         yield sse_event(engine_dead(error).body)
     yield sse_event(DONE)
 

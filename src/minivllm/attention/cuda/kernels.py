@@ -14,11 +14,11 @@ with grouped-query attention (query head h reads K/V head h // group):
   a GPU.
 
 The same source runs natively on an NVIDIA GPU (on torch tensors, no copies: numba reads them
-through `__cuda_array_interface__`) or on a CPU under numba's CUDA simulator, which this module
+through `__cuda_array_interface__`) or on a CPU under numba's CUDA simulator, which `simulator.py`
 switches on (NUMBA_ENABLE_CUDASIM=1, before numba is imported) when torch sees no GPU. The simulator
 runs every CUDA thread as a Python thread: slow, but it executes the very same kernel code. It lacks
-warp shuffles, so `_install_simulator_shuffle` adds `shfl_xor_sync` to it with a block barrier --
-which needs every thread of a block to call it together, as these kernels do.
+warp shuffles, so `simulator.py` adds `shfl_xor_sync` to it with a block barrier -- which needs
+every thread of a block to call it together, as these kernels do. The launcher is `launch.py`.
 """
 
 from __future__ import annotations
