@@ -31,11 +31,11 @@ import numpy as np
 import openai
 import torch
 
+from minivllm import LLMEngine, SamplingParams
 from minivllm.book import show, use_book_style
 from minivllm.book.figures.timelines import draw_gantt
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine import processing
 from minivllm.model.checkpoint import load_model
-from minivllm.sched.sequence import SamplingParams
 from minivllm.serving import async_engine, openai_protocol
 from minivllm.serving import server as server_module
 from minivllm.serving.client import StreamedCompletion, run_clients, stream_completion
@@ -90,8 +90,9 @@ print(f"total forward passes: {one_at_a_time[-1]} one at a time, {len(engine.tra
 # ## Build 1: the engine on a thread of its own
 #
 # A web server (FastAPI on uvicorn here) answers every client from one asyncio event loop. The engine's
-# `step()` is synchronous, computes for milliseconds, and is not thread-safe. `AsyncEngine` keeps the
-# two apart: one **engine thread** owns the engine; the event loop only sends it functions through an
+# `step()` is synchronous, computes for milliseconds, and is not thread-safe. `AsyncEngine`
+# (`serving/async_engine.py`; the whole server lives in `src/minivllm/serving/`) keeps the two apart:
+# one **engine thread** owns the engine; the event loop only sends it functions through an
 # **inbox**, and gets text back through one queue per request.
 
 # %%
@@ -100,13 +101,24 @@ show(async_engine.AsyncEngine._run)
 # %% [markdown]
 # The loop sleeps on a condition variable when there is nothing to do, runs its whole inbox before
 # every step — so a request added or aborted between two steps takes effect at the next one — and
-# steps while anything is unfinished. A step's new text goes back to the event loop in one hand-over,
-# not one per token: a single `call_soon_threadsafe` wakes the loop, which puts each delta on the queue
-# of the request that waits for it. The text is chapter 01's streaming decoder at work: whole UTF-8
-# characters only, and never a piece of what might turn out to be a stop string.
+# steps while anything is unfinished. The engine thread never reads the engine's sequences: each
+# `RequestOutput` a step returns already carries what is new since that request's last output, and
+# `out.delta()` packs it into a `TextDelta`. A step's deltas go back to the event loop in one
+# hand-over, not one per token: a single `call_soon_threadsafe` wakes the loop, which puts each delta
+# on the queue of the request that waits for it.
 
 # %%
 show(async_engine.AsyncEngine._deliver)
+
+# %% [markdown]
+# The new text comes from the engine's `OutputProcessor` (`engine/processing.py`), which keeps a
+# stream cursor per request — the same one `LLMEngine.stream` uses. It is chapter 01's streaming
+# decoder at work (whole UTF-8 characters only), and while the request runs the cursor holds back a
+# tail that might still turn out to be the start of a stop string, so streamed text never has to be
+# taken back:
+
+# %%
+show(processing._take_text)
 
 # %% [markdown]
 # On the event loop's side, a request is a `RequestStream`: iterate it for the deltas; leave its
@@ -119,7 +131,7 @@ show(async_engine.RequestStream.__aexit__)
 # %% [markdown]
 # ## Build 2: the wire format
 #
-# `openai_protocol.py` knows no engine and imports no torch: it is OpenAI's API as plain data. Request
+# `serving/openai_protocol.py` knows no engine and imports no torch: it is OpenAI's API as plain data. Request
 # bodies are pydantic models, checked field by field (strictly: `"5"` is not an integer), and turned
 # into the engine's `SamplingParams`:
 
@@ -164,8 +176,9 @@ print(
 # ## Build 3: the endpoints
 #
 # `server.py` joins the two. A handler validates the body, puts the request in the engine's inbox and
-# awaits the verdict — a prompt that can never fit the cache fails right there, inside `add_request`,
-# while the server can still answer 400 — then either collects the whole answer or streams it:
+# awaits the verdict — a prompt that can never fit the cache fails right there, in the engine's
+# `InputProcessor` (the checks `LLMEngine.add_request` makes), while the server can still answer
+# 400 — then either collects the whole answer or streams it:
 
 # %%
 show(server_module.OpenAIServer.completions)
@@ -213,10 +226,10 @@ request = {
 with httpx.stream("POST", f"{server.url}/v1/completions", json=request) as events:
     lines = [line for line in events.iter_lines() if line]  # a blank line ends each event
 chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-for line, chunk in zip(lines[:3], chunks):
+for chunk in chunks[:3]:
     print("data:", json.dumps(masked(chunk), ensure_ascii=False))
 print(f"... {len(lines) - 5} more ...")
-for line, chunk in zip(lines[-2:-1], chunks[-1:]):
+for chunk in chunks[-1:]:
     print("data:", json.dumps(masked(chunk), ensure_ascii=False))
 print(lines[-1])
 streamed = "".join(chunk["choices"][0]["text"] for chunk in chunks)
@@ -252,6 +265,10 @@ print(
     f"last finish_reason {chunks[-1].choices[0].finish_reason!r}"
 )
 assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+# %% [markdown]
+# `GET /metrics` speaks Prometheus's text format (`serving/metrics.py`): counters the engine thread
+# updates as outputs go by, and gauges read from `LLMEngine.stats()` when the page is asked for.
 
 # %%
 print([m.id for m in client.models.list().data], httpx.get(f"{server.url}/health").json())
@@ -362,8 +379,7 @@ bodies = [
 ]
 delays = [rng.uniform(0, 1.0) for _ in bodies]
 steps_before = len(server.engine.trace())
-# a notebook cell may await: Jupyter runs an event loop
-results = await many_clients(bodies, delays)
+results = await many_clients(bodies, delays)  # a cell may await: Jupyter runs an event loop
 trace = server.engine.trace()[steps_before:]
 
 offline = LLMEngine(target).generate(
@@ -463,8 +479,9 @@ assert not left_behind
 #
 # ## Exercises
 #
-# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in `src/minivllm/openai_protocol.py`;
-# run one exercise's tests with `pytest tests --exercise ch08.1`.
+# Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
+# `src/minivllm/serving/openai_protocol.py`; run one exercise's tests with
+# `pytest tests --exercise ch08.1`.
 #
 # 1. **ch08.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `, the
 #    payload as compact JSON (a string such as `[DONE]` as it is), and the blank line that ends the event.
