@@ -112,9 +112,9 @@ show(Scheduler.preempt)
 # Preemption enters the scheduler through **one seam**: the policy object that
 # `SchedulerConfig(preemption=...)` names. When `schedule()` needs slots for a running sequence it
 # calls `_reserve`, which packs the block manager's question (`allocate_slots`, chapter 04) into an
-# `allocate` function and gives it to the policy's `make_room`. The policy answers with the tokens
-# granted and the victims it preempted on the way. Nothing else in the scheduler knows how room is
-# made.
+# `allocate` function and asks it once. Only when the answer is no (and the sequence may preempt)
+# does it hand `allocate` to the policy's `make_room`, which answers with the tokens granted and the
+# victims it preempted on the way. Nothing else in the scheduler knows how room is made.
 
 # %%
 show(Scheduler._reserve)

@@ -108,9 +108,9 @@ class SamplingMetadata:
     sequence and pass) and by the verify (a row per draft, plus the bonus row)."""
 
     seq_ids: tuple[int, ...]  # the sequence each row belongs to
-    temperatures: torch.Tensor  # [R] float64; 0 = greedy
-    top_ks: torch.Tensor  # [R] long; 0 = no top-k
-    top_ps: torch.Tensor  # [R] float64; 1 = no top-p
+    temperatures: tuple[float, ...]  # 0 = greedy
+    top_ks: tuple[int, ...]  # 0 = no top-k
+    top_ps: tuple[float, ...]  # 1 = no top-p
     seeds: tuple[int, ...]
     positions: tuple[int, ...]  # the index in its sequence of the token the row draws
     greedy: tuple[bool, ...]
@@ -143,9 +143,9 @@ class SamplingMetadata:
         greedy = tuple(t == 0 for t in temperatures)
         return cls(
             seq_ids=tuple(seq_ids if seq_ids is not None else range(len(temperatures))),
-            temperatures=torch.tensor(temperatures, dtype=torch.float64),
-            top_ks=torch.tensor(top_ks, dtype=torch.long),
-            top_ps=torch.tensor(top_ps, dtype=torch.float64),
+            temperatures=tuple(temperatures),
+            top_ks=tuple(top_ks),
+            top_ps=tuple(top_ps),
             seeds=tuple(seeds),
             positions=tuple(positions),
             greedy=greedy,
@@ -155,13 +155,12 @@ class SamplingMetadata:
     def select(self, rows: Sequence[int], ahead: Sequence[int] | None = None) -> SamplingMetadata:
         """Rows `rows` (repeats allowed), each drawing `ahead[i]` positions further on."""
         ahead = ahead if ahead is not None else [0] * len(rows)
-        index = torch.tensor(rows, dtype=torch.long)
         greedy = tuple(self.greedy[r] for r in rows)
         return SamplingMetadata(
             seq_ids=tuple(self.seq_ids[r] for r in rows),
-            temperatures=self.temperatures[index],
-            top_ks=self.top_ks[index],
-            top_ps=self.top_ps[index],
+            temperatures=tuple(self.temperatures[r] for r in rows),
+            top_ks=tuple(self.top_ks[r] for r in rows),
+            top_ps=tuple(self.top_ps[r] for r in rows),
             seeds=tuple(self.seeds[r] for r in rows),
             positions=tuple(self.positions[r] + a for r, a in zip(rows, ahead)),
             greedy=greedy,
@@ -169,8 +168,14 @@ class SamplingMetadata:
         )
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's sampling distribution, float64 `[R, V]` (see `token_probs`)."""
-        return token_probs(logits, self.temperatures, self.top_ks, self.top_ps)
+        """Each row's sampling distribution, float64 `[R, V]` (see `token_probs`). The parameter
+        tensors are made here, not per step: an all-greedy step never needs them."""
+        return token_probs(
+            logits,
+            torch.tensor(self.temperatures, dtype=torch.float64),
+            torch.tensor(self.top_ks, dtype=torch.long),
+            torch.tensor(self.top_ps, dtype=torch.float64),
+        )
 
     def uniforms(self, stream: int = 0) -> np.ndarray:
         """Each row's uniform number for `stream` (see `position_uniforms`)."""

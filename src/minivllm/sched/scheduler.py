@@ -216,8 +216,9 @@ class Scheduler:
             lookahead,
             shrink=not seq.is_decoding and self._may_chunk(seq),
         )
-        if not may_preempt:
-            return allocate()
+        granted = allocate()
+        if granted or not may_preempt:
+            return granted
         granted, victims = self.preemption.make_room(self, seq, allocate, served)
         preempted += [victim.seq_id for victim in victims]
         return granted
