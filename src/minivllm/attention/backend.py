@@ -13,8 +13,11 @@ What plugs in here:
     "cuda"   `CudaPagedAttention`, chapter 07's numba-cuda decode kernel (prefill chunks stay the
              reference's). Registered by module path: importing it switches numba's CUDA simulator
              on when there is no GPU, so it is imported only when first asked for.
+    "numba"  `NumbaPagedAttention`, the native CPU kernel (numba_cpu.py): reads K/V in place
+             through the block tables, decodes and prefill chunks in one call. Named explicitly
+             for now; "auto" will pick it on a CPU once the benchmark shows it faster.
 
-A native CPU kernel (e.g. "numba") registers the same way. `EngineConfig.attention_backend` names
+`EngineConfig.attention_backend` names
 one of `backend_names()`, or "auto": the first backend registered for the engine's device, else the
 reference.
 """
@@ -107,3 +110,5 @@ def _entry(name: str) -> _Entry:
 
 register_backend(REFERENCE, TorchPagedAttention)
 register_backend("cuda", "minivllm.attention.cuda.backend:CudaPagedAttention", devices=("cuda",))
+# Explicit only for now: "auto" picks it on a CPU once the benchmark shows it faster (issue 16).
+register_backend("numba", "minivllm.attention.numba_cpu:NumbaPagedAttention")

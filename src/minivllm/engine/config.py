@@ -21,8 +21,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: plain decoding, one target pass per token
     device: str = "auto"  # "cpu", "cuda", or "auto": the GPU when torch sees one
     # A name from minivllm.attention.backend: "torch" (the reference), "cuda" (chapter 07's kernel
-    # for decodes; on a CPU it runs in numba's simulator, for small checks only), or "auto": the
-    # kernel on a GPU, the reference on a CPU.
+    # for decodes; on a CPU it runs in numba's simulator, for small checks only), "numba" (the
+    # native CPU kernel), or "auto": the CUDA kernel on a GPU, the reference on a CPU.
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:

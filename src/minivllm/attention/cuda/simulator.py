@@ -12,6 +12,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    if "numba" in sys.modules:  # imported already (by the CPU kernel, say): it must read it again
+        sys.modules["numba"].config.reload_config()
 
 from numba import config as numba_config  # noqa: E402  (the variable must be set first)
 from numba import cuda  # noqa: E402

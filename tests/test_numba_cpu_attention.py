@@ -1,0 +1,155 @@
+"""The native CPU paged-attention kernel (attention/numba_cpu.py) against a float64 reference.
+
+Fresh random inputs (never zeros), the output poisoned with NaN before each call, physical blocks
+shuffled, contexts ending mid-block and one-token contexts, prefill chunks mixed with decodes in one
+batch, over block sizes 8/16/32, head_dim 32/64/128 and GQA groups 1/2/4: max relative error
+<= 1e-5. Bad arguments are refused before anything runs. The engine on the kernel gives the torch
+backend's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from minivllm.attention.numba_cpu import paged_attention_cpu, warm_up
+from minivllm.training.corpus import shipped_validation_text
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def random_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+    """Random q and caches; each sequence's blocks scattered over a pool with spare blocks."""
+    rng = np.random.default_rng(seed)
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = rng.permutation(num_blocks)
+    tables = np.zeros((len(context_lens), max(blocks_per_seq)), dtype=np.int64)
+    taken = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = order[taken : taken + n]
+        taken += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = rng.standard_normal(shape, dtype=np.float32)
+    value_cache = rng.standard_normal(shape, dtype=np.float32)
+    q = rng.standard_normal((sum(query_lens), num_heads, head_dim), dtype=np.float32)
+    query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    return q, key_cache, value_cache, tables, np.array(context_lens, dtype=np.int64), query_start
+
+
+def reference(q, key_cache, value_cache, tables, context_lens, query_start):
+    """Gather each sequence's keys and values through its table; causal softmax in float64."""
+    num_heads, dim = q.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    group = num_heads // num_kv_heads
+    out = np.zeros(q.shape, dtype=np.float64)
+    for i, context in enumerate(context_lens):
+        slots = [(tables[i, p // block_size], p % block_size) for p in range(context)]
+        keys = np.stack([key_cache[b, o] for b, o in slots]).astype(np.float64)  # [ctx, kvh, D]
+        values = np.stack([value_cache[b, o] for b, o in slots]).astype(np.float64)
+        rows = range(query_start[i], query_start[i + 1])
+        for t, row in enumerate(rows):
+            visible = context - len(rows) + t + 1
+            for h in range(num_heads):
+                scores = keys[:visible, h // group] @ q[row, h].astype(np.float64) / np.sqrt(dim)
+                weights = np.exp(scores - scores.max())
+                out[row, h] = weights @ values[:visible, h // group] / weights.sum()
+    return out
+
+
+def relative_error(*inputs) -> float:
+    out = np.full_like(inputs[0], np.nan)  # poisoned: a row the kernel forgets stays NaN
+    paged_attention_cpu(*inputs, out=out)
+    expected = reference(*inputs)
+    return float(np.abs(out - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_kernel_matches_the_reference(block_size: int, head_dim: int, group: int) -> None:
+    # Decodes first (one row; one-token and mid-block contexts), then prefill chunks: a whole
+    # prompt, and a chunk over a cached prefix that ends mid-block.
+    query_lens = [1, 1, 1, 7, 19]
+    context_lens = [1, block_size + 3, 3 * block_size, 7, 2 * block_size + 5]
+    inputs = random_batch(query_lens, context_lens, 2 * group, 2, head_dim, block_size, seed=group)
+    assert relative_error(*inputs) <= 1e-5
+
+
+def test_a_long_context_and_a_single_sequence() -> None:
+    inputs = random_batch([1], [1000], 8, 2, 32, 16, seed=7)
+    assert relative_error(*inputs) <= 1e-5
+
+
+def test_values_far_from_zero_do_not_overflow_the_softmax() -> None:
+    q, key_cache, value_cache, tables, lens, starts = random_batch([1, 5], [40, 9], 4, 2, 32, 16)
+    q *= 30.0  # scores of several hundred: exp() would overflow without the running max
+    assert relative_error(q, key_cache, value_cache, tables, lens, starts) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(q=a["q"].astype(np.float64)), "float32"),
+        (lambda a: a.update(context_lens=a["context_lens"] + 100), "block table"),
+        (lambda a: a["tables"].__setitem__((0, 0), 999), "outside the pool"),
+        (lambda a: a.update(query_start=a["query_start"][:-1]), "query_start"),
+        (lambda a: a.update(query_start=np.array([0, 2, 1, 3])), "query_start"),
+        (lambda a: a.update(q=a["q"][:, :3]), "heads"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(change, message: str) -> None:
+    names = ("q", "key_cache", "value_cache", "tables", "context_lens", "query_start")
+    args = dict(zip(names, random_batch([1, 1, 1], [5, 9, 17], 4, 2, 32, 8)))
+    change(args)
+    out = np.full((3, 4, 32), np.nan, dtype=np.float32)
+    with pytest.raises(ValueError, match=message):
+        paged_attention_cpu(*args.values(), out=out)
+    assert np.isnan(out).all()  # nothing was written
+
+
+def test_warm_up_compiles_or_loads_the_kernel() -> None:
+    warm_up()  # no error, and the next call needs no compilation
+    assert relative_error(*random_batch([1], [3], 2, 1, 32, 8)) <= 1e-5
+
+
+def test_the_engine_on_the_kernel_gives_the_torch_backends_greedy_tokens(target) -> None:
+    text = shipped_validation_text()
+    prompts = [text[i * 400 : i * 400 + 30 + 23 * i] for i in range(12)]
+    params = [SamplingParams(max_tokens=24 + 4 * i, temperature=0) for i in range(12)]
+
+    def run(backend: str):
+        config = EngineConfig(
+            num_blocks=128,
+            block_size=16,
+            attention_backend=backend,
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        )
+        return [o.token_ids for o in LLMEngine(target, config).generate(prompts, params)]
+
+    assert run("numba") == run("torch")
+
+
+def test_the_cuda_simulator_still_starts_after_the_cpu_kernel_imported_numba() -> None:
+    code = (
+        "import minivllm.attention.numba_cpu\n"
+        "from minivllm.attention.cuda.simulator import SIMULATOR\n"
+        "import torch\n"
+        "assert SIMULATOR or torch.cuda.is_available()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+
+
+def test_the_backend_refuses_a_cache_it_cannot_read() -> None:
+    from minivllm.attention.numba_cpu import NumbaPagedAttention
+    from minivllm.attention.storage import PagedKVStorage
+    from minivllm.model.transformer import ModelConfig
+
+    storage = PagedKVStorage(ModelConfig(n_layers=1), 4, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float32"):
+        NumbaPagedAttention(storage, batch=None)
