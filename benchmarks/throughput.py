@@ -1,7 +1,7 @@
 """Throughput: minivllm's engine against naive generation and Hugging Face `generate` (chapter 04).
 
     python benchmarks/throughput.py [--requests 64] [--seed 0] [--repeats 3] [--quick] [--skip-hf]
-    [--skip-naive]
+    [--skip-naive] [--backends numba]
 
 One seeded workload -- prompts are 16-200-byte slices of the shipped validation text (cut at UTF-8
 character boundaries, BOS first), outputs 32-256 tokens, greedy, `ignore_eos` -- run on the shipped
@@ -9,6 +9,8 @@ target model by every system in one process, 2 torch threads:
 
 * minivllm, continuous batching: `LLMEngine`, max_num_seqs 64, a token budget per step
   (`--budget`; the first value is the headline, the others a sweep);
+* with `--backends NAME ...`, the headline continuous system again on each attention backend named
+  (`EngineConfig(attention_backend=NAME)`; e.g. `numba`, the native CPU kernel);
 * minivllm, static batching: the same engine with `batching="static"` (a new batch is admitted only
   when the whole last one has finished). At batch 64 the whole workload is one batch, so static and
   continuous run the same batch and only prefill chunking differs; at batch 16 the slots a finished
@@ -109,15 +111,27 @@ def blocks_for(requests: list[Request], block_size: int = 16) -> int:
     return max(2048, sum(-(-(len(r.prompt_ids) + r.max_tokens) // block_size) for r in requests))
 
 
-def make_engine(model: Transformer, requests: list[Request], **scheduler) -> LLMEngine:
+def make_engine(
+    model: Transformer, requests: list[Request], attention_backend: str = "auto", **scheduler
+) -> LLMEngine:
     if scheduler.get("batching") == "static":  # recorded as "static"; the book's admission rule
         scheduler = {**scheduler, "batching": StaticBatching()}
-    config = EngineConfig(num_blocks=blocks_for(requests), scheduler=SchedulerConfig(**scheduler))
+    config = EngineConfig(
+        num_blocks=blocks_for(requests),
+        scheduler=SchedulerConfig(**scheduler),
+        attention_backend=attention_backend,
+    )
     return LLMEngine(model, config)
 
 
-def run_engine(model: Transformer, requests: list[Request], label: str, **scheduler) -> dict:
-    engine = make_engine(model, requests, **scheduler)
+def run_engine(
+    model: Transformer,
+    requests: list[Request],
+    label: str,
+    attention_backend: str = "auto",
+    **scheduler,
+) -> dict:
+    engine = make_engine(model, requests, attention_backend, **scheduler)
 
     def work() -> list[list[int]]:
         outputs = engine.generate(
@@ -126,7 +140,12 @@ def run_engine(model: Transformer, requests: list[Request], label: str, **schedu
         return [list(o.token_ids) for o in outputs]
 
     result = timed_run(
-        label, requests, work, scheduler=dict(scheduler), num_blocks=engine.config.num_blocks
+        label,
+        requests,
+        work,
+        scheduler=dict(scheduler),
+        num_blocks=engine.config.num_blocks,
+        attention_backend=attention_backend,
     )
     result.update(
         steps=len(engine.trace),
@@ -503,6 +522,13 @@ def main() -> None:
         action="store_true",
         help="smoke test: 8 requests, 8-32 output tokens, one run each",
     )
+    parser.add_argument(
+        "--backends",
+        nargs="*",
+        default=[],
+        help="attention backends to run the headline continuous system on as well, next to the "
+        "default one (e.g. --backends numba: the native CPU kernel)",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument(
@@ -547,6 +573,16 @@ def main() -> None:
             max_num_seqs=64,
             max_num_batched_tokens=b,
         )
+    # The headline system on every other attention backend asked for (e.g. the native CPU kernel).
+    for backend in args.backends:
+        systems[f"continuous/{args.budget[0]}/{backend}"] = lambda be=backend: run_engine(
+            model,
+            requests,
+            f"minivllm continuous (64 slots, budget {args.budget[0]}, {be} attention)",
+            attention_backend=be,
+            max_num_seqs=64,
+            max_num_batched_tokens=args.budget[0],
+        )
     # Static admits a batch only into an empty engine, so its budget must hold the whole batch's
     # prompts.
     systems["static/all"] = lambda: run_engine(
@@ -588,7 +624,9 @@ def main() -> None:
 
     # Warm-up: a process's first forward pays for thread pools and allocator growth.
     warm = requests[:2]
-    LLMEngine(model).generate([r.prompt_ids for r in warm], greedy(4))
+    for backend in ["auto", *args.backends]:  # a kernel compiles (or loads its cache) here
+        engine = LLMEngine(model, EngineConfig(attention_backend=backend))
+        engine.generate([r.prompt_ids for r in warm], greedy(4))
     generate_naive(model, warm[0].prompt_ids, 2)
     if hf is not None:
         hf_generate(hf, [r.prompt_ids for r in warm], 2)
@@ -608,6 +646,7 @@ def main() -> None:
     continuous = best[f"continuous/{args.budget[0]}"]
     order = [
         f"continuous/{args.budget[0]}",
+        *(f"continuous/{args.budget[0]}/{backend}" for backend in args.backends),
         "static/all",
         "continuous/small",
         "static/small",
