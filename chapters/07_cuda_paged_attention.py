@@ -401,7 +401,8 @@ show(AttentionBackend)
 # kernel is registered by its module path, so importing the registry never imports numba (nor
 # switches on its simulator). "auto", the default, takes the first backend registered for the
 # engine's device, else the reference — the last line below says what that means on each device. A
-# new kernel — a native CPU one, say — plugs in with one more `register_backend` line.
+# new kernel plugs in with one more `register_backend` line: the third line is the native CPU
+# kernel (`numba`), which is named explicitly for now ("auto" does not pick it on a CPU yet).
 
 # %%
 registrations = source(attention_backend).splitlines()
