@@ -34,7 +34,7 @@ import torch
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.attention import backend as attention_backend
 from minivllm.attention.backend import AttentionBackend, resolve_backend_name
-from minivllm.attention.cuda.backend import CudaPagedAttention
+from minivllm.attention.cuda.backend import CudaPagedAttention, KernelDecodeAttention
 from minivllm.attention.cuda.kernels import (
     attend_range,
     block_reduce,
@@ -410,10 +410,13 @@ print("\n".join(line for line in registrations if line.startswith("register_back
 print({device: resolve_backend_name("auto", device) for device in ("cpu", "cuda")})
 
 # %% [markdown]
-# `CudaPagedAttention` composes the reference's pieces rather than copying them: it writes the new
-# K/V through the storage as the reference does, runs the kernel where the reference runs
-# `DecodeAttention`, and hands prefill chunks to the reference's `PrefillAttention` — the kernel is
-# a decode kernel, one query per sequence.
+# The backend copies nothing of the reference. `TorchPagedAttention` takes its decode piece as a
+# parameter, so `CudaPagedAttention` is the reference with `KernelDecodeAttention` where
+# `DecodeAttention` was: the K/V write and the prefill chunks (`PrefillAttention`) stay the
+# reference's — the kernel is a decode kernel, one query per sequence.
+
+# %%
+show(KernelDecodeAttention)
 
 # %%
 show(CudaPagedAttention)

@@ -25,6 +25,8 @@ pieces: chapter 07's CUDA backend keeps the prefill piece and puts its kernel in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -36,10 +38,17 @@ class TorchPagedAttention:
     """The attention seam for one forward pass over a `VarlenBatch`; the masks and gathers are built
     once here and reused by every layer."""
 
-    def __init__(self, storage: PagedKVStorage, batch: VarlenBatch) -> None:
+    def __init__(
+        self,
+        storage: PagedKVStorage,
+        batch: VarlenBatch,
+        decodes: Callable[[PagedKVStorage, VarlenBatch], DecodePiece] | None = None,
+    ) -> None:
+        """`decodes` builds the piece that attends the decode group (default `DecodeAttention`):
+        a decode kernel takes its place and keeps everything else (chapter 07's CUDA backend)."""
         self.storage, self.batch = storage, batch
         nd, nseq = batch.num_decodes, batch.num_seqs
-        self.decodes = DecodeAttention(storage, batch) if nd else None
+        self.decodes = (decodes or DecodeAttention)(storage, batch) if nd else None
         self.prefills = PrefillAttention(storage, batch) if nd < nseq else None
 
     def __call__(
@@ -53,6 +62,10 @@ class TorchPagedAttention:
         if self.prefills is not None:
             out[nd:] = self.prefills(layer, q[nd:])
         return out
+
+
+# A decode piece: `(layer, q [num_decodes, heads, D]) -> [num_decodes, heads, D]`.
+DecodePiece = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class DecodeAttention:
