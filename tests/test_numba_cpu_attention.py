@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from minivllm.attention.numba_cpu import paged_attention_cpu, warm_up
+from minivllm.attention.numba_cpu import QUERY_TILE, paged_attention_cpu, plan_work, warm_up
 from minivllm.training.corpus import shipped_validation_text
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -111,6 +111,79 @@ def test_bad_arguments_are_refused_before_anything_runs(change, message: str) ->
     with pytest.raises(ValueError, match=message):
         paged_attention_cpu(*args.values(), out=out)
     assert np.isnan(out).all()  # nothing was written
+
+
+def test_new_keys_and_values_are_written_to_their_slots_in_the_same_call() -> None:
+    # A decode and a prefill chunk longer than a query tile: the new rows' K/V arrive separately and
+    # the kernel writes them through the slot mapping before anyone attends them.
+    query_lens, context_lens, block_size = [1, 2 * QUERY_TILE + 3], [21, 2 * QUERY_TILE + 9], 8
+    q, key_cache, value_cache, tables, lens, starts = random_batch(
+        query_lens, context_lens, 4, 2, 32, block_size, seed=3
+    )
+    slots = np.array(  # each sequence's new rows are its last positions
+        [
+            tables[seq, p // block_size] * block_size + p % block_size
+            for seq, (n, context) in enumerate(zip(query_lens, context_lens))
+            for p in range(context - n, context)
+        ]
+    )
+    k_new = np.stack([key_cache[s // block_size, s % block_size] for s in slots])
+    v_new = np.stack([value_cache[s // block_size, s % block_size] for s in slots])
+    expected = reference(q, key_cache, value_cache, tables, lens, starts)
+    for s in slots:  # forget the new rows: the kernel must bring them
+        key_cache[s // block_size, s % block_size] = np.nan
+        value_cache[s // block_size, s % block_size] = np.nan
+    out = paged_attention_cpu(
+        q,
+        key_cache,
+        value_cache,
+        tables,
+        lens,
+        starts,
+        k_new=k_new,
+        v_new=v_new,
+        slot_mapping=slots,
+    )
+    assert np.abs(out - expected).max() / np.abs(expected).max() <= 1e-5
+    assert np.array_equal(
+        np.stack([key_cache[s // block_size, s % block_size] for s in slots]), k_new
+    )
+
+
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_written() -> None:
+    q, key_cache, value_cache, tables, lens, starts = random_batch([1, 1], [5, 9], 4, 2, 32, 8)
+    before = key_cache.copy()
+    k_new = np.ones((2, 2, 32), dtype=np.float32)
+    with pytest.raises(ValueError, match="slot"):
+        paged_attention_cpu(
+            q,
+            key_cache,
+            value_cache,
+            tables,
+            lens,
+            starts,
+            k_new=k_new,
+            v_new=k_new,
+            slot_mapping=np.array([3, key_cache.shape[0] * 8]),
+        )
+    assert np.array_equal(key_cache, before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_work_plan_covers_every_row_and_head_once_and_balances_the_threads(threads) -> None:
+    query_lens = np.array([1] * 40 + [3 * QUERY_TILE + 5, 70, 2])
+    context_lens = query_lens + np.arange(len(query_lens)) * 7
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    work, work_start = plan_work(context_lens, starts, 2, threads)
+    assert work_start[0] == 0 and work_start[-1] == len(work) and len(work_start) == threads + 1
+    covered = sorted((s, t, h) for s, t0, t1, h in work.tolist() for t in range(t0, t1))
+    expected = sorted((s, t, h) for s, n in enumerate(query_lens) for t in range(n) for h in (0, 1))
+    assert covered == expected
+    assert (work[:, 2] - work[:, 1] <= QUERY_TILE).all()
+    seen = context_lens - query_lens
+    cost = (work[:, 2] - work[:, 1]) * (seen[work[:, 0]] + (work[:, 1] + work[:, 2]) // 2 + 1)
+    loads = [cost[a:b].sum() for a, b in zip(work_start[:-1], work_start[1:])]
+    assert max(loads) - min(loads) <= cost.max()  # no thread is left with more than one extra unit
 
 
 def test_warm_up_compiles_or_loads_the_kernel() -> None:

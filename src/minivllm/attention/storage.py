@@ -50,22 +50,38 @@ class PagedKVStorage:
             raise IndexError(f"layer {layer} is outside the model's {self.config.n_layers} layers")
         return self.kv[layer].view(2, self.num_slots, self.config.n_kv_heads, self.config.head_dim)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Scatter `k`, `v` (`[T, n_kv_heads, head_dim]`) into this layer's slots (`[T]`, long)."""
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        slots_checked: bool = False,
+    ) -> None:
+        """Scatter `k`, `v` (`[T, n_kv_heads, head_dim]`) into this layer's slots (`[T]`, long).
+        A backend checks its batch's slots once per pass (`check_slots`) and passes
+        `slots_checked=True` in every layer: the check reads the slots back to the host, a sync
+        per layer on a GPU."""
         slots = torch.as_tensor(slots, dtype=torch.long)
         if slots.dim() != 1 or k.shape[0] != slots.shape[0] or v.shape != k.shape:
             raise ValueError(
                 f"write needs slots [T] and k, v [T, heads, dim] with the same T; got slots "
                 f"{tuple(slots.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
+        if not slots_checked:
+            self.check_slots(slots)
+        flat = self._slots_view(layer)
+        flat[0, slots] = k.to(self.dtype)
+        flat[1, slots] = v.to(self.dtype)
+
+    def check_slots(self, slots: torch.Tensor) -> None:
+        """IndexError unless every slot is one of the cache's."""
         if len(slots) and not (0 <= int(slots.min()) and int(slots.max()) < self.num_slots):
             raise IndexError(
                 f"slots {slots.tolist()} fall outside the {self.num_slots} slots "
                 f"({self.num_blocks} blocks of {self.block_size})"
             )
-        flat = self._slots_view(layer)
-        flat[0, slots] = k.to(self.dtype)
-        flat[1, slots] = v.to(self.dtype)
 
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at the given slots (any shape of long indices), `[*slots.shape, n_kv_heads,

