@@ -10,7 +10,8 @@ target model by every system in one process, 2 torch threads:
 * minivllm, continuous batching: `LLMEngine`, max_num_seqs 64, a token budget per step
   (`--budget`; the first value is the headline, the others a sweep);
 * with `--backends NAME ...`, the headline continuous system again on each attention backend named
-  (`EngineConfig(attention_backend=NAME)`; e.g. `numba`, the native CPU kernel);
+  (`EngineConfig(attention_backend=NAME)`; the headline's "auto" is the native CPU kernel,
+  `numba`, so `--backends torch` adds the reference);
 * minivllm, static batching: the same engine with `batching="static"` (a new batch is admitted only
   when the whole last one has finished). At batch 64 the whole workload is one batch, so static and
   continuous run the same batch and only prefill chunking differs; at batch 16 the slots a finished
@@ -31,7 +32,9 @@ minivllm continuous (reported, not asserted: an argmax near-tie can flip with th
 The engine's overhead is the share of step time not spent in the model forward, from the engine's
 own trace (`StepRecord.forward_s` / `step_s`), overall and for steps with >= 48 decodes. A decode
 stretch at batch 64 is then timed per component (schedule, build_batch, forward, sample, update,
-record, outputs) and run under cProfile for the hot spots outside the forward.
+record, outputs) and run under cProfile for the hot spots outside the forward. Last, a decode step
+at batch 64 on each attention backend (`book/step_timing.py`, alternating, medians): the share of it
+spent in the backend's calls -- writing the new K/V and attending, every layer.
 
 Prints a table and writes benchmarks/results/throughput.json (a --quick smoke run writes nothing
 unless --out is given). Hugging Face rows need `transformers` (`pip install -e '.[dev]'`).
@@ -55,7 +58,9 @@ import torch
 from _common import Request, best_of, load_str, machine_record, make_workload
 
 import minivllm.runner.model_runner as runner_module
+from minivllm.attention.backend import resolve_backend_name
 from minivllm.book.modes import StaticBatching
+from minivllm.book.step_timing import decode_engine, time_decode_steps
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.checkpoint import hf_config, load_model
@@ -683,6 +688,15 @@ def main() -> None:
         key=lambda p: p["ms_per_step"],
     )
     profile = profile_decode(model, requests, args.budget[0], args.profile_steps)
+    # The attention's share of a decode step at batch 64, on each backend (alternating, medians).
+    headline = resolve_backend_name("auto", "cpu")
+    step_engines = {
+        name: decode_engine(model, name, num_seqs=min(64, n), seed=args.seed)
+        for name in dict.fromkeys([headline, *args.backends])
+    }
+    decode_steps = time_decode_steps(
+        step_engines, steps=max(1, args.profile_steps // 3), rounds=max(3, args.repeats)
+    )
 
     # -- the report --
     print_table(results, continuous)
@@ -720,9 +734,9 @@ def main() -> None:
     for name, g in goals.items():
         if g is None:
             print(f"  {name}: not measured (skipped, or no such steps in this run)")
-        elif name.startswith("overhead"):
+        elif name.startswith(("overhead", "attention_share")):
             print(
-                f"  {name}: {100 * g['value']:.1f} % (goal <= 10 %): "
+                f"  {name}: {100 * g['value']:.1f} % (goal <= {100 * g['goal']:.0f} %): "
                 f"{'met' if g['met'] else 'NOT met'}"
             )
         else:
@@ -730,6 +744,16 @@ def main() -> None:
                 f"  {name}: {g['value']:.2f}x (goal >= {g['goal']:.0f}x): "
                 f"{'met' if g['met'] else 'NOT met'}"
             )
+
+    print(
+        f"\na decode step at batch {decode_steps[headline]['batch']} by attention backend "
+        "(alternating, medians; attention = the backend's calls: K/V write + attend, all layers):"
+    )
+    for name, t in decode_steps.items():
+        print(
+            f"  {name:<8} step {t['step_ms']:6.2f} ms, attention {t['attention_ms']:6.2f} ms "
+            f"({100 * t['attention_share']:.1f} %)"
+        )
 
     print("\nengine overhead, 1 - forward / step (trace of the headline continuous run):")
     for key, val in ov.items():
@@ -825,6 +849,7 @@ def main() -> None:
                     "decode_stretch_components": parts,
                     "cprofile": profile,
                 },
+                "decode_step_by_backend": decode_steps,
                 "notes": notes,
             },
             indent=2,

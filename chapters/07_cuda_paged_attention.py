@@ -9,26 +9,29 @@
 # ---
 
 # %% [markdown]
-# # Chapter 07 — Paged attention as a CUDA kernel
+# # Chapter 07 — Paged attention as a kernel: on the CPU, then in CUDA
 #
 # Since chapter 03 the engine has read its K/V through block tables, but the reading itself is
 # borrowed: `TorchPagedAttention` turns the tables into slot indices, *gathers* every sequence's keys
-# and values into a fresh dense tensor, and hands that to a library attention. On a GPU, decode
-# attention is bound by memory traffic — each output token needs every cached byte of its sequence
-# read once, and does almost no arithmetic per byte — so a copy of the whole context per layer per
-# step is the expensive part. This chapter writes the kernel vLLM is named for: attention that reads
-# the cache **through the block table, in place**, in CUDA's programming model, with numba-cuda.
+# and values into a fresh dense tensor, and hands that to a library attention. Decode attention is
+# bound by memory traffic — each output token needs every cached byte of its sequence read once, and
+# does almost no arithmetic per byte — so a copy of the whole context per layer per step is the
+# expensive part. This chapter writes the kernel vLLM is named for: attention that reads the cache
+# **through the block table, in place**. Twice.
 #
-# The same kernel source runs two ways. With an NVIDIA GPU it is compiled and runs natively on the
-# engine's torch tensors. Without one — the laptop this book is written for — it runs in numba's CUDA
-# **simulator**, which executes every CUDA thread as a Python thread: thousands of times slower, but
-# the very same code, and every thread's every read can be watched.
+# **Part 1** writes it for the CPU you are reading this on, in Python compiled to machine code by
+# numba: the engine's default attention on a CPU from here on. **Part 2** writes the same algorithm
+# in CUDA's execution model, with numba-cuda. With an NVIDIA GPU that kernel is compiled and runs
+# natively on the engine's torch tensors. Without one it runs in numba's CUDA **simulator**, which
+# executes every CUDA thread as a Python thread: thousands of times slower, but the very same code,
+# and every thread's every read can be watched.
 
 # %%
 import math
 import time
 
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams
@@ -46,11 +49,21 @@ from minivllm.attention.cuda.kernels import (
 )
 from minivllm.attention.cuda.launch import paged_attention, shared_bytes
 from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE
+from minivllm.attention.numba_cpu import (
+    _attend,
+    _exp_in_place,
+    _paged_attention_kernel,
+    paged_attention_cpu,
+    plan_work,
+    unit_cost,
+    warm_up,
+)
 from minivllm.attention.torch_backend import DecodeAttention
 from minivllm.book import kernel_check, show, source, use_book_style
-from minivllm.book.figures.kernels import draw_cache_reads, draw_execution_model
+from minivllm.book.figures.kernels import draw_cache_reads, draw_execution_model, draw_work_plan
 from minivllm.book.kernel_check import kernel_error, random_inputs, reference_attention
 from minivllm.book.kernel_trace import reads_by_thread, recorded
+from minivllm.book.step_timing import decode_engine, time_decode_steps
 from minivllm.model.checkpoint import load_model
 from minivllm.training.corpus import shipped_validation_text
 
@@ -114,10 +127,220 @@ print(
 )
 
 # %% [markdown]
-# A kernel that reads K/V straight from the blocks moves the first number and nothing else. Before
-# writing one, the machine it runs on.
+# And in time? Fill an engine with 64 requests, step it until every prompt is prefilled, and time
+# decode steps with the attention backend's calls clocked (`book/step_timing.py`): the share of a
+# step spent writing the new K/V and attending, every layer. First the bytes of one such step,
+# which do not depend on the machine:
+
+# %%
+torch_engine = decode_engine(target, "torch")
+contexts = [seq.num_tokens for seq in torch_engine.scheduler.running]
+needed = sum(kv_bytes(n) for n in contexts)
+moved = needed + 2 * len(contexts) * kv_bytes(max(contexts))
+print(
+    f"{len(contexts)} decodes, contexts {min(contexts)}..{max(contexts)}: per layer attention needs "
+    f"{needed / 2**20:.1f} MiB of K/V, the gather path moves {moved / 2**20:.1f} MiB "
+    f"({moved / needed:.1f}x); x {config.n_layers} layers per step"
+)
+
+# %% [markdown]
+# and the time, which does (this machine, now; the median of three runs of ten steps):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+reference_timing = time_decode_steps({"torch": torch_engine})["torch"]
+print(
+    f"torch backend, batch {reference_timing['batch']}: a decode step takes "
+    f"{reference_timing['step_ms']:.1f} ms, attention {reference_timing['attention_ms']:.1f} ms "
+    f"of it ({reference_timing['attention_share']:.0%})"
+)
+
+# %% [markdown]
+# A kernel that reads K/V straight from the blocks moves the first number and nothing else.
 #
-# ## The GPU in one figure
+# ## Part 1 — a CPU kernel that reads the cache in place
+#
+# [numba](https://numba.readthedocs.io) compiles a Python function over numpy arrays to machine code
+# through LLVM: `@njit` functions are plain loops, as fast as C's. `parallel=True` with `prange`
+# splits a loop across the cores, and `cache=True` keeps the machine code on disk, so only the
+# first process on a machine pays the compile. The kernel lives in `attention/numba_cpu.py`.
+#
+# ### The algorithm: one pass, an online softmax
+#
+# A query vector $q$ attends keys $k_1 \dots k_n$ and values $v_1 \dots v_n$ with
+# $o = \sum_j e^{s_j - m} v_j \,/\, \sum_j e^{s_j - m}$, where $s_j = q \cdot k_j / \sqrt{d}$ and
+# $m = \max_j s_j$ keeps the exponentials from overflowing. Read block by block, the max is not known
+# until the end — but it need not be. Keep a running max $m$, a running sum $\ell$ and an accumulator
+# $a$; for each new block of scores,
+#
+# $$m' = \max\big(m, \max_j s_j\big), \qquad
+# \ell' = \ell\, e^{m - m'} + \sum_j e^{s_j - m'}, \qquad
+# a' = a\, e^{m - m'} + \sum_j e^{s_j - m'}\, v_j ,$$
+#
+# and at the end $o = a / \ell$. Everything already summed is rescaled to the new max, so each key
+# and value row is read exactly once, and no score outlives its block. This is the *online softmax*
+# of Milakov & Gimelshein (2018), the heart of FlashAttention (Dao et al., 2022) and of vLLM's
+# paged-attention kernels (`csrc/attention/` for CUDA, `csrc/cpu/` for its CPU build).
+#
+# `_attend` does it for one unit of work: up to `QUERY_TILE` query rows of one sequence and one K/V
+# head. Grouped-query attention rides along: the model's 8 query heads share 2 K/V heads, so the 4
+# query heads of a group are 4 query vectors per row, and **each K/V row is read once for all of
+# them**. A prefill chunk's row sees the cached prefix and its own chunk up to itself (causal); a
+# decode is a chunk of one row.
+
+# %%
+show(_attend)
+
+# %% [markdown]
+# The scores loop is a dot product per (key, query vector); the values loop adds each value row into
+# every vector's accumulator. Both run along `head_dim`, contiguous in memory, so LLVM turns them into
+# SIMD instructions (8 floats at a time with AVX2) — `fastmath` allows it to reorder the float32 sums
+# for that. numba's `math.exp` is one library call per element, which no compiler vectorises, so the
+# exponentials go through `_exp_in_place`: Cephes' single-precision exp written as plain arithmetic
+# ($x = k \ln 2 + r$, a polynomial for $e^r$, $2^k$ written into the float's exponent bits).
+
+# %%
+show(_exp_in_place)
+
+# %% [markdown]
+# ### The kernel: write, then attend, on every core
+#
+# The compiled entry point takes one layer's whole batch. It first writes the new rows' keys and
+# values to their slots (the slot mapping of chapter 04 — the same call, no separate scatter), then
+# runs the units of work, each thread its own list:
+
+# %%
+show(_paged_attention_kernel)
+
+# %% [markdown]
+# Why lists per thread, rather than `prange` over the units? `prange` gives each thread an equal
+# *count* of iterations. In a step of 60 decodes and two prefill chunks, one chunk's tile costs as
+# much as dozens of decodes, and an even count puts both chunks on the last thread. `plan_work`
+# deals the units by **cost** instead (query rows × keys they see), largest first, in snake order:
+
+# %%
+show(plan_work)
+
+# %% [markdown]
+# ### See: the work of two threads
+#
+# A mixed step — 60 decodes with contexts of 100 to 400 tokens and two prefill chunks of 48 tokens —
+# split both ways. Each bar is one thread, each segment one unit of work, coloured by its sequence:
+
+# %%
+rng = np.random.default_rng(0)
+query_lens = np.array([1] * 60 + [48, 48])
+context_lens = np.concatenate([rng.integers(100, 400, 60), [48, 160]])
+query_start = np.concatenate([[0], np.cumsum(query_lens)])
+work, work_start = plan_work(context_lens, query_start, config.n_kv_heads, num_threads=2)
+# numba's own split: the units in order (decodes first), half of them to each thread
+in_order = work[np.lexsort((work[:, 3], work[:, 1], work[:, 0]))]
+halves = np.array([0, len(in_order) // 2, len(in_order)])
+fig, axes = plt.subplots(2, 1, figsize=(10, 3.2), sharex=True)
+for ax, (units, starts, title) in zip(
+    axes,
+    [
+        (in_order, halves, "an even count of units per thread"),
+        (work, work_start, "plan_work: dealt by cost"),
+    ],
+):
+    draw_work_plan(ax, units, starts, unit_cost(units, context_lens, query_start), title)
+plt.tight_layout()
+plt.show()
+loads = {
+    name: [unit_cost(u[a:b], context_lens, query_start).sum() for a, b in zip(st[:-1], st[1:])]
+    for name, u, st in (("even count", in_order, halves), ("by cost", work, work_start))
+}
+for name, (first, second) in loads.items():
+    print(
+        f"{name:>10}: the busier thread has {max(first, second) / min(first, second):.2f}x the work"
+    )
+
+# %% [markdown]
+# ### Check: the kernel against the reference
+#
+# The kernel is checked like every kernel in this chapter (the CUDA one below too): fresh random
+# inputs, blocks in shuffled order, an output poisoned with NaN first, and the model's plain softmax
+# attention over K/V gathered through the tables as the reference (`book/kernel_check.py`,
+# shown in Part 2). The target model's shapes — 8 query heads on 2 K/V heads, head_dim 32 — and
+# contexts of one token, mid-block and on a block boundary:
+
+# %%
+warm_up()  # compile, or load the machine code cached by an earlier process
+q, key_cache, value_cache, tables, lens = random_inputs(
+    [1, 16, 21, 200], config.n_heads, config.n_kv_heads, config.head_dim, 16, seed=3
+)
+out = np.full(q.shape, np.nan, dtype=np.float32)
+paged_attention_cpu(
+    q.numpy(),
+    key_cache.numpy(),
+    value_cache.numpy(),
+    tables.numpy(),
+    lens.numpy(),
+    np.arange(len(lens) + 1),
+    out=out,
+)
+expected = reference_attention(q, key_cache, value_cache, tables, lens)
+cpu_error = float((torch.from_numpy(out) - expected).abs().max() / expected.abs().max())
+print(f"decodes: max relative error {cpu_error:.1e} (allowed 1e-05)")
+assert cpu_error <= 1e-5
+
+# %% [markdown]
+# Prefill chunks, decodes mixed with them, block sizes 8 to 32, head_dim 32 to 128 and groups of 1 to
+# 4 are in `tests/test_numba_cpu_attention.py`. The check that matters most is the engine's: the same
+# prompts, greedy, on both backends — prefill chunks and decodes both go through the kernel now.
+
+# %%
+text = shipped_validation_text()
+prompts = [text[400 * i : 400 * i + 30 + 23 * i] for i in range(12)]
+params = [SamplingParams(max_tokens=24 + 4 * i, temperature=0) for i in range(12)]
+greedy = {}
+for backend in ("torch", "numba"):
+    engine = LLMEngine(
+        target,
+        EngineConfig(num_blocks=128, block_size=16, attention_backend=backend),
+    )
+    greedy[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+same = sum(a == b for a, b in zip(greedy["torch"], greedy["numba"]))
+print(f"{same} of {len(prompts)} requests: identical greedy tokens on the torch and numba backends")
+assert same == len(prompts)
+
+# %% [markdown]
+# ### Measure: the decode step on the kernel
+#
+# The 64-request decode step again, both backends, alternating (this machine, now):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+timing = time_decode_steps({"torch": torch_engine, "numba": decode_engine(target, "numba")})
+for name, t in timing.items():
+    print(
+        f"{name:>5}: step {t['step_ms']:5.1f} ms, attention {t['attention_ms']:5.1f} ms "
+        f"({t['attention_share']:.0%} of the step)"
+    )
+print(
+    f"attention {timing['torch']['attention_ms'] / timing['numba']['attention_ms']:.1f}x faster, "
+    f"the step {timing['torch']['step_ms'] / timing['numba']['step_ms']:.2f}x"
+)
+
+# %% [markdown]
+# The rest of the step is the model's matmuls, which no attention kernel touches. The full
+# comparison — the 64-request workload against Hugging Face `generate`, and the 256-request one
+# against vLLM's own CPU build — is `benchmarks/throughput.py --backends torch numba` and
+# `benchmarks/vllm_peer.py`.
+#
+# **Threads.** numba's parallel loops and torch's matmuls take turns, never overlap, so each may use
+# every core torch is allowed (`NumbaPagedAttention` sets numba's thread count to torch's). numba
+# runs on its *workqueue* threading layer, whose threads sleep between kernels; an OpenMP layer would
+# keep spinning after each kernel, on the same cores torch's own OpenMP threads need.
+#
+# ## Part 2 — the same algorithm in CUDA's execution model
+#
+# The CUDA kernel below computes the same thing — every K/V row read once, in place, through the
+# block table, softmax in float32 — but a GPU runs thousands of threads, not two, so the work is cut
+# much finer, and the threads of one unit cooperate. First the machine.
+#
+# ### The GPU in one figure
 #
 # A CUDA kernel is one function run by a **grid** of **thread blocks**. Each block runs on one of the
 # GPU's streaming multiprocessors (SMs; an H100 has 132), has its own fast **shared memory**, and its
@@ -137,7 +360,7 @@ draw_execution_model(
 plt.show()
 
 # %% [markdown]
-# ## Build 1: the kernel, in pieces
+# ### Build: the CUDA kernel, in pieces
 #
 # **The address.** Where does token `position` of a sequence live? Its block table names the physical
 # block, and the position within the block is the slot — chapter 03's arithmetic, now a *device
@@ -195,7 +418,7 @@ show(paged_attention_v1)
 show(paged_attention, lines=(1, 33))
 
 # %% [markdown]
-# ## Check: the kernel against a plain softmax
+# ### Check: the kernel against a plain softmax
 #
 # Fresh random inputs (never zeros — a kernel that reads the wrong slot of a zero cache still looks
 # right), physical blocks in shuffled order, an output **poisoned with NaN** before the launch so an
@@ -234,7 +457,7 @@ for name, (dtype, tolerance) in checks.items():
     assert error <= tolerance
 
 # %% [markdown]
-# ## See: which thread reads which block
+# ### See: which thread reads which block
 #
 # The simulator runs the kernel in Python, so we can watch it. `kernel_trace.recorded` wraps the key
 # and value caches in arrays that note every element a CUDA thread reads, and by whom. One sequence of
@@ -299,7 +522,7 @@ print(
 # transaction. In the value phase only the first 32 threads work (head_dim is 32 here): thread d reads
 # element d of all 40 value rows, in token order.
 #
-# ## Build 2: more thread blocks — the partitioned kernel
+# ### Build more: more thread blocks — the partitioned kernel
 #
 # v1 launches one thread block per (sequence, head). A decode batch of one sequence of our model is
 # 8 blocks; a GPU has 132 SMs, each able to host several blocks. Long contexts make it worse, not
@@ -387,7 +610,7 @@ for batch in (1, 16, 64):
 # the context length. (This is a model: real occupancy also depends on registers, shared memory
 # and how many blocks share an SM. On a GPU, `benchmarks/paged_attention.py` measures it.)
 #
-# ## The engine on the kernel
+# ### The engine on the kernel
 #
 # What does the engine need of an attention backend? Very little: the runner builds one per forward
 # pass from the K/V storage and the pass's `VarlenBatch`, and the model calls it once per layer. That
@@ -401,12 +624,12 @@ show(AttentionBackend)
 # kernel is registered by its module path, so importing the registry never imports numba (nor
 # switches on its simulator). "auto", the default, takes the first backend registered for the
 # engine's device, else the reference — the last line below says what that means on each device. A
-# new kernel plugs in with one more `register_backend` line: the third line is the native CPU
-# kernel (`numba`), which is named explicitly for now ("auto" does not pick it on a CPU yet).
+# new kernel plugs in with one more `register_backend` line: Part 1's CPU kernel (`numba`) is the
+# third, and "auto" picks it on a CPU because `benchmarks/throughput.py` measured it faster there.
 
 # %%
-registrations = source(attention_backend).splitlines()
-print("\n".join(line for line in registrations if line.startswith("register_backend(")))
+registry = source(attention_backend)
+print(registry[registry.index("register_backend(REFERENCE") :].strip())
 print({device: resolve_backend_name("auto", device) for device in ("cpu", "cuda")})
 
 # %% [markdown]
@@ -443,7 +666,7 @@ print(
 assert outputs["cuda"].token_ids == outputs["torch"].token_ids
 
 # %% [markdown]
-# ## Measure
+# ### Measure
 #
 # The simulator is a teaching instrument, not a performance model: it runs a thread block as Python
 # threads that meet at barriers. What one launch costs it:
@@ -498,3 +721,23 @@ for batch in (1, 16, 64):
 # 4. *(Explore, no test.)* Every lane calls `cache_slot` for every token, reading the block table over
 #    and over. Change the score loop so a warp takes a whole block of 16 tokens at a time and looks the
 #    block up once; use `kernel_trace.recorded` on the block table to count the reads before and after.
+# 5. *(Explore, no test.)* Part 1's kernel computes each score as a dot product along `head_dim`,
+#    which ends in a sum across SIMD lanes for every (key, query vector). For a prefill tile, copy a
+#    block's keys transposed into a `[head_dim, block_size]` scratch once and compute a query's scores
+#    8 keys per lane instead. Time `paged_attention_cpu` on a 4 × 128-token prefill before and after
+#    (alternate the two, take medians). Hint: the transpose costs one pass over the block; the win
+#    needs many query vectors to share it — does a decode's group of 4 pay?
+# 6. *(Explore, no test.)* Replace `plan_work`'s deal by cost with an even split by count (the
+#    figure's first bar) and time a decode step with two 128-token prefill chunks in it, both ways.
+#    Hint: `book/step_timing.time_decode_steps` alternates engines for you.
+#
+# ## Summary
+#
+# The engine now attends through its block tables in place, on both kinds of machine. On a CPU, a
+# numba kernel writes each layer's new K/V to their slots and attends every decode and prefill chunk
+# of the step in one call: an online softmax, each K/V row read once for its whole query-head group,
+# the work dealt to the cores by cost — and the greedy tokens are the reference's, token for token.
+# On a GPU the same algorithm becomes thread blocks, warps and shuffles, checked in the simulator
+# against the same reference. The number that says why it matters is the one measured above: the
+# bytes the gather path moves per layer against the bytes attention needs, and the attention share
+# of a decode step before and after.

@@ -613,13 +613,16 @@ def test_a_prompt_over_the_budget_without_chunking_is_refused(target) -> None:
 
 
 def test_the_attention_backend_and_device_are_chosen_and_checked(target) -> None:
+    from minivllm.attention.numba_cpu import NumbaPagedAttention
     from minivllm.attention.torch_backend import TorchPagedAttention
 
     engine = LLMEngine(target, EngineConfig(num_blocks=8))
     expected_device = "cuda" if torch.cuda.is_available() else "cpu"
     assert engine.device == expected_device
     if expected_device == "cpu":
-        assert engine.runner.backend is TorchPagedAttention  # the reference on a CPU, by default
+        assert engine.runner.backend is NumbaPagedAttention  # the native kernel on a CPU
+        half = LLMEngine(target, EngineConfig(num_blocks=8, device="cpu", dtype=torch.float16))
+        assert half.runner.backend is TorchPagedAttention  # the kernel is float32-only
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="triton")
     with pytest.raises(ValueError, match="device"):
@@ -638,9 +641,10 @@ def test_attention_backends_are_chosen_by_name_from_a_registry() -> None:
     )
     from minivllm.attention.torch_backend import TorchPagedAttention
 
-    assert backend_names()[:2] == ("torch", "cuda")
+    assert backend_names()[:3] == ("torch", "cuda", "numba")
     assert get_backend("torch") is TorchPagedAttention
-    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cpu") == "numba"  # the native kernel, for float32
+    assert resolve_backend_name("auto", "cpu", torch.float16) == "torch"
     assert resolve_backend_name("auto", "cuda") == "cuda"
     assert resolve_backend_name("torch", "cuda") == "torch"
     with pytest.raises(ValueError, match=r"unknown attention backend 'triton'.*'torch', 'cuda'"):
@@ -653,6 +657,7 @@ def test_attention_backends_are_chosen_by_name_from_a_registry() -> None:
 
 CUDA_IS_LAZY = """
 import sys
+import torch
 from minivllm.attention.backend import get_backend, is_loaded, register_backend
 from minivllm.attention.backend import resolve_backend_name
 from minivllm.attention.torch_backend import TorchPagedAttention
@@ -662,8 +667,10 @@ from minivllm.engine.llm_engine import LLMEngine
 EngineConfig(device="cpu", attention_backend="cuda")  # checked against the registry ...
 assert not is_loaded("cuda") and "minivllm.attention.cuda" not in sys.modules  # ... not imported
 assert "numba" not in sys.modules
-register_backend("cpu-kernel", TorchPagedAttention, devices=("cpu",))
-assert resolve_backend_name("auto", "cpu") == "cpu-kernel"  # "auto" takes a kernel for the device
+register_backend("cpu-half", TorchPagedAttention, devices=("cpu",), dtypes=(torch.float16,))
+assert resolve_backend_name("auto", "cpu", torch.float16) == "cpu-half"  # device and dtype match
+assert resolve_backend_name("auto", "cpu") == "numba"  # the first one registered for both
+assert "numba" not in sys.modules  # choosing by name imports nothing
 get_backend("cuda")
 assert is_loaded("cuda") and "minivllm.attention.cuda" in sys.modules
 """

@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from minivllm.attention.numba_cpu import QUERY_TILE, paged_attention_cpu, plan_work, warm_up
+from minivllm.attention.numba_cpu import (
+    QUERY_TILE,
+    paged_attention_cpu,
+    plan_work,
+    unit_cost,
+    warm_up,
+)
 from minivllm.training.corpus import shipped_validation_text
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -180,8 +186,7 @@ def test_the_work_plan_covers_every_row_and_head_once_and_balances_the_threads(t
     expected = sorted((s, t, h) for s, n in enumerate(query_lens) for t in range(n) for h in (0, 1))
     assert covered == expected
     assert (work[:, 2] - work[:, 1] <= QUERY_TILE).all()
-    seen = context_lens - query_lens
-    cost = (work[:, 2] - work[:, 1]) * (seen[work[:, 0]] + (work[:, 1] + work[:, 2]) // 2 + 1)
+    cost = unit_cost(work, context_lens, starts)
     loads = [cost[a:b].sum() for a, b in zip(work_start[:-1], work_start[1:])]
     assert max(loads) - min(loads) <= cost.max()  # no thread is left with more than one extra unit
 

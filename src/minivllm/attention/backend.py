@@ -13,13 +13,13 @@ What plugs in here:
     "cuda"   `CudaPagedAttention`, chapter 07's numba-cuda decode kernel (prefill chunks stay the
              reference's). Registered by module path: importing it switches numba's CUDA simulator
              on when there is no GPU, so it is imported only when first asked for.
-    "numba"  `NumbaPagedAttention`, the native CPU kernel (numba_cpu.py): reads K/V in place
-             through the block tables, decodes and prefill chunks in one call. Named explicitly
-             for now; "auto" will pick it on a CPU once the benchmark shows it faster.
+    "numba"  `NumbaPagedAttention`, the native CPU kernel (numba_cpu.py, chapter 07): reads K/V
+             in place through the block tables, decodes and prefill chunks in one call. "auto"
+             picks it for a float32 cache on a CPU, where `benchmarks/throughput.py` measures it
+             faster than the reference.
 
-`EngineConfig.attention_backend` names
-one of `backend_names()`, or "auto": the first backend registered for the engine's device, else the
-reference.
+`EngineConfig.attention_backend` names one of `backend_names()`, or "auto": the first backend
+registered for the engine's device and cache dtype, else the reference.
 """
 
 from __future__ import annotations
@@ -56,33 +56,43 @@ BackendFactory = Callable[[PagedKVStorage, VarlenBatch], AttentionBackend]
 class _Entry:
     factory: BackendFactory | str  # the factory, or "module:name" to import when first asked for
     devices: tuple[str, ...]  # where "auto" picks it
+    dtypes: tuple[torch.dtype, ...]  # the cache dtypes "auto" picks it for (empty: any)
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
 
 def register_backend(
-    name: str, factory: BackendFactory | str, devices: tuple[str, ...] = ()
+    name: str,
+    factory: BackendFactory | str,
+    devices: tuple[str, ...] = (),
+    dtypes: tuple[torch.dtype, ...] = (),
 ) -> None:
     """Make `name` an attention backend. `factory` builds one from `(storage, batch)`; give it as
     "package.module:Name" to import it only when the backend is first asked for. `devices` are those
-    on which "auto" chooses it ("cpu", "cuda"); it can always be named explicitly."""
+    on which "auto" chooses it ("cpu", "cuda"), for a cache of one of `dtypes` (none given: any); it
+    can always be named explicitly."""
     if name == "auto" or name in _REGISTRY:
         raise ValueError(f"attention backend name {name!r} is taken")
-    _REGISTRY[name] = _Entry(factory, tuple(devices))
+    _REGISTRY[name] = _Entry(factory, tuple(devices), tuple(dtypes))
 
 
 def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def resolve_backend_name(name: str, device: str) -> str:
-    """The backend a name means on `device`: itself, or for "auto" the first backend registered for
-    the device, else the reference."""
+def resolve_backend_name(name: str, device: str, dtype: torch.dtype = torch.float32) -> str:
+    """The backend a name means on `device` for a cache of `dtype`: itself, or for "auto" the first
+    backend registered for both, else the reference."""
     if name != "auto":
         _entry(name)
         return name
-    return next((n for n, e in _REGISTRY.items() if device in e.devices), REFERENCE)
+    chosen = (
+        n
+        for n, e in _REGISTRY.items()
+        if device in e.devices and (not e.dtypes or dtype in e.dtypes)
+    )
+    return next(chosen, REFERENCE)
 
 
 def get_backend(name: str) -> BackendFactory:
@@ -110,5 +120,9 @@ def _entry(name: str) -> _Entry:
 
 register_backend(REFERENCE, TorchPagedAttention)
 register_backend("cuda", "minivllm.attention.cuda.backend:CudaPagedAttention", devices=("cuda",))
-# Explicit only for now: "auto" picks it on a CPU once the benchmark shows it faster (issue 16).
-register_backend("numba", "minivllm.attention.numba_cpu:NumbaPagedAttention")
+register_backend(
+    "numba",
+    "minivllm.attention.numba_cpu:NumbaPagedAttention",
+    devices=("cpu",),
+    dtypes=(torch.float32,),
+)

@@ -1,30 +1,35 @@
-"""Paged attention as a native CPU kernel, compiled by numba (chapter 07, first half; issue 16).
+"""Paged attention as a native CPU kernel, compiled by numba (chapter 07, part 1).
 
 The torch reference (`torch_backend.py`) gathers every sequence's keys and values through its block
 table into a padded copy, every layer, every step, and then attends over the copy. This kernel reads
 them **in place**, block by block, through the block table, the way a GPU kernel does:
 
-* one unit of parallel work per (sequence, K/V head): its whole query-head group rides along, so
-  each cached K/V row is read once for the group (grouped-query attention), not once per query head;
-* each query row attends its visible keys -- the cached prefix and, for a prefill chunk, its own
-  chunk up to itself (causal) -- with an **online softmax** (running max and running sum, rescaled
-  block by block, in float32; the idea of FlashAttention and of vLLM's paged-attention kernels);
-* decodes (one query row) and prefill chunks (many) are the same loop, so a mixed step is one call.
+* one call per layer first writes the new rows' K/V to their slots, then attends decodes and
+  prefill chunks alike (a decode is a chunk of one row);
+* a unit of work is (sequence, a tile of up to QUERY_TILE of its new rows, K/V head): the query
+  heads that share the K/V head ride along, so each cached K/V row is read once for the whole group
+  (grouped-query attention), not once per query head;
+* each query row attends the keys it sees -- the cached prefix and its chunk up to itself -- with
+  an **online softmax** (running max and sum, rescaled block by block, in float32; Milakov &
+  Gimelshein 2018, the idea inside FlashAttention and vLLM's paged-attention kernels);
+* `plan_work` deals the units to the threads by cost, so a prefill chunk does not leave one thread
+  working while the other waits; the exponentials use a polynomial exp that LLVM vectorises.
 
-`paged_attention_cpu` checks every argument before anything is computed and then calls the
-compiled kernel; `NumbaPagedAttention` is the engine backend, registered as "numba".
+`paged_attention_cpu` checks every argument before anything is computed, then calls the compiled
+kernel; `NumbaPagedAttention` is the engine backend, registered as "numba".
 
 Compilation happens once per machine: `cache=True` keeps the machine code next to this file, and
-`warm_up()` compiles (or loads) it ahead of the first step. Threads: numba's parallel loop and
-torch's matmuls never run at the same time, so each may use all the cores torch is allowed; the
-layer is numba's **workqueue** (its threads sleep between kernels instead of spinning, so they do
-not steal the cores from torch's threads the moment a kernel ends).
+`warm_up()` compiles (or loads) it ahead of the first step. Threads: numba's parallel loops and
+torch's matmuls take turns, never overlap, so each may use every core torch is allowed; the layer
+is numba's **workqueue**, whose threads sleep between kernels (an OpenMP layer's would spin on, on
+the cores torch's own OpenMP threads need next).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 
 import numba
 import numpy as np
@@ -39,6 +44,9 @@ from minivllm.attention.storage import PagedKVStorage
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 if numba.config.THREADING_LAYER == "default":
     numba.config.THREADING_LAYER = "workqueue"
+# The workqueue layer runs one parallel kernel at a time in a process and aborts the process if two
+# threads launch at once: engines stepping in different threads (a server each) take turns here.
+_LAUNCH = threading.Lock()
 
 
 # fastmath lets LLVM reorder float32 sums into SIMD lanes (and fuse multiply-adds); the tests hold
@@ -192,6 +200,14 @@ def _paged_attention_kernel(
             )
 
 
+def unit_cost(units: np.ndarray, context_lens: np.ndarray, query_start: np.ndarray) -> np.ndarray:
+    """The cost of units of work `[n, >= 3]` (sequence, first row, end row, ...): query rows x the
+    keys they see, a row seeing the cached prefix and its chunk up to itself."""
+    seq, t0, t1 = units[:, 0], units[:, 1], units[:, 2]
+    seen_before = (context_lens - np.diff(query_start))[seq]
+    return (t1 - t0) * (seen_before + (t0 + t1) // 2 + 1)
+
+
 def plan_work(
     context_lens: np.ndarray, query_start: np.ndarray, num_kv_heads: int, num_threads: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -206,9 +222,7 @@ def plan_work(
     tile = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     t0 = tile * QUERY_TILE
     t1 = np.minimum(t0 + QUERY_TILE, query_lens[seq])
-    # cost ~ query rows x keys they see (the rows of the tile see up to their own positions)
-    seen_before = (context_lens - query_lens)[seq]
-    cost = (t1 - t0) * (seen_before + (t0 + t1) // 2 + 1)
+    cost = unit_cost(np.stack([seq, t0, t1], axis=1), context_lens, query_start)
     order = np.argsort(-cost, kind="stable")
     units = np.stack([seq, t0, t1], axis=1)[order]
     units = np.concatenate(
@@ -313,20 +327,9 @@ def paged_attention_cpu(
     scale = q.shape[2] ** -0.5 if scale is None else scale
     out = np.empty_like(q) if out is None else out
     work = plan_work(context_lens, query_start, key_cache.shape[2], numba.get_num_threads())
-    _paged_attention_kernel(
-        out,
-        q,
-        k_new,
-        v_new,
-        slot_mapping,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lens,
-        query_start,
-        *work,
-        np.float32(scale),
-    )
+    args = (key_cache, value_cache, block_tables, context_lens, query_start, *work)
+    with _LAUNCH:
+        _paged_attention_kernel(out, q, k_new, v_new, slot_mapping, *args, np.float32(scale))
     return out
 
 
@@ -385,16 +388,17 @@ class NumbaPagedAttention:
             _check(q, key_cache, value_cache, *metadata, k, v, self.slot_mapping)
             self.checked = True
         out = np.empty_like(q)
-        _paged_attention_kernel(
-            out,
-            q,
-            k,
-            v,
-            self.slot_mapping,
-            key_cache,
-            value_cache,
-            *metadata,
-            *self.work,
-            self.scale,
-        )
+        with _LAUNCH:
+            _paged_attention_kernel(
+                out,
+                q,
+                k,
+                v,
+                self.slot_mapping,
+                key_cache,
+                value_cache,
+                *metadata,
+                *self.work,
+                self.scale,
+            )
         return torch.from_numpy(out)

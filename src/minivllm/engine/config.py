@@ -22,7 +22,8 @@ class EngineConfig:
     device: str = "auto"  # "cpu", "cuda", or "auto": the GPU when torch sees one
     # A name from minivllm.attention.backend: "torch" (the reference), "cuda" (chapter 07's kernel
     # for decodes; on a CPU it runs in numba's simulator, for small checks only), "numba" (the
-    # native CPU kernel), or "auto": the CUDA kernel on a GPU, the reference on a CPU.
+    # native CPU kernel), or "auto": the CUDA kernel on a GPU, the numba kernel on a CPU (the
+    # reference for a cache that is not float32).
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:

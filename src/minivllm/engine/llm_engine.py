@@ -56,7 +56,9 @@ class LLMEngine:
         config = self.config
         self.device = _resolve_device(config.device)
         self.model.to(self.device)  # in place: the caller's model runs where its cache lives
-        backend = get_backend(resolve_backend_name(config.attention_backend, self.device))
+        backend = get_backend(
+            resolve_backend_name(config.attention_backend, self.device, config.dtype)
+        )
         self.manager = BlockManager(config.num_blocks, config.block_size)
         self.storage = PagedKVStorage(
             model.config, config.num_blocks, config.block_size, config.dtype, self.device

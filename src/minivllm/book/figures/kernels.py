@@ -7,7 +7,7 @@ from __future__ import annotations
 from matplotlib.axes import Axes
 from matplotlib.patches import Rectangle
 
-from minivllm.book import FREE_COLOR
+from minivllm.book import FREE_COLOR, sequence_color
 
 # -- chapter 07: the CUDA kernel -------------------------------------------------------------------
 WARP_COLORS = (
@@ -178,3 +178,31 @@ def draw_cache_reads(
     ax.grid(False)
     for spine in ax.spines.values():
         spine.set_visible(False)
+
+
+# -- chapter 07: the CPU kernel's work plan --------------------------------------------------------
+def draw_work_plan(ax: Axes, work, work_start, cost, title: str = "") -> None:
+    """One bar per thread, built from its units of work (sequence, query tile, K/V head) in the
+    order it runs them, each as long as its cost and coloured by its sequence."""
+    for thread in range(len(work_start) - 1):
+        left = 0
+        for unit in range(int(work_start[thread]), int(work_start[thread + 1])):
+            seq = int(work[unit][0])
+            width = float(cost[unit])
+            ax.barh(
+                thread,
+                width,
+                left=left,
+                height=0.6,
+                color=sequence_color(seq),
+                edgecolor="white",
+                linewidth=0.5,
+            )
+            left += width
+        ax.text(left, thread, f"  {left:,.0f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(work_start) - 1))
+    ax.set_yticklabels([f"thread {t}" for t in range(len(work_start) - 1)])
+    ax.invert_yaxis()
+    ax.set_xlabel("work (query rows x keys they see)")
+    if title:
+        ax.set_title(title)
