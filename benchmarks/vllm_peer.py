@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_peer.py [--requests 256] [--seed 0] [--repeats 3]
     [--backends auto|torch numba ...] [--vllm-modes compiled eager] [--vllm-python PATH]
+    [--threads 2] [--out PATH]
 
 The workload of benchmarks/throughput.py at 256 requests -- `make_workload(256, seed)`: prompts are
 16-200-byte slices of the shipped validation text as token ids (BOS first), outputs 32-256 tokens,
@@ -15,9 +16,10 @@ Llama safetensors) by
   Its CPU backend takes its OpenMP threads from `VLLM_CPU_OMP_THREADS_BIND` (here the first
   `--threads` CPUs this process may run on: `0-1`; vLLM's `auto` would keep one core back for its
   scheduler process and leave one thread on a 2-core machine), and its KV cache from
-  `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 here). Either can be overridden from the environment. Modes:
-  `compiled` is vLLM's default (torch.compile with inductor, compiled once at start-up and cached
-  under ~/.cache/vllm), `eager` is `enforce_eager=True`;
+  `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 here). Either can be overridden from the environment. Two
+  modes, both run unless `--vllm-modes` names one: `compiled` is vLLM's default (torch.compile with
+  inductor, compiled at start-up and cached under ~/.cache/vllm), `eager` is `enforce_eager=True`
+  (plain PyTorch modules, like minivllm);
 * minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
   on each attention backend of `--backends`.
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -55,8 +58,8 @@ import time
 from pathlib import Path
 
 try:
-    from _common import load_str, machine_record, make_workload
-except ImportError:  # the vLLM worker, in vLLM's venv: no minivllm there
+    from _common import load_str
+except ImportError:  # the vLLM worker, in vLLM's venv: no minivllm there (nor _common's imports)
 
     def load_str() -> str:  # as _common.load_str
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -166,7 +169,7 @@ def vllm_worker(workload_path: Path, mode: str) -> None:
         "torch": __import__("torch").__version__,
         "dtype": str(getattr(model_config, "dtype", None)),
         "block_size": getattr(cache_config, "block_size", None),
-        "compilation_mode": str(getattr(compilation, "mode", None)),
+        "compilation_mode": getattr(getattr(compilation, "mode", None), "name", None),
         "env": {
             k: os.environ.get(k)
             for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")
@@ -214,10 +217,25 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
         if line.startswith(MARKER) or len(line) > 400:
             continue
         if "WARNING" in line or any(k in line for k in LOG_KEYS):
-            text = line.split("] ", 1)[-1].strip()
+            text = line.split("] ", 1)[-1]
+            if text.startswith(("Traceback", "[shutdown]")) or (
+                text[:1].isspace() and not any(k in text for k in LOG_KEYS)
+            ):
+                continue  # a traceback's lines (vLLM logs its chat-template warm-up failing)
+            text = text.strip()
             if text and text not in notes:
                 notes.append(text)
     result["log_notes"] = notes
+    # what the engine core process ran with (its own copy of the config, after the CPU platform's
+    # changes: compiled mode becomes DYNAMO_TRACE_ONCE with inductor)
+    engine_line = next((line for line in lines if "Initializing a V1 LLM engine" in line), "")
+    for key, pattern in (
+        ("engine_compilation_mode", r"'mode': <CompilationMode\.(\w+)"),
+        ("engine_compilation_backend", r"'backend': '(\w+)'"),
+        ("engine_dtype", r"\bdtype=([\w.]+)"),
+    ):
+        match = re.search(pattern, engine_line)
+        result[key] = match.group(1) if match else None
     return result
 
 
@@ -275,9 +293,15 @@ def warm_minivllm(model, requests, backend: str) -> None:
 # -- the report ------------------------------------------------------------------------------------
 def summary(runs: list[dict]) -> dict:
     rates = [r["tokens"] / r["seconds"] for r in runs]
-    out = {k: v for k, v in runs[0].items() if not k.startswith("_") and k not in ("seconds",)}
-    out.pop("load_before", None)
-    out.pop("load_after", None)
+    per_run = (
+        "seconds",
+        "load_before",
+        "load_after",
+        "cpu_seconds",
+        "cpu_seconds_all_processes",
+        "startup_seconds",
+    )
+    out = {k: v for k, v in runs[0].items() if not k.startswith("_") and k not in per_run}
     out.update(
         repeats=len(runs),
         median_seconds=round(statistics.median(r["seconds"] for r in runs), 4),
@@ -289,7 +313,7 @@ def summary(runs: list[dict]) -> dict:
                 "tokens_per_second": round(rate, 2),
                 "load_before": r["load_before"],
                 "load_after": r["load_after"],
-                **{k: r[k] for k in ("cpu_seconds", "cpu_seconds_all_processes") if k in r},
+                **{k: r[k] for k in per_run[3:] if k in r},
             }
             for r, rate in zip(runs, rates)
         ],
@@ -328,7 +352,7 @@ def main() -> int:
         "--vllm-modes",
         nargs="+",
         choices=["compiled", "eager"],
-        default=["compiled"],
+        default=["compiled", "eager"],
         help="compiled: vLLM's default (torch.compile); eager: enforce_eager=True",
     )
     parser.add_argument(
@@ -353,6 +377,7 @@ def main() -> int:
         return 0
 
     import torch
+    from _common import machine_record, make_workload
 
     from minivllm.model.checkpoint import load_model
 
@@ -428,7 +453,8 @@ def main() -> int:
             ratio = r["tokens_per_second_median"] / results[v]["tokens_per_second_median"]
             cells.append(f"{ratio:>9.2f}x")
             if key in mini_keys:
-                ratios[f"{key} / {v}"] = round(ratio, 3)
+                best = r["tokens_per_second_best"] / results[v]["tokens_per_second_best"]
+                ratios[f"{key} / {v}"] = {"median": round(ratio, 3), "best": round(best, 3)}
         print(
             f"| {r['system']:<34} | {r['tokens']:>6} | {r['median_seconds']:>8.2f} | "
             f"{r['tokens_per_second_median']:>8.1f} | {r['tokens_per_second_best']:>8.1f} | "
@@ -437,9 +463,9 @@ def main() -> int:
         )
     print(f"(tokens/s: median of {args.repeats} runs; ratios of medians)")
 
-    print("\nminivllm / vLLM, output tokens/s (medians):")
+    print("\nminivllm / vLLM, output tokens/s: medians (and best runs, the least disturbed):")
     for name, value in ratios.items():
-        print(f"  {name:<40} {value:.2f}")
+        print(f"  {name:<40} {value['median']:.2f}  ({value['best']:.2f})")
 
     # -- greedy agreement (each system's first run) --
     print("\ngreedy tokens, requests identical (reported, not asserted):")
@@ -471,7 +497,18 @@ def main() -> int:
     )
     for key in vllm_keys:
         r = runs[key][0]
-        print(f"  {key}: compilation {r['compilation_mode']}; vLLM says:")
+        print(
+            f"  {key}: engine core ran {r['engine_dtype']}, compilation "
+            f"{r['engine_compilation_mode']}"
+            + (
+                f" ({r['engine_compilation_backend']})"
+                if r["engine_compilation_mode"] not in (None, "NONE")
+                else ""
+            )
+            + "; CPU seconds of all vLLM processes per timed run: "
+            + ", ".join(f"{x['cpu_seconds_all_processes']:.1f}" for x in results[key]["runs"])
+            + f" (wall {results[key]['median_seconds']:.1f} s median); vLLM says:"
+        )
         for note in r["log_notes"]:
             print(f"    {note[:160]}")
     load_end = load_str()
