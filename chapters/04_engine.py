@@ -211,7 +211,9 @@ while toy.has_unfinished():
 # lengths. The model runner lays their tokens **end to end** — no padding in the matmuls — and keeps
 # the metadata that says which token belongs to whom: the varlen layout of FlashAttention and vLLM.
 # `build_batch` turns each chunk into a `BatchPiece` (its tokens, where they start, how many rows of
-# logits it wants; the `drafts` are chapter 06's) and `pack_batch` lays the pieces end to end.
+# logits it wants; the `drafts` are chapter 06's) and `pack_batch` lays the pieces end to end. Its
+# loop is per piece; every token's position and cache slot then come out of a few array
+# operations, so a step of 64 decodes runs no Python loop over tokens.
 
 # %%
 show(build_batch)
@@ -252,7 +254,9 @@ print("num_decodes ", batch.num_decodes, "          logits_indices", batch.logit
 # through the slot mapping, then attends in two groups: `DecodeAttention`, all decodes as one
 # `[decodes, kv_heads, group, context]` call, and `PrefillAttention`, the prefill chunks padded to the
 # longest chunk — so a long prompt never pads every decode to its length. Backends are registered by
-# name; `EngineConfig(attention_backend=...)` picks one, and chapter 07 registers a CUDA kernel.
+# name and `EngineConfig(attention_backend=...)` picks one; its default, "auto", takes the kernel
+# registered for the device. Chapter 07 writes those kernels, which read the cache in place — a
+# CPU one and a CUDA one — and checks that they give the reference's tokens, token for token.
 
 # %%
 show(TorchPagedAttention.__call__)
@@ -479,8 +483,8 @@ plt.show()
 # 2. **ch04.2 — inverse CDF.** In `sample_from_probs`, pick for each row the first token whose running
 #    total of probability exceeds `u` (scaled by the row's total). The tests check boundaries and that a
 #    zero-probability token is never picked.
-# 3. **ch04.3 — flatten a chunk.** In `pack_batch`, append one piece's token ids, positions and slots
-#    to the flat batch, its end to `query_start`, and its context length. The tests compare a
-#    hand-worked step token by token.
+# 3. **ch04.3 — flatten a chunk.** In `pack_batch`, append one piece's token ids to the flat batch,
+#    its end to `query_start`, and its context length (positions and slots follow for every token at
+#    once, below the loop). The tests compare a hand-worked step token by token.
 # 4. *(Explore, no test.)* Rerun the static/continuous comparison with `max_num_batched_tokens=16`.
 #    Which requests' time to first token grows, and why do decodes not slow down?

@@ -625,7 +625,8 @@ show(AttentionBackend)
 # switches on its simulator). "auto", the default, takes the first backend registered for the
 # engine's device, else the reference — the last line below says what that means on each device. A
 # new kernel plugs in with one more `register_backend` line: Part 1's CPU kernel (`numba`) is the
-# third, and "auto" picks it on a CPU because `benchmarks/throughput.py` measured it faster there.
+# third, and "auto" picks it for a float32 cache on a CPU, where `benchmarks/throughput.py`
+# measures it ahead of the reference (its decode steps, and the whole 64-request workload).
 
 # %%
 registry = source(attention_backend)

@@ -86,7 +86,7 @@ def _exp_in_place(x, n, exponent_bits):
         x[j] *= two_to_k[j]
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(cache=True, fastmath=FASTMATH, inline="always")
 def _attend(
     out, q, key_cache, value_cache, table, context, num_queries, first, t0, t1, kv_head, scale
 ):
@@ -175,8 +175,9 @@ def _paged_attention_kernel(
     """`work` rows are (sequence, first row, end row, K/V head) relative to the sequence's new
     rows; thread i does `work[work_start[i]:work_start[i + 1]]` (see `plan_work`)."""
     block_size = key_cache.shape[1]
-    # The new keys and values go to their slots first: every unit of work may read them.
-    for row in prange(k_new.shape[0]):
+    # The new keys and values go to their slots first: every unit of work may read them. A plain
+    # loop (a copy of a few KiB): a second parallel region would cost more to start than it saves.
+    for row in range(k_new.shape[0]):
         block, offset = divmod(slot_mapping[row], block_size)
         key_cache[block, offset] = k_new[row]
         value_cache[block, offset] = v_new[row]
