@@ -166,6 +166,9 @@ def run(
     """Run Python in `cwd` with only `cwd/src` in front of the path, so its own package is
     imported."""
     env = {**os.environ, "PYTHONPATH": str(cwd / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+    # numba caches compiled kernels beside their source (`__pycache__`) unless told otherwise: keep
+    # the graded project as free of them as PYTHONDONTWRITEBYTECODE keeps it of bytecode
+    env["NUMBA_CACHE_DIR"] = str(cwd.parent / f"{cwd.name}-numba-cache")
     if not plugins:  # the toy project needs no installed pytest plugins; loading them costs seconds
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return subprocess.run(
