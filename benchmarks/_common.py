@@ -67,6 +67,16 @@ def load_str() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def print_run(repeat: int, repeats: int, run: dict, width: int, extra: str = "") -> None:
+    """One timed run's progress line: system, tokens/s, seconds and the load around it."""
+    print(
+        f"  [{repeat + 1}/{repeats}] {run['system']:<{width}} "
+        f"{run['tokens'] / run['seconds']:8.1f} tokens/s ({run['seconds']:6.2f} s, "
+        f"load {run['load_before']} -> {run['load_after']}{extra})",
+        flush=True,
+    )
+
+
 def best_of(runs: list[dict]) -> dict:
     """The least disturbed run of a system, with the spread of all of them."""
     best = dict(min(runs, key=lambda r: r["seconds"]))

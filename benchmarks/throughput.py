@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import Request, best_of, load_str, machine_record, make_workload
+from _common import Request, best_of, load_str, machine_record, make_workload, print_run
 
 import minivllm.runner.model_runner as runner_module
 from minivllm.attention.backend import resolve_backend_name
@@ -641,12 +641,7 @@ def main() -> None:
         for key, run in systems.items():
             r = run()
             runs[key].append(r)
-            print(
-                f"  [{repeat + 1}/{args.repeats}] {r['system']:<48} "
-                f"{r['tokens'] / r['seconds']:8.1f} tokens/s "
-                f"({r['seconds']:6.2f} s, load {r['load_before']} -> {r['load_after']})",
-                flush=True,
-            )
+            print_run(repeat, args.repeats, r, 48)
     best = {key: best_of(rs) for key, rs in runs.items()}
     continuous = best[f"continuous/{args.budget[0]}"]
     order = [

@@ -377,7 +377,7 @@ def main() -> int:
         return 0
 
     import torch
-    from _common import machine_record, make_workload
+    from _common import machine_record, make_workload, print_run
 
     from minivllm.model.checkpoint import load_model
 
@@ -423,12 +423,7 @@ def main() -> int:
                 r = run()
                 runs.setdefault(key, []).append(r)
                 extra = f", start-up {r['startup_seconds']:.0f} s" if "startup_seconds" in r else ""
-                print(
-                    f"  [{repeat + 1}/{args.repeats}] {r['system']:<34} "
-                    f"{r['tokens'] / r['seconds']:8.1f} tokens/s ({r['seconds']:6.2f} s, "
-                    f"load {r['load_before']} -> {r['load_after']}{extra})",
-                    flush=True,
-                )
+                print_run(repeat, args.repeats, r, 34, extra)
 
     results = {key: summary(rs) for key, rs in runs.items()}
     vllm_keys = [f"vllm/{m}" for m in args.vllm_modes]

@@ -105,6 +105,14 @@ def kv_bytes(tokens: int, cfg=config, element_bytes: int = 4) -> int:
     return 2 * tokens * cfg.n_kv_heads * cfg.head_dim * element_bytes
 
 
+def gather_bytes(contexts: list[int]) -> tuple[int, int, int]:
+    """Per layer: K/V bytes attention needs, the padded copy, and what the gather path moves
+    (read the blocks, write the padded copy, read the copy in attention)."""
+    needed = sum(kv_bytes(n) for n in contexts)
+    padded = len(contexts) * kv_bytes(max(contexts))
+    return needed, padded, needed + 2 * padded
+
+
 engine = LLMEngine(target, EngineConfig(num_blocks=256, block_size=16))
 text = shipped_validation_text()
 prompts = [
@@ -116,9 +124,7 @@ for prompt in prompts:
 for _ in range(6):
     engine.step()
 contexts = [seq.num_tokens for seq in engine.scheduler.running]
-needed = sum(kv_bytes(n) for n in contexts)
-padded = len(contexts) * kv_bytes(max(contexts))
-moved = needed + 2 * padded  # read the blocks, write the padded copy, read the copy in attention
+needed, padded, moved = gather_bytes(contexts)
 print(f"contexts in the batch: {contexts}")
 print(
     f"per layer per step: attention needs {needed / 1024:.0f} KiB of K/V; the gather path moves "
@@ -135,8 +141,7 @@ print(
 # %%
 torch_engine = decode_engine(target, "torch")
 contexts = [seq.num_tokens for seq in torch_engine.scheduler.running]
-needed = sum(kv_bytes(n) for n in contexts)
-moved = needed + 2 * len(contexts) * kv_bytes(max(contexts))
+needed, _, moved = gather_bytes(contexts)
 print(
     f"{len(contexts)} decodes, contexts {min(contexts)}..{max(contexts)}: per layer attention needs "
     f"{needed / 2**20:.1f} MiB of K/V, the gather path moves {moved / 2**20:.1f} MiB "

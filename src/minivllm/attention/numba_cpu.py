@@ -223,13 +223,11 @@ def plan_work(
     tile = np.arange(len(seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     t0 = tile * QUERY_TILE
     t1 = np.minimum(t0 + QUERY_TILE, query_lens[seq])
-    cost = unit_cost(np.stack([seq, t0, t1], axis=1), context_lens, query_start)
-    order = np.argsort(-cost, kind="stable")
-    units = np.stack([seq, t0, t1], axis=1)[order]
-    units = np.concatenate(
-        [np.column_stack([units, np.full(len(units), h)]) for h in range(num_kv_heads)]
-    )  # every K/V head of a tile is a unit of the same cost; heads vary fastest below
-    units = units.reshape(num_kv_heads, -1, 4).transpose(1, 0, 2).reshape(-1, 4)
+    tiled = np.stack([seq, t0, t1], axis=1)
+    tiled = tiled[np.argsort(-unit_cost(tiled, context_lens, query_start), kind="stable")]
+    # every K/V head of a tile is a unit of the same cost, next to each other in the deal
+    heads = np.tile(np.arange(num_kv_heads), len(tiled))
+    units = np.column_stack([np.repeat(tiled, num_kv_heads, axis=0), heads])
     lap = np.arange(len(units)) % (2 * num_threads)
     thread = np.where(lap < num_threads, lap, 2 * num_threads - 1 - lap)
     by_thread = np.argsort(thread, kind="stable")
@@ -363,7 +361,7 @@ class NumbaPagedAttention:
                 f"the numba backend runs on a float32 cache in CPU memory, got "
                 f"{storage.dtype} on {storage.kv.device}: use attention_backend='torch'"
             )
-        self.storage, self.batch = storage, batch
+        self.storage = storage
         # The batch's metadata as numpy, once per pass: the kernel reads it in every layer.
         self.slot_mapping = batch.slot_mapping.numpy().astype(np.int64, copy=False)
         self.block_tables = batch.block_tables.numpy().astype(np.int64, copy=False)

@@ -25,22 +25,30 @@ from minivllm.training.corpus import shipped_validation_text
 
 
 class _TimedBackend:
-    """Wraps a backend factory: the attention objects it builds add their call time to `spent`."""
+    """Wraps a backend factory: the attention objects it builds add their call time to
+    `seconds`."""
 
-    def __init__(self, factory, spent: list[float]) -> None:
-        self.factory, self.spent = factory, spent
+    def __init__(self, factory) -> None:
+        self.factory, self.seconds = factory, 0.0
         self.__name__ = getattr(factory, "__name__", "backend")
 
     def __call__(self, storage, batch):
-        inner, spent = self.factory(storage, batch), self.spent
+        inner = self.factory(storage, batch)
 
         def attend(layer, q, k, v):
             started = time.perf_counter()
             out = inner(layer, q, k, v)
-            spent[0] += time.perf_counter() - started
+            self.seconds += time.perf_counter() - started
             return out
 
         return attend
+
+
+def _clocked(engine: LLMEngine) -> _TimedBackend:
+    """The engine's backend factory, wrapped in a clock once."""
+    if not isinstance(engine.runner.backend, _TimedBackend):
+        engine.runner.backend = _TimedBackend(engine.runner.backend)
+    return engine.runner.backend
 
 
 def decode_engine(
@@ -80,21 +88,17 @@ def decode_engine(
 def time_decode_steps(engines: dict[str, LLMEngine], steps: int = 10, rounds: int = 3) -> dict:
     """Per engine: the median step time and attention time (ms) over `rounds` alternating runs of
     `steps` steps, and the attention's share of the step."""
-    spent = {name: [0.0] for name in engines}
-    for name, engine in engines.items():
-        if not isinstance(engine.runner.backend, _TimedBackend):
-            engine.runner.backend = _TimedBackend(engine.runner.backend, spent[name])
-        spent[name] = engine.runner.backend.spent
+    clocks = {name: _clocked(engine) for name, engine in engines.items()}
     step_ms: dict[str, list[float]] = {name: [] for name in engines}
     attention_ms: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():
-            spent[name][0] = 0.0
+            clocks[name].seconds = 0.0
             started = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             step_ms[name].append(1e3 * (time.perf_counter() - started) / steps)
-            attention_ms[name].append(1e3 * spent[name][0] / steps)
+            attention_ms[name].append(1e3 * clocks[name].seconds / steps)
     result = {}
     for name in engines:
         step, attention = statistics.median(step_ms[name]), statistics.median(attention_ms[name])
