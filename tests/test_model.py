@@ -14,6 +14,7 @@ from minivllm.model.transformer import (
     attention_reference,
     expand_kv_heads,
     init_weights,
+    placed_on,
     rope_cos_sin,
 )
 
@@ -165,3 +166,24 @@ def test_init_is_a_function_of_the_seed():
     init_weights(a, 7), init_weights(b, 7), init_weights(c, 8)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+def test_forward_makes_no_tensor_off_the_models_device(model):
+    """On the meta device every op checks that its inputs share a device, so a tensor made on the
+    CPU inside the forward (a rope table, default positions) raises here -- the class of bug that
+    breaks every request on a GPU, caught on a CPU-only machine."""
+    meta = placed_on(model, "meta")
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    assert meta(ids).shape == (2, 5, SMALL.vocab_size)
+    positions = torch.arange(5, device="meta").expand(2, 5)
+    assert meta(ids, positions).device.type == "meta"
+    cos, sin = rope_cos_sin(positions, SMALL.head_dim, SMALL.rope_theta)
+    assert cos.device.type == sin.device.type == "meta"
+
+
+def test_placing_a_model_on_another_device_leaves_the_callers_where_it_was(model):
+    moved = placed_on(model, "meta")
+    assert moved is not model and next(moved.parameters()).device.type == "meta"
+    assert next(model.parameters()).device.type == "cpu"  # the caller's model did not move
+    assert placed_on(model, "cpu") is model  # already there: no copy
+    assert not placed_on(model, "cpu").training

@@ -35,7 +35,7 @@ from minivllm.engine.trace import StepRecord
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import ByteTokenizer
-from minivllm.model.transformer import ModelConfig, Transformer
+from minivllm.model.transformer import ModelConfig, Transformer, placed_on
 from minivllm.runner.model_runner import ModelRunner, RunnerOutput
 from minivllm.runner.sampler import derive_seed
 from minivllm.runner.speculative import SpeculativeConfig, make_drafter
@@ -51,11 +51,10 @@ class LLMEngine:
         config: EngineConfig | None = None,
         tokenizer: ByteTokenizer | None = None,
     ) -> None:
-        self.model, self.config = model.eval(), config or EngineConfig()
+        self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer or ByteTokenizer()
-        config = self.config
         self.device = _resolve_device(config.device)
-        self.model.to(self.device)  # in place: the caller's model runs where its cache lives
+        self.model = model = placed_on(model, self.device)  # the caller's stays where it was
         backend = get_backend(
             resolve_backend_name(config.attention_backend, self.device, config.dtype)
         )

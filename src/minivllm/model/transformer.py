@@ -17,6 +17,7 @@ batch) followed by `(heads, head_dim)`.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -125,7 +126,8 @@ def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, `[..., T, head_dim]`, for the given integer positions."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / theta ** (steps / head_dim)
     angles = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -216,7 +218,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits `[..., T, vocab]` for `input_ids` `[..., T]` at `positions` (default `0..T-1`)."""
         if positions is None:
-            positions = torch.arange(input_ids.shape[-1]).expand_as(input_ids)
+            positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+            positions = positions.expand_as(input_ids)
         attention = attention if attention is not None else CausalAttention()
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         x = self.model.embed_tokens(input_ids)
@@ -226,6 +229,16 @@ class Transformer(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def placed_on(model: Transformer, device: str | torch.device) -> Transformer:
+    """The model to run on `device`, in eval mode: the caller's own when it already lives there,
+    otherwise a copy moved there. Moving the caller's model in place would hand it back on another
+    device: its CPU code would then meet a CUDA model (vLLM sidesteps this by loading its own)."""
+    device = torch.device(device)
+    current = next(model.parameters()).device
+    same = current.type == device.type and device.index in (None, current.index)
+    return (model if same else copy.deepcopy(model).to(device)).eval()
 
 
 def init_weights(model: Transformer, seed: int) -> None:

@@ -42,7 +42,7 @@ import torch
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.kv.block_manager import BlockManager
-from minivllm.model.transformer import Transformer
+from minivllm.model.transformer import Transformer, placed_on
 from minivllm.runner.batch import BatchPiece, pack_batch, run_model
 from minivllm.runner.sampler import SamplingMetadata, sample_from_probs
 from minivllm.sched.sequence import Sequence
@@ -270,7 +270,7 @@ class ModelDrafter:
         device: str = "cpu",
         backend: type = TorchPagedAttention,
     ) -> None:
-        self.model, self.manager, self.backend = model.eval().to(device), manager, backend
+        self.model, self.manager, self.backend = placed_on(model, device), manager, backend
         self.storage = PagedKVStorage(model.config, num_blocks, manager.block_size, dtype, device)
 
     def propose(
