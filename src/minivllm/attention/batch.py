@@ -19,6 +19,9 @@ class VarlenBatch:
     num_decodes: int  # the first num_decodes sequences have exactly one new token
     logits_indices: torch.Tensor  # [S] long: rows whose logits pick a next token
     block_size: int
+    # The longest context of the decode group, known on the host: a GPU kernel sizes its launch by
+    # it without reading `context_lens` back from the device (a sync per step). 0: no decodes.
+    max_decode_context_len: int = 0
 
     @property
     def num_seqs(self) -> int:

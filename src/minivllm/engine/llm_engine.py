@@ -41,7 +41,7 @@ from minivllm.runner.sampler import derive_seed
 from minivllm.runner.speculative import SpeculativeConfig, make_drafter
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.scheduler import Scheduler, SchedulerConfig
-from minivllm.sched.sequence import SamplingParams, Sequence
+from minivllm.sched.sequence import SamplingParams, Sequence, Status
 
 
 class LLMEngine:
@@ -82,6 +82,10 @@ class LLMEngine:
         self.outputs = OutputProcessor()
         self.trace: list[StepRecord] = []
         self._next_id = 0
+        # request id -> the seq ids of its samples, for requests with n > 1 (a lone request's
+        # seq id is its request id)
+        self.groups: dict[int, tuple[int, ...]] = {}
+        self.peak_blocks_used = 0  # the most KV-cache blocks in use after any step
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(
@@ -91,35 +95,70 @@ class LLMEngine:
         request_id: int | None = None,
     ) -> int:
         """Queue a request and return its id. Everything is checked first; a bad request raises
-        ValueError saying what to change, and the engine is left exactly as it was."""
+        ValueError saying what to change, and the engine is left exactly as it was.
+
+        With `params.n > 1` the request is n samples (parallel sampling): one id, n sequences.
+        Sample 0 is the request as it would run alone; samples 1..n-1 get seq ids of their own
+        and seeds derived from (seed, index), wait for sample 0's prompt, then fork its block
+        table, sharing the prompt's KV blocks. Each reports as a `RequestOutput` with this
+        request_id and its `index`."""
         prompt_ids, params = self.inputs.process(prompt, params)
         request_id = self._next_id if request_id is None else request_id
-        if request_id in self.scheduler.sequences:
+        if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
+            raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
+        first_sibling = max(self._next_id, request_id + 1)
+        seq_ids = [request_id, *range(first_sibling, first_sibling + params.n - 1)]
+        if request_id in self.groups or any(i in self.scheduler.sequences for i in seq_ids):
             raise ValueError(f"request id {request_id} is already in use by an unfinished request")
         seed = params.seed if params.seed is not None else derive_seed(self.config.seed, request_id)
-        seq = Sequence(request_id, prompt_ids, params, seed, self.model.config.eos_token_id)
+        samples = [
+            Sequence(
+                seq_id,
+                prompt_ids,
+                params,
+                seed if index == 0 else derive_seed(seed, index),
+                self.model.config.eos_token_id,
+                request_id=request_id,
+                index=index,
+            )
+            for index, seq_id in enumerate(seq_ids)
+        ]
+        parent = samples[0]
+        parent.forks = samples[1:]
         if self.drafter is not None and self.drafter.uses_cache:
-            seq.num_draft_computed_tokens = 0
-        self.scheduler.add(seq)
-        self._next_id = max(self._next_id, request_id + 1)
+            parent.num_draft_computed_tokens = 0
+        self.scheduler.add(parent)
+        if params.n > 1:
+            self.groups[request_id] = tuple(seq_ids)
+        self._next_id = first_sibling + params.n - 1
         return request_id
 
     def abort(self, request_id: int) -> RequestOutput:
-        """Stop a request now; its blocks go back to the pool at once."""
-        return self.outputs.output(self.scheduler.abort(request_id))
+        """Stop a request now, all its samples; their blocks go back to the pool at once.
+        Returns the output of its first sample still unfinished (the others end "abort" too)."""
+        seq_ids = self.groups.pop(request_id, (request_id,))
+        sequences = self.scheduler.sequences
+        alive = [sequences[i] for i in seq_ids if i in sequences]
+        if not alive:
+            self.scheduler.abort(request_id)  # raises KeyError, saying why
+        for seq in alive:
+            if not seq.is_finished:  # a parent's abort has ended its waiting forks already
+                self.scheduler.abort(seq.seq_id)
+        return self.outputs.output(alive[0])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
         """How the engine stands between two steps, for metrics (the server's /metrics)."""
-        used = self.config.num_blocks - self.manager.num_free
+        used = self.manager.num_used
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_blocks=self.config.num_blocks,
             blocks_used=used,
             kv_cache_usage=used / self.config.num_blocks,
+            peak_blocks_used=self.peak_blocks_used,
         )
 
     # -- the step ----------------------------------------------------------------------------------
@@ -129,13 +168,35 @@ class LLMEngine:
             return []  # nothing queued: no plan, no forward pass, no trace record
         started = time.perf_counter()
         plan = self.scheduler.schedule()
+        self.peak_blocks_used = max(self.peak_blocks_used, self.manager.num_used)
         sequences = self.scheduler.sequences
         result = self.runner.execute(plan, sequences)
         # The scheduler ends some sequences itself, without a new token; update() may drop them.
         stepped = [sequences[i] for i in (*plan.sampling_seq_ids, *plan.finished)]
+        # parallel sampling: siblings that fork (or end) with their parent in this update
+        forks = [f for seq in stepped for f in seq.forks]
+        self._record_logprobs(result, sequences)
         finished = self.scheduler.update(plan, result.tokens)
+        stepped += [f for f in forks if f.status is not Status.WAITING]
+        for seq in finished:
+            if seq.request_id in self.groups and all(
+                i not in self.scheduler.sequences for i in self.groups[seq.request_id]
+            ):
+                del self.groups[seq.request_id]
         self.trace.append(self._record(plan, finished, result, time.perf_counter() - started))
         return [self.outputs.output(seq) for seq in stepped]
+
+    @staticmethod
+    def _record_logprobs(result: RunnerOutput, sequences: dict[int, Sequence]) -> None:
+        """Keep this step's logprobs on their sequences, before update() appends the tokens
+        (one token per sampling sequence: logprobs are refused with speculation)."""
+        for seq_id, entry in result.logprobs.items():
+            sequences[seq_id].output_logprobs.append(entry)
+        for seq_id, entries in result.prompt_logprobs.items():
+            recorded = sequences[seq_id].prompt_logprobs
+            for position, entry in entries:
+                if position == len(recorded):  # a recompute after preemption adds nothing twice
+                    recorded.append(entry)
 
     def _record(
         self, plan: StepPlan, finished: list[Sequence], result: RunnerOutput, step_s: float
@@ -169,14 +230,24 @@ class LLMEngine:
         prompts: SequenceOf[str | SequenceOf[int]],
         params: SamplingParams | SequenceOf[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to the end; outputs in the order of the prompts."""
+        """Run every prompt to the end; one output per prompt, in the order of the prompts.
+
+        A request with n > 1 samples returns the output of sample 0, with all n finished samples
+        in its `samples` (index order); with n == 1 `samples` stays empty."""
         ids = self._add_all(prompts, params)
-        done: dict[int, RequestOutput] = {}
-        while any(i not in done for i in ids):
+        wanted = {i: len(self.groups.get(i, (i,))) for i in ids}
+        done: dict[int, dict[int, RequestOutput]] = {i: {} for i in ids}
+        while any(len(done[i]) < wanted[i] for i in ids):
             for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+                if out.finished and out.request_id in done:
+                    done[out.request_id][out.index] = out
+        results = []
+        for i in ids:
+            first = done[i][0]
+            if wanted[i] > 1:
+                first.samples = [done[i][index] for index in range(wanted[i])]
+            results.append(first)
+        return results
 
     def stream(
         self,
@@ -184,19 +255,21 @@ class LLMEngine:
         params: SamplingParams | SequenceOf[SamplingParams] | None = None,
     ) -> Iterator[TextDelta]:
         """Yield each request's new text as the steps produce it (whole characters only, and never a
-        piece of a stop string); the last delta of a request carries its finish reason."""
+        piece of a stop string); the last delta of a request carries its finish reason. With
+        n > 1 each sample streams on its own, its deltas marked with its `index`."""
         ids = set(self._add_all(prompts, params))
-        unfinished = set(ids)
+        unfinished = {(i, index) for i in ids for index in range(len(self.groups.get(i, (i,))))}
         try:
             while unfinished:
                 for out in self.step():
                     if out.request_id in ids:
                         if out.finished:
-                            unfinished.discard(out.request_id)
+                            unfinished.discard((out.request_id, out.index))
                         yield out.delta()
         finally:  # a consumer that stops early must not leave its requests holding blocks
-            for i in unfinished:
-                self.abort(i)
+            for i in {i for i, _ in unfinished}:
+                if i in self.scheduler.sequences or i in self.groups:
+                    self.abort(i)
 
     def _add_all(self, prompts, params) -> list[int]:
         if isinstance(prompts, str):
@@ -245,8 +318,9 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_blocks: int
-    blocks_used: int
+    blocks_used: int  # blocks held by a sequence; a block shared by forked samples counts once
     kv_cache_usage: float  # fraction of the KV-cache blocks in use
+    peak_blocks_used: int = 0  # the most blocks in use after any step's schedule
 
 
 def request_limits(model_config: ModelConfig, config: EngineConfig) -> RequestLimits:
@@ -259,4 +333,6 @@ def request_limits(model_config: ModelConfig, config: EngineConfig) -> RequestLi
         max_prompt_blocks=config.num_blocks,
         block_size=config.block_size,
         max_unchunked_prompt=unchunked,
+        max_num_seqs=scheduler.max_num_seqs,
+        speculative=config.speculative is not None,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.sched.sequence import SamplingParams, Sequence
@@ -38,10 +38,29 @@ class RequestOutput:
     finish_message: str | None = None  # why the engine ended it, for finish_reason "cache_full"
     new_text: str = ""  # text since this request's last output (see OutputProcessor)
     new_token_ids: tuple[int, ...] = ()  # tokens since this request's last output
+    # Parallel sampling (SamplingParams.n > 1): which of the request's samples this is. Every
+    # sample reports under the same request_id and finishes on its own.
+    index: int = 0
+    # SamplingParams.logprobs: one {token id: logprob} per generated token (the sampled token
+    # and the top ones, likeliest first); new_logprobs are those of new_token_ids.
+    logprobs: list[dict[int, float]] | None = None
+    new_logprobs: tuple[dict[int, float], ...] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (as vLLM).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # LLMEngine.generate with n > 1: all n finished samples in index order (this one first);
+    # empty otherwise.
+    samples: list[RequestOutput] = field(default_factory=list, repr=False, compare=False)
 
     def delta(self) -> TextDelta:
         """The streamed piece of this output."""
-        return TextDelta(self.request_id, self.new_text, self.new_token_ids, self.finish_reason)
+        return TextDelta(
+            self.request_id,
+            self.new_text,
+            self.new_token_ids,
+            self.finish_reason,
+            self.index,
+            self.new_logprobs,
+        )
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,8 @@ class TextDelta:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
+    index: int = 0  # which sample of the request (n > 1)
+    logprobs: tuple[dict[int, float], ...] | None = None  # per token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,8 @@ class RequestLimits:
     max_prompt_blocks: int  # KV-cache blocks a prompt may need, with its first new token
     block_size: int
     max_unchunked_prompt: int | None = None  # without chunked prefill: the step's token budget
+    max_num_seqs: int | None = None  # sequences running at once: the most samples (n) a request
+    speculative: bool = False  # speculative decoding on: some parameters are refused (below)
 
 
 class InputProcessor:
@@ -77,8 +100,49 @@ class InputProcessor:
         """The prompt's token ids and the params, both checked; raises TypeError or ValueError."""
         params = self.params(params)
         prompt_ids = self.prompt_ids(prompt)
+        self.check_params(params)
         self.check_fits(prompt_ids, params)
         return prompt_ids, params
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary, n against
+        the batch, and the parameters speculative decoding does not support.
+
+        With speculative decoding the drafts are verified against the target's distribution at
+        each position; parameters whose distribution depends on the tokens before it (penalties,
+        bad_words), the logprobs, and n > 1 are refused there with a ValueError rather than
+        applied to draft positions they were not designed for. logit_bias, min_p, min_tokens and
+        allowed_token_ids depend on the position alone and work with it."""
+        limits, vocab = self.limits, self.limits.vocab_size
+        if bad := sorted(t for t in params.token_ids() if t >= vocab):
+            raise ValueError(
+                f"SamplingParams names token id {bad[0]} (stop_token_ids, logit_bias or "
+                f"allowed_token_ids), outside the vocabulary 0..{vocab - 1}"
+            )
+        if limits.max_num_seqs is not None and params.n > limits.max_num_seqs:
+            raise ValueError(
+                f"SamplingParams.n ({params.n}) exceeds max_num_seqs ({limits.max_num_seqs}): its "
+                "samples run side by side, so ask for fewer or raise max_num_seqs"
+            )
+        if limits.speculative:
+            unsupported = [
+                name
+                for name, used in (
+                    ("n", params.n > 1),
+                    ("logprobs", params.logprobs is not None),
+                    ("prompt_logprobs", params.prompt_logprobs is not None),
+                    ("presence_penalty", params.presence_penalty != 0),
+                    ("frequency_penalty", params.frequency_penalty != 0),
+                    ("repetition_penalty", params.repetition_penalty != 1),
+                    ("bad_words", bool(params.bad_words)),
+                )
+                if used
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"SamplingParams.{unsupported[0]} is not supported with speculative decoding "
+                    "in this engine: leave it at its default or run without speculation"
+                )
 
     @staticmethod
     def params(params: SamplingParams | None) -> SamplingParams:
@@ -155,9 +219,12 @@ class OutputProcessor:
     def output(self, seq: Sequence) -> RequestOutput:
         """The request's state now, with what is new since its last output."""
         cursor = self.cursors.setdefault(seq, _Cursor())
+        new_logprobs = None
+        if seq.output_logprobs is not None:  # before _take_tokens moves the cursor
+            new_logprobs = tuple(seq.output_logprobs[cursor.tokens_sent :])
         new_text, new_token_ids = _take_text(seq, cursor), _take_tokens(seq, cursor)
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=seq.request_id,
             prompt_token_ids=list(seq.prompt_token_ids),
             token_ids=seq.output_token_ids,
             text=seq.output_text,
@@ -169,6 +236,10 @@ class OutputProcessor:
             finish_message=seq.finish_message,
             new_text=new_text,
             new_token_ids=new_token_ids,
+            index=seq.index,
+            logprobs=list(seq.output_logprobs) if seq.output_logprobs is not None else None,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
 

@@ -71,6 +71,9 @@ class BlockManager:
         self.prefix_cache = prefix_cache or HashPrefixCache(num_blocks, block_size)
         self.block_size = block_size
         self.tables: dict[int, BlockTable] = {}
+        # (source, destination) block copies that copy-on-write in `allocate_slots` decided and
+        # the storage has not made yet: the model runner makes them before the forward pass.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_free(self) -> int:
@@ -260,16 +263,49 @@ class BlockManager:
         if prefix_blocks:
             raise ValueError(f"sequence {seq_id} has a block table already: no prefix blocks")
         bs, holds = self.block_size, self.num_tokens(seq_id)
+        # A forked sequence (parallel sampling) may share the block it writes next with its
+        # siblings: that block is copied first (copy-on-write), which takes one free block.
+        shared = self._shared_block_at(seq_id, num_computed_tokens)
         # Slots it could have past its computed tokens: those it holds, the slack of its last
-        # block, and every free block.
-        fits = holds - num_computed_tokens + (-holds % bs) + self.num_free * bs
+        # block, and every free block (but the copy's).
+        fits = holds - num_computed_tokens + (-holds % bs) + (self.num_free - shared) * bs
         granted = min(num_new_tokens, fits - num_lookahead_tokens) if shrink else num_new_tokens
         if granted <= 0 or granted + num_lookahead_tokens > fits:
             return 0
+        if shared:
+            self._copy_on_write(seq_id, num_computed_tokens // bs)
         extra = num_computed_tokens + granted + num_lookahead_tokens - holds
         if extra > 0:
             self.append(seq_id, extra)
         return granted
+
+    def _shared_block_at(self, seq_id: int, position: int) -> bool:
+        """Is the block that holds `position` also in another sequence's table? Only a fork's
+        last, partly filled block can be: a block of computed prefix-cache hits is never written."""
+        blocks = self._table(seq_id).blocks
+        index = position // self.block_size
+        return index < len(blocks) and self.allocator.refcount(blocks[index]) > 1
+
+    def _copy_on_write(self, seq_id: int, index: int) -> None:
+        """Give the sequence its own copy of its shared block `index`; the storage copies the
+        contents later (`take_copies`). The caller has checked that a block is free."""
+        table = self._table(seq_id)
+        old = table.blocks[index]
+        new = self._new_block()  # taken while `old` is still held: it cannot be handed back
+        self.allocator.decref(old)  # others still hold it, so it stays in use
+        table.blocks[index] = new
+        self.pending_copies.append((old, new))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies to make before the next forward pass; each is
+        handed out once."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by at least one sequence (a block shared by n forks counts once)."""
+        return self.allocator.num_blocks - self.num_free
 
     def _allocate_new(
         self, seq_id: int, num_cached: int, num_new: int, num_lookahead: int, hits: Sequence[int]

@@ -8,7 +8,7 @@ two functions on pieces of its own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -41,9 +41,12 @@ def build_batch(
     sequences: Mapping[int, Sequence],
     manager: BlockManager,
     drafts: Mapping[int, SequenceOf[int]] | None = None,
+    every_row: Container[int] = (),
 ) -> VarlenBatch:
     """Lay the plan's chunks end to end: decodes first (the plan's order), then prefill chunks. A
-    chunk with lookahead slots carries its sequence's draft tokens (chapter 06) after its own."""
+    chunk with lookahead slots carries its sequence's draft tokens (chapter 06) after its own. The
+    chunks of the sequences in `every_row` want the logits of every token (prompt logprobs), not
+    only of the last."""
     if not plan.chunks:
         raise ValueError(f"step {plan.step} schedules nothing: there is no batch to build")
     drafts = drafts or {}
@@ -56,11 +59,10 @@ def build_batch(
                 f"{chunk.num_lookahead} slots for them"
             )
         own = sequences[chunk.seq_id].token_ids[chunk.start : chunk.start + chunk.num_tokens]
-        pieces.append(
-            BatchPiece(
-                chunk.seq_id, chunk.start, own + draft, (1 + len(draft)) if chunk.samples else 0
-            )
-        )
+        num_logits = (1 + len(draft)) if chunk.samples else 0
+        if chunk.seq_id in every_row:
+            num_logits = len(own) + len(draft)
+        pieces.append(BatchPiece(chunk.seq_id, chunk.start, own + draft, num_logits))
     return pack_batch(pieces, manager)
 
 
@@ -97,6 +99,7 @@ def pack_batch(pieces: SequenceOf[BatchPiece], manager: BlockManager) -> VarlenB
     positions = torch.tensor(starts)[owner] + torch.arange(len(input_ids)) - offsets[owner]
     size = manager.block_size
     slots = block_tables[owner, positions // size] * size + positions % size
+    num_decodes = _leading_single_tokens(pieces)
     return VarlenBatch(
         input_ids=torch.tensor(input_ids),
         positions=positions,
@@ -104,9 +107,10 @@ def pack_batch(pieces: SequenceOf[BatchPiece], manager: BlockManager) -> VarlenB
         query_start=offsets,
         context_lens=torch.tensor(context_lens),
         block_tables=block_tables,
-        num_decodes=_leading_single_tokens(pieces),
+        num_decodes=num_decodes,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
         block_size=size,
+        max_decode_context_len=max(context_lens[:num_decodes], default=0),
     )
 
 

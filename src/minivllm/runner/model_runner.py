@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,7 +30,7 @@ from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.transformer import Transformer
 from minivllm.runner.batch import build_batch, run_model
-from minivllm.runner.sampler import SamplingMetadata, sample
+from minivllm.runner.sampler import SamplingMetadata, logprob_dicts, sample, sample_logprobs
 from minivllm.runner.speculative import ModelDrafter, NgramDrafter, Proposal, verify
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.sequence import Sequence
@@ -44,6 +44,11 @@ class RunnerOutput:
     speculated: tuple[tuple[int, int, int], ...] = ()  # (seq_id, drafted, accepted)
     forward_s: float = 0.0
     draft_s: float = 0.0
+    # SamplingParams.logprobs: per sampling sequence that asked, its token's {token id: logprob}
+    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per sequence, (prompt position, {token id: logprob}) for the
+    # prompt tokens this step's chunk predicted
+    prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -59,21 +64,75 @@ class ModelRunner:
         self.backend, self.drafter = backend, drafter
 
     def execute(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> RunnerOutput:
-        """Run the plan's chunks: draft (with speculation), one forward pass, sample or verify."""
+        """Run the plan's chunks: draft (with speculation), one forward pass, sample or verify.
+
+        Two extras ride on the same pass. A sequence whose prompt finishes this step and whose
+        request wants n > 1 samples has its siblings (`Sequence.forks`) draw their first tokens
+        from its logits row, each with its own seed. A sequence that wants prompt logprobs gets
+        the logits of every prompt token of its chunk."""
+        for src, dst in self.manager.take_copies():  # copy-on-write of forked blocks, first
+            self.storage.copy_block(src, dst)
         if not plan.chunks:  # a plan can be empty when all it did was end a too-big sequence
             return RunnerOutput({})
-        metadata = SamplingMetadata.from_sequences([sequences[i] for i in plan.sampling_seq_ids])
+        sampling = [sequences[i] for i in plan.sampling_seq_ids]
+        forks = [(row, f) for row, s in enumerate(sampling) for f in s.forks if not f.is_finished]
+        metadata = SamplingMetadata.from_sequences(sampling + [f for _, f in forks])
         started = time.perf_counter()
         proposals = self.propose(plan, sequences, metadata)
         draft_s = time.perf_counter() - started
         drafts = {i: p.tokens for i, p in proposals.items()}
-        batch = build_batch(plan, sequences, self.manager, drafts)
+        every_row = {
+            c.seq_id for c in plan.prefills if not sequences[c.seq_id].prompt_logprobs_done
+        }
+        batch = build_batch(plan, sequences, self.manager, drafts, every_row)
         started = time.perf_counter()
         logits = self.forward(batch)
         forward_s = time.perf_counter() - started
+        logits, prompt_logprobs = self._split_prompt_rows(plan, sequences, logits, every_row)
+        if forks:  # each waiting sibling draws from its parent's row, with its own seed
+            logits = torch.cat([logits, logits[[row for row, _ in forks]]])
         tokens = self.sample(logits, metadata, proposals)
         speculated = tuple((i, len(p.tokens), len(tokens[i]) - 1) for i, p in proposals.items())
-        return RunnerOutput(tokens, speculated, forward_s, draft_s)
+        logprobs = _token_logprobs(logits, metadata, tokens)
+        return RunnerOutput(tokens, speculated, forward_s, draft_s, logprobs, prompt_logprobs)
+
+    def _split_prompt_rows(
+        self,
+        plan: StepPlan,
+        sequences: Mapping[int, Sequence],
+        logits: torch.Tensor,
+        every_row: set[int],
+    ) -> tuple[torch.Tensor, dict[int, list[tuple[int, dict[int, float]]]]]:
+        """Separate the logits rows of prompt-logprob chunks: the row at position p predicts
+        prompt token p + 1. Returns the sampling rows alone (one per sampling chunk, as without
+        prompt logprobs) and each sequence's (position, logprobs) of its prompt tokens."""
+        if not every_row:
+            return logits, {}
+        keep, wanted, found = [], [], []
+        row = 0
+        for chunk in plan.chunks:
+            seq = sequences[chunk.seq_id]
+            if chunk.seq_id in every_row:
+                for offset in range(chunk.num_tokens):
+                    target = chunk.start + offset + 1
+                    if target < seq.num_prompt_tokens:
+                        wanted.append(row + offset)
+                        found.append((seq, target))
+                row += chunk.num_tokens
+                if chunk.samples:
+                    keep.append(row - 1)
+            elif chunk.samples:
+                keep.append(row)
+                row += 1  # no draft rows: prompt logprobs are refused with speculation
+        dicts = logprob_dicts(
+            logits[wanted],
+            [seq.token_ids[target] for seq, target in found],
+            [seq.params.prompt_logprobs for seq, _ in found],
+        )
+        prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]] = {}
+        for (seq, target), entry in zip(found, dicts):
+            prompt_logprobs.setdefault(seq.seq_id, []).append((target, entry))
+        return logits[keep], prompt_logprobs
 
     def propose(
         self, plan: StepPlan, sequences: Mapping[int, Sequence], metadata: SamplingMetadata
@@ -106,3 +165,15 @@ class ModelRunner:
         proposals = proposals or {}
         mine = [proposals.get(i, Proposal()) for i in metadata.seq_ids]
         return dict(zip(metadata.seq_ids, verify(logits, metadata, mine)))
+
+
+def _token_logprobs(
+    logits: torch.Tensor, metadata: SamplingMetadata, tokens: Mapping[int, int | list[int]]
+) -> dict[int, dict[int, float]]:
+    """The logprobs of each drawn token, for the rows that asked (never with speculation: the
+    engine refuses the combination, so each row drew one token)."""
+    if not metadata.logprobs:
+        return {}
+    drawn = [tokens[i] for i in metadata.seq_ids]
+    entries = sample_logprobs(logits, metadata, drawn)
+    return {i: e for i, e in zip(metadata.seq_ids, entries) if e is not None}

@@ -11,6 +11,13 @@ position) with a counter-based hash (splitmix64). Token 17 of a request with see
 same number, whatever else ran, so batching, preemption and speculation (chapters 05 and 06) can
 never change a request's tokens. `stream` gives speculative decoding further independent numbers per
 position.
+
+vLLM's other parameters (issue 18) are each row's `LogitRules`: allowed tokens, bad words,
+min_tokens, logit_bias and the repetition / frequency / presence penalties, applied to the logits
+before temperature by `apply_logit_rules` in a few tensor operations for the whole batch. They
+read only the row's own tokens before the position it draws, so they keep that guarantee; a batch
+without them pays nothing. `logprob_dicts` gives vLLM V1's logprobs: the log-softmax of the raw
+logits, before any of it.
 """
 
 from __future__ import annotations
@@ -55,13 +62,19 @@ def derive_seed(engine_seed: int, request_id: int) -> int:
 
 
 def token_probs(
-    logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-row sampling distributions, float64 `[B, V]`, from logits `[B, V]`.
 
     temperature scales the logits, top-k keeps the k most likely tokens (0 = all), top-p then keeps
     the smallest head of the sorted distribution whose mass reaches p (1 = all); the survivors are
-    renormalised. A greedy row (temperature 0) becomes a one-hot at its argmax.
+    renormalised. A greedy row (temperature 0) becomes a one-hot at its argmax. `min_ps` (vLLM's
+    order: after temperature, before top-k) first drops every token less likely than min_p times
+    the likeliest.
     """
     logits = logits.to(torch.float64)
     greedy = temperatures == 0
@@ -69,6 +82,9 @@ def token_probs(
     # -inf instead of overflowing everything to +inf (NaN probabilities).
     shifted = logits - logits.max(dim=-1, keepdim=True).values
     scaled = shifted / torch.where(greedy, 1.0, temperatures.to(torch.float64))[:, None]
+    if min_ps is not None:  # the largest scaled logit is 0, so p / p_max = exp(scaled)
+        floor = torch.log(min_ps.to(torch.float64))[:, None]  # min_p 0: -inf, nothing dropped
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     # EXERCISE ch04.1: top-k / top-p -- each row's k likeliest tokens, then the smallest head >= p
     ### BEGIN SOLUTION
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
@@ -101,6 +117,151 @@ def sample_from_probs(probs: torch.Tensor, uniforms: np.ndarray | torch.Tensor) 
     ### END SOLUTION
 
 
+@dataclass(frozen=True, eq=False)
+class LogitRules:
+    """What one row does to its logits before temperature: vLLM's logits processors, in its order
+    (allowed tokens, bad words, min_tokens, logit_bias, then the repetition, frequency and presence
+    penalties). A row with none of them has no rules (None) and its logits are used as they are.
+
+    `history` is the sequence's token ids (a reference, not a copy): a row drawing position p sees
+    the first p of them, so the rules depend only on the request's own tokens."""
+
+    history: Sequence[int]
+    prompt_len: int
+    min_tokens: int = 0
+    min_tokens_banned: tuple[int, ...] = ()  # EOS and the stop token ids, until min_tokens
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @classmethod
+    def of(cls, seq: SequenceState) -> LogitRules | None:
+        """The rules of a sequence's params, or None when it has none."""
+        p = seq.params
+        if not p.has_logit_rules:  # the common case, checked without building anything
+            return None
+        stops = (() if p.ignore_eos else (seq.eos_token_id,)) + p.stop_token_ids
+        return cls(
+            history=seq.token_ids,
+            prompt_len=seq.num_prompt_tokens,
+            min_tokens=p.min_tokens,
+            min_tokens_banned=tuple(dict.fromkeys(stops)) if p.min_tokens else (),
+            allowed_token_ids=p.allowed_token_ids,
+            bad_word_ids=seq.bad_word_ids,
+            logit_bias=p.logit_bias,
+            repetition_penalty=p.repetition_penalty,
+            frequency_penalty=p.frequency_penalty,
+            presence_penalty=p.presence_penalty,
+        )
+
+    @property
+    def penalises(self) -> bool:
+        return bool(self.repetition_penalty != 1 or self.frequency_penalty or self.presence_penalty)
+
+    def banned(self, position: int) -> list[int]:
+        """Tokens this row may not draw at `position`: stop tokens before min_tokens, and the last
+        token of each bad word whose other tokens the output just ended with (as vLLM, only the
+        generated tokens count)."""
+        banned = []
+        if position - self.prompt_len < self.min_tokens:
+            banned += self.min_tokens_banned
+        for word in self.bad_word_ids:
+            before = len(word) - 1
+            if before == 0:
+                banned.append(word[-1])
+            elif position - self.prompt_len >= before:
+                if tuple(self.history[position - before : position]) == word[:-1]:
+                    banned.append(word[-1])
+        return banned
+
+
+def apply_logit_rules(
+    logits: torch.Tensor, rules: Sequence[LogitRules | None], positions: Sequence[int]
+) -> torch.Tensor:
+    """Logits `[R, V]` after each row's rules (float64; the rows without rules unchanged).
+
+    One Python loop over the rows gathers (row, token) index lists; every change to the logits
+    is then one tensor operation for the whole batch, never a loop over the vocabulary."""
+    logits = logits.to(torch.float64)
+    rows = [r for r, rule in enumerate(rules) if rule is not None]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    ban_rows, ban_tokens, bias_rows, bias_tokens, biases = [], [], [], [], []
+    allow_rows, allow_tokens, restricted = [], [], []
+    out_rows, out_tokens, seen_rows, seen_tokens, penalised = [], [], [], [], []
+    for r in rows:
+        rule, position = rules[r], positions[r]
+        banned = rule.banned(position)
+        ban_rows += [r] * len(banned)
+        ban_tokens += banned
+        if rule.allowed_token_ids is not None:
+            restricted.append(r)
+            allow_rows += [r] * len(rule.allowed_token_ids)
+            allow_tokens += rule.allowed_token_ids
+        bias_rows += [r] * len(rule.logit_bias)
+        bias_tokens += [t for t, _ in rule.logit_bias]
+        biases += [b for _, b in rule.logit_bias]
+        if rule.penalises:
+            penalised.append(r)
+            history = rule.history[:position]
+            output = history[rule.prompt_len :]
+            out_rows += [r] * len(output)
+            out_tokens += output
+            seen_rows += [r] * len(history)
+            seen_tokens += history
+    before_bans = logits.clone()
+    if restricted:  # everything but the allowed tokens is banned
+        allowed = torch.zeros_like(logits, dtype=torch.bool)
+        allowed[allow_rows, allow_tokens] = True
+        allowed[[r for r in range(len(rules)) if r not in restricted]] = True
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    if ban_rows:
+        logits[ban_rows, ban_tokens] = float("-inf")
+    if bias_rows:
+        # accumulate=False: a token appears once per row (logit_bias is a mapping)
+        logits[bias_rows, bias_tokens] += torch.tensor(biases, dtype=torch.float64)
+    if penalised:
+        logits = _penalise(
+            logits, rules, penalised, (out_rows, out_tokens), (seen_rows, seen_tokens)
+        )
+    # A row whose rules left nothing to draw (say allowed_token_ids=[EOS] before min_tokens) keeps
+    # its logits without the bans rather than sample from NaN.
+    dead = torch.isneginf(logits).all(dim=-1)
+    if dead.any():
+        logits[dead] = before_bans[dead]
+    return logits
+
+
+def _penalise(logits, rules, penalised, output, seen) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt + output (a positive logit divided by it, a
+    negative one multiplied), then frequency (per earlier occurrence) and presence (once) over the
+    output."""
+    counts = torch.zeros_like(logits)
+    counts.index_put_(
+        (torch.tensor(output[0], dtype=torch.long), torch.tensor(output[1], dtype=torch.long)),
+        torch.ones(len(output[0]), dtype=torch.float64),
+        accumulate=True,
+    )
+    in_history = torch.zeros_like(logits, dtype=torch.bool)
+    in_history[seen[0], seen[1]] = True
+    column = torch.zeros(logits.shape[0], 3, dtype=torch.float64)
+    column[:, 0] = 1.0
+    for r in penalised:
+        rule = rules[r]
+        column[r] = torch.tensor(
+            [rule.repetition_penalty, rule.frequency_penalty, rule.presence_penalty],
+            dtype=torch.float64,
+        )
+    repetition, frequency, presence = (column[:, i : i + 1] for i in range(3))
+    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(in_history, repeated, logits)
+    return logits - frequency * counts - presence * (counts > 0)
+
+
 @dataclass(frozen=True)
 class SamplingMetadata:
     """What the sampler needs of each row it draws, built ONCE per step from the sequences and then
@@ -115,6 +276,9 @@ class SamplingMetadata:
     positions: tuple[int, ...]  # the index in its sequence of the token the row draws
     greedy: tuple[bool, ...]
     all_greedy: bool  # then sampling is an argmax: no sort, no hash
+    min_ps: tuple[float, ...] = ()  # 0 = no min-p; empty = none in the batch
+    rules: tuple[LogitRules | None, ...] = ()  # empty = no row has any
+    logprobs: tuple[int | None, ...] = ()  # top logprobs wanted per row; empty = none
 
     @classmethod
     def from_sequences(cls, seqs: Sequence[SequenceState]) -> SamplingMetadata:
@@ -127,6 +291,9 @@ class SamplingMetadata:
             [s.seed for s in seqs],
             [s.num_tokens for s in seqs],
             seq_ids=[s.seq_id for s in seqs],
+            min_ps=[p.min_p for p in params],
+            rules=[LogitRules.of(s) for s in seqs],
+            logprobs=[p.logprobs for p in params],
         )
 
     @classmethod
@@ -138,9 +305,17 @@ class SamplingMetadata:
         seeds: Sequence[int],
         positions: Sequence[int],
         seq_ids: Sequence[int] | None = None,
+        *,
+        min_ps: Sequence[float] = (),
+        rules: Sequence[LogitRules | None] = (),
+        logprobs: Sequence[int | None] = (),
     ) -> SamplingMetadata:
-        """Rows given column by column; `seq_ids` default to 0, 1, 2, ..."""
+        """Rows given column by column; `seq_ids` default to 0, 1, 2, ... A column that is all
+        "off" is stored empty, so a plain batch pays nothing for the features it does not use."""
         greedy = tuple(t == 0 for t in temperatures)
+        min_ps = tuple(min_ps) if any(min_ps) else ()
+        rules = tuple(rules) if any(r is not None for r in rules) else ()
+        logprobs = tuple(logprobs) if any(k is not None for k in logprobs) else ()
         return cls(
             seq_ids=tuple(seq_ids if seq_ids is not None else range(len(temperatures))),
             temperatures=tuple(temperatures),
@@ -150,6 +325,9 @@ class SamplingMetadata:
             positions=tuple(positions),
             greedy=greedy,
             all_greedy=all(greedy),
+            min_ps=min_ps,
+            rules=rules,
+            logprobs=logprobs,
         )
 
     def select(self, rows: Sequence[int], ahead: Sequence[int] | None = None) -> SamplingMetadata:
@@ -165,16 +343,26 @@ class SamplingMetadata:
             positions=tuple(self.positions[r] + a for r, a in zip(rows, ahead)),
             greedy=greedy,
             all_greedy=all(greedy),
+            min_ps=tuple(self.min_ps[r] for r in rows) if self.min_ps else (),
+            rules=tuple(self.rules[r] for r in rows) if self.rules else (),
+            logprobs=tuple(self.logprobs[r] for r in rows) if self.logprobs else (),
         )
+
+    def processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits after each row's rules (see `apply_logit_rules`); as given without rules."""
+        if not self.rules:
+            return logits
+        return apply_logit_rules(logits, self.rules, self.positions)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's sampling distribution, float64 `[R, V]` (see `token_probs`). The parameter
         tensors are made here, not per step: an all-greedy step never needs them."""
         return token_probs(
-            logits,
+            self.processed(logits),
             torch.tensor(self.temperatures, dtype=torch.float64),
             torch.tensor(self.top_ks, dtype=torch.long),
             torch.tensor(self.top_ps, dtype=torch.float64),
+            torch.tensor(self.min_ps, dtype=torch.float64) if self.min_ps else None,
         )
 
     def uniforms(self, stream: int = 0) -> np.ndarray:
@@ -185,6 +373,45 @@ class SamplingMetadata:
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
     """The engine's sampler: one token per row of `logits`, each from its own request's
     distribution."""
-    if metadata.all_greedy:
-        return logits.argmax(dim=-1).tolist()  # all greedy: skip the sort and the hash
+    if metadata.all_greedy:  # all greedy: skip the sort and the hash
+        return metadata.processed(logits).argmax(dim=-1).tolist()
     return sample_from_probs(metadata.probs(logits), metadata.uniforms()).tolist()
+
+
+def logprob_dicts(
+    logits: torch.Tensor, tokens: Sequence[int], top: Sequence[int]
+) -> list[dict[int, float]]:
+    """Per row of raw logits `[R, V]`: {token id: logprob} for `tokens[r]` and the `top[r]`
+    likeliest tokens, likeliest first (the chosen token last when it is not among them).
+
+    vLLM V1's logprobs: the log-softmax of the model's raw logits in float64, before temperature,
+    penalties or any filter, so they describe the model, not the sampling settings."""
+    if not len(tokens):
+        return []
+    logprobs = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    width = max(top)
+    values, ids = logprobs.topk(width, dim=-1) if width else (None, None)
+    chosen = logprobs.gather(-1, torch.as_tensor(list(tokens)).reshape(-1, 1)).reshape(-1)
+    dicts = []
+    for r, (token, k) in enumerate(zip(tokens, top)):
+        entry = dict(zip(ids[r, :k].tolist(), values[r, :k].tolist())) if k else {}
+        entry.setdefault(int(token), float(chosen[r]))
+        dicts.append(entry)
+    return dicts
+
+
+def sample_logprobs(
+    logits: torch.Tensor, metadata: SamplingMetadata, tokens: Sequence[int]
+) -> list[dict[int, float] | None]:
+    """The logprobs of each row's drawn token (and its top ones), None for a row that asked for
+    none."""
+    if not metadata.logprobs:
+        return [None] * len(tokens)
+    rows = [r for r, k in enumerate(metadata.logprobs) if k is not None]
+    dicts = logprob_dicts(
+        logits[rows], [tokens[r] for r in rows], [metadata.logprobs[r] for r in rows]
+    )
+    out: list[dict[int, float] | None] = [None] * len(tokens)
+    for r, entry in zip(rows, dicts):
+        out[r] = entry
+    return out

@@ -145,12 +145,14 @@ def verify(
         raise ValueError(
             f"{logits.shape[0]} rows of logits for {len(rows)} sequences that need {sum(rows)}"
         )
-    if metadata.all_greedy:
+    if metadata.all_greedy and not metadata.rules:
         return _verify_greedy(logits.argmax(dim=-1).tolist(), proposals)
     # One metadata row per logits row: sequence i's rows draw positions num_tokens + 0 .. + n - 1.
     expanded = metadata.select(
         [i for i, n in enumerate(rows) for _ in range(n)], [j for n in rows for j in range(n)]
     )
+    if expanded.all_greedy:  # with logit rules (position-only under speculation, e.g. min_tokens)
+        return _verify_greedy(expanded.processed(logits).argmax(dim=-1).tolist(), proposals)
     p = expanded.probs(logits)
     ends = np.cumsum(rows).tolist()  # sequence i's rows end at ends[i]; the last is its bonus row
     bonus_rows = [end - 1 for end in ends]
@@ -320,7 +322,7 @@ class ModelDrafter:
         from (None for a greedy row: q is the one-hot at the argmax, no need to build it)."""
         logits = run_model(self.model, self.storage, pack_batch(pieces, self.manager), self.backend)
         if metadata.all_greedy:
-            return logits.argmax(dim=-1).tolist(), [None] * len(pieces)
+            return metadata.processed(logits).argmax(dim=-1).tolist(), [None] * len(pieces)
         q = metadata.probs(logits)
         tokens = sample_from_probs(q, metadata.uniforms(STREAM_DRAFT)).tolist()
         # A greedy row's q is the one-hot at its token: leave it implied (None) whoever else is in

@@ -131,11 +131,15 @@ class Scheduler:
 
     # -- requests in and out -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        if seq.seq_id in self.sequences:
-            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
-        seq.status, seq.arrival_step = Status.WAITING, self.step
+        """Queue a sequence. Its `forks` (the other samples of a request with n > 1) are
+        registered too but not queued: they join when its prompt is computed (`_fork`)."""
+        group = [seq, *seq.forks]
+        if taken := [s.seq_id for s in group if s.seq_id in self.sequences]:
+            raise ValueError(f"sequence {taken[0]} is already scheduled")
+        for member in group:
+            member.status, member.arrival_step = Status.WAITING, self.step
+            self.sequences[member.seq_id] = member
         self.waiting.append(seq)
-        self.sequences[seq.seq_id] = seq
 
     def abort(self, seq_id: int) -> Sequence:
         """Stop a request now, wherever it is, and give its blocks back."""
@@ -228,11 +232,17 @@ class Scheduler:
         if not self.admission.may_admit(self):
             return [], 0
         admitted, hit_tokens = [], 0
-        while self.waiting and len(self.running) < config.max_num_seqs and budget > 0:
+        # Parallel sampling: a sequence's waiting forks join when its prompt is computed, so each
+        # keeps a seat from the start.
+        seats = len(self.running) + sum(len(s.forks) for s in self.running)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seats + 1 + len(seq.forks) > config.max_num_seqs:
+                break
             end = self._prefill_end(seq)
             hits, cached = [], 0
-            if config.enable_prefix_caching:
+            # Prompt logprobs need the logits of every prompt token: no prefix-cache hits (vLLM).
+            if config.enable_prefix_caching and seq.prompt_logprobs_done:
                 hits, cached = manager.computed_prefix(seq.token_ids[:end])
             num_new = min(end - cached, budget)
             if num_new < end - cached and not self._may_chunk(seq):
@@ -246,6 +256,7 @@ class Scheduler:
             if not seq.num_preemptions:
                 seq.num_cached_tokens = cached  # what the prompt found cached on first admission
             self.running.append(seq)
+            seats += 1 + len(seq.forks)
             chunks.append(self._chunk(seq, num_new, is_prefill=True))
             admitted.append(seq.seq_id)
             hit_tokens += cached
@@ -339,6 +350,8 @@ class Scheduler:
         pass, so they count as computed; the slots of rejected ones are rolled back.
         """
         finished = [self.sequences.pop(i) for i in plan.finished if i in self.sequences]
+        for seq in list(finished):
+            finished += self._end_pending_forks(seq)
         for chunk in plan.chunks:
             seq = self.sequences.get(chunk.seq_id)
             if seq is None:
@@ -349,6 +362,8 @@ class Scheduler:
                 appended = seq.append_tokens([run] if isinstance(run, int) else list(run))
                 seq.num_computed_tokens += appended - 1  # accepted drafts: their K/V were written
             self._advance(seq)
+            if chunk.samples and seq.forks:
+                finished += self._fork(seq, sampled)
             if seq.is_finished:
                 self._retire(seq)
                 finished.append(seq)
@@ -368,9 +383,46 @@ class Scheduler:
             seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_cacheable_tokens=cacheable
         )
 
+    def _fork(self, parent: Sequence, sampled: Mapping[int, int | list[int]]) -> list[Sequence]:
+        """Parallel sampling: the parent's prompt is computed, so each waiting sibling forks its
+        block table (sharing every prompt block; copy-on-write separates the last, partly filled
+        one at the next write) and appends the first token the runner drew for it from the same
+        logits. Returns the siblings that finished at once."""
+        finished = []
+        for child in parent.forks:
+            if child.is_finished:
+                continue  # aborted while it waited
+            self.manager.fork(parent.seq_id, child.seq_id)
+            child.status = Status.RUNNING
+            child.num_computed_tokens = child.max_computed_tokens = parent.num_prompt_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.prompt_logprobs = parent.prompt_logprobs
+            self.running.append(child)
+            child.append_tokens([sampled[child.seq_id]])
+            self._advance(child)
+            if child.is_finished:
+                self._retire(child)
+                finished.append(child)
+        parent.forks = []
+        return finished
+
+    def _end_pending_forks(self, seq: Sequence) -> list[Sequence]:
+        """A parent that ends before its prompt was computed (aborted, cache_full) ends the
+        siblings waiting for it the same way."""
+        ended = []
+        for child in seq.forks:
+            if not child.is_finished:
+                child.finish(seq.finish_reason)
+                child.finish_message = seq.finish_message
+                self.sequences.pop(child.seq_id, None)
+                ended.append(child)
+        seq.forks = []
+        return ended
+
     def _retire(self, seq: Sequence) -> None:
         if seq.status is not Status.FINISHED:
             raise AssertionError(f"retiring sequence {seq.seq_id}, which is {seq.status.value}")
+        self._end_pending_forks(seq)
         if seq.seq_id in self.manager:
             self.manager.free(seq.seq_id)
         if seq in self.running:

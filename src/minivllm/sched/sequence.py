@@ -10,6 +10,9 @@ One number drives the whole engine: `num_tokens - num_computed_tokens`, the toke
 has to run. A fresh prompt has all of them left (a prefill, perhaps in chunks); a running sequence
 has exactly one, the token it sampled last step (a decode). A sequence that was preempted and lost
 its cache (chapter 05) simply has many again.
+
+A request with n > 1 samples is n sequences under one `request_id`: sample 0 is queued, the others
+wait in its `forks` until its prompt is computed, then share its prompt's blocks (scheduler.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from minivllm.model.tokenizer import StreamingDecoder
+from minivllm.model.tokenizer import ByteTokenizer, StreamingDecoder
+
+_TOKENIZER = ByteTokenizer()
 
 
 def _is_int(value) -> bool:
@@ -28,6 +33,10 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+MAX_N = 16  # parallel samples per request (SamplingParams.n)
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each new token and when to stop, in the spirit of vLLM's class of the same name.
@@ -35,8 +44,24 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 and top_p 1 switch those filters off. `seed` fixes the
     request's randomness: token i is drawn with a uniform number that depends only on (seed, i), so
     the request gives the same tokens whatever else is in the batch. `stop` strings end the request
-    and are cut from its text; `stop_token_ids` end it too (the token is kept in the ids); EOS ends
-    it unless `ignore_eos`.
+    and are cut from its text (kept with `include_stop_str_in_output`); `stop_token_ids` end it too
+    (the token is kept in the ids); EOS ends it unless `ignore_eos`.
+
+    vLLM's further parameters, with its meaning and its order (the sampler applies them to the
+    logits before temperature): `allowed_token_ids` (only these may be drawn), `bad_words` (a
+    word's last token is banned right after its other tokens were generated), `min_tokens` (EOS and
+    `stop_token_ids` are banned until this many tokens exist), `logit_bias` (token id -> bias added
+    to its logit, in [-100, 100]; a dict is accepted and stored as sorted pairs),
+    `repetition_penalty` (> 1 discourages every token of the prompt and output: a positive logit is
+    divided by it, a negative one multiplied), `frequency_penalty` and `presence_penalty` (in
+    [-2, 2]: subtracted once per earlier occurrence in the output, and once if it occurs at all),
+    then `min_p` (after temperature: drop tokens less likely than min_p times the likeliest).
+
+    `n` (1..16) asks for n samples of one prompt that share its KV blocks (sample i's randomness
+    depends on (seed, i, position); sample 0 is the request alone). `logprobs` (0..20) returns, per
+    generated token, the log-probabilities of the sampled token and of the `logprobs` likeliest;
+    `prompt_logprobs` the same for each prompt token after the first. Both are vLLM V1's: the
+    log-softmax of the model's raw logits, before any of the processing above.
     """
 
     max_tokens: int = 16
@@ -47,13 +72,30 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        # Accept a single string or any list for the stop fields; store tuples so the value stays
-        # frozen.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        # Accept a single string or any list for the list fields, a dict for logit_bias; store
+        # tuples so the value stays frozen (and hashable).
+        stop = (self.stop,) if isinstance(self.stop, str) else _tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _tuple(self.stop_token_ids))
+        bad = (self.bad_words,) if isinstance(self.bad_words, str) else _tuple(self.bad_words)
+        object.__setattr__(self, "bad_words", bad)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _tuple(self.allowed_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for problem in self._problems():
             raise ValueError(f"SamplingParams.{problem}")
 
@@ -68,16 +110,120 @@ class SamplingParams:
             yield f"top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}"
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             yield f"seed must be None or an int in [0, 2**63), got {self.seed!r}"
-        if not all(isinstance(s, str) and s for s in self.stop):
-            yield f"stop must be non-empty strings, got {self.stop!r}"
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            yield f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
-        if not isinstance(self.ignore_eos, bool):
-            yield f"ignore_eos must be True or False, got {self.ignore_eos!r}"
+        if not _all(self.stop, lambda s: isinstance(s, str) and s):
+            yield f"stop must be non-empty strings, got {_short(self.stop)}"
+        if not _all(self.stop_token_ids, lambda t: _is_int(t) and t >= 0):
+            yield f"stop_token_ids must be non-negative ints, got {_short(self.stop_token_ids)}"
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                yield f"{name} must be True or False, got {getattr(self, name)!r}"
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            yield f"n must be an int in [1, {MAX_N}], got {self.n!r}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                yield f"{name} must be a number in [-2, 2] (0 = off), got {value!r}"
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not 0 < rep < float("inf"):
+            yield f"repetition_penalty must be a number > 0 (1 = off), got {rep!r}"
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            yield f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}"
+        if not _all(self.logit_bias, _is_bias_pair):
+            yield (
+                "logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], "
+                f"got {_short(self.logit_bias)}"
+            )
+        elif len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
+            yield f"logit_bias names a token id twice, got {_short(self.logit_bias)}"
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            yield (
+                f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                yield f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
+        if not _all(self.bad_words, lambda w: isinstance(w, str) and w):
+            yield f"bad_words must be non-empty strings, got {_short(self.bad_words)}"
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not allowed or not _all(allowed, lambda t: _is_int(t) and t >= 0)
+        ):
+            yield (
+                "allowed_token_ids must be None or a non-empty list of non-negative ints, "
+                f"got {_short(allowed)}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """Does the sampler change this request's logits before temperature (see the class)?"""
+        return bool(
+            self.min_tokens
+            or self.allowed_token_ids is not None
+            or self.bad_words
+            or self.logit_bias
+            or self.uses_history
+        )
+
+    @property
+    def uses_history(self) -> bool:
+        """Does a token's distribution depend on the tokens before it (penalties, bad words)?"""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.bad_words
+        )
+
+    def token_ids(self) -> set[int]:
+        """Every token id the params name, for a check against the vocabulary."""
+        ids = set(self.stop_token_ids) | {t for t, _ in self.logit_bias}
+        return ids | set(self.allowed_token_ids or ())
+
+
+def _all(values, check) -> bool:
+    return isinstance(values, tuple) and all(check(v) for v in values)
+
+
+def _is_bias_pair(pair) -> bool:
+    return (
+        isinstance(pair, tuple)
+        and len(pair) == 2
+        and _is_int(pair[0])
+        and pair[0] >= 0
+        and _is_number(pair[1])
+        and -100 <= pair[1] <= 100
+    )
+
+
+def _tuple(value) -> tuple:
+    """A list-like field as a tuple; anything else is kept as it is, for `_problems` to name."""
+    return tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else value
+
+
+def _bias_pairs(value) -> tuple:
+    """logit_bias as sorted (token id, bias) pairs, from a dict or pairs; a bad shape is kept for
+    `_problems` to name."""
+    if isinstance(value, dict):
+        value = value.items()
+    try:
+        pairs = tuple((t, b) for t, b in value)
+    except (TypeError, ValueError):
+        return value if isinstance(value, tuple) else (value,)
+    if all(_is_int(t) for t, _ in pairs):
+        pairs = tuple(sorted(pairs, key=lambda pair: pair[0]))
+    return pairs
+
+
+def _short(value, limit: int = 80) -> str:
+    """A value's repr, cut: an error message never echoes a huge input back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Status(enum.Enum):
@@ -116,12 +262,39 @@ class Sequence:
     stop_reason: int | str | None = None
     finish_message: str | None = None  # why, in words, when the engine ended it (cache_full)
     output_text: str = ""
+    # Parallel sampling (SamplingParams.n > 1): the caller's request id and which sample this is.
+    # A lone request has request_id == seq_id and index 0.
+    request_id: int | None = None
+    index: int = 0
+    # The other samples of its request, waiting for this one's prompt: when its prefill is done
+    # they fork its block table (sharing the prompt's blocks) and draw their first tokens from the
+    # same logits (scheduler.update).
+    forks: list[Sequence] = field(default_factory=list, repr=False)
+    # SamplingParams.logprobs: {token id: logprob} per output token (the sampled one and the top
+    # k); prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
+    output_logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)
+    bad_word_ids: tuple[tuple[int, ...], ...] = field(
+        init=False, repr=False
+    )  # bad_words, tokenized
     _decoder: StreamingDecoder = field(default_factory=StreamingDecoder, repr=False)
     _text_checked: int = field(default=0, repr=False)  # chars already searched for stop strings
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.request_id is None:
+            self.request_id = self.seq_id
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+        self.bad_word_ids = tuple(tuple(_TOKENIZER.encode(w)) for w in self.params.bad_words)
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Has every prompt token its logprobs (or were none asked for)?"""
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,14 +342,18 @@ class Sequence:
         self.token_ids.append(token)
         self.output_text += self._decoder.push(token)
         params = self.params
-        if token == self.eos_token_id and not params.ignore_eos:
+        # The sampler never draws EOS or a stop token before min_tokens; a token run handed in
+        # from outside still must not end the request early.
+        may_stop = self.num_output_tokens > params.min_tokens
+        if token == self.eos_token_id and not params.ignore_eos and may_stop:
             self.finish(STOP)
-        elif token in params.stop_token_ids:
+        elif token in params.stop_token_ids and may_stop:
             self.finish(STOP, stop_reason=token)
         elif (hit := self._find_stop_string()) is not None:
             self.finish(STOP, stop_reason=hit[1])
-            # the stop string is not part of the answer
-            self.output_text = self.output_text[: hit[0]]
+            # the stop string is not part of the answer, unless asked for
+            end = hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)
+            self.output_text = self.output_text[:end]
         elif self.num_output_tokens >= params.max_tokens:
             self.finish(LENGTH)
 
