@@ -17,7 +17,12 @@ import pytest
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sched.sequence import SamplingParams
-from minivllm.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from minivllm.serving.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -183,3 +188,40 @@ def test_close_aborts_what_runs_and_leaves_no_thread(target) -> None:
     asyncio.run(main())
     assert async_engine.blocks_in_use() == 0 and not async_engine.engine.has_unfinished()
     assert set(threading.enumerate()) == threads
+
+
+def test_a_request_that_fails_while_served_ends_alone(target) -> None:
+    """A failure in one request's output (here: its delta, poisoned on purpose) ends that request
+    with RequestFailedError; the request beside it, and the engine, go on."""
+    llm = LLMEngine(target)
+    poison = llm.tokenizer.encode("POISON", add_bos=True)
+    make_output = llm.outputs.output
+
+    def output(seq):
+        out = make_output(seq)
+        if out.prompt_token_ids == poison and out.token_ids:
+
+            def fail():
+                raise RuntimeError("a poisoned output")
+
+            out.delta = fail
+        return out
+
+    llm.outputs.output = output
+    expected = LLMEngine(target).generate(["ROMEO:\n"], GREEDY)[0]
+
+    async def run() -> tuple[dict, BaseException]:
+        healthy = await engine.add_request("ROMEO:\n", GREEDY)
+        poisoned = await engine.add_request("POISON", GREEDY)
+        with pytest.raises(RequestFailedError, match="poisoned") as raised:
+            await texts(poisoned)
+        return await texts(healthy), raised.value
+
+    with AsyncEngine(llm) as engine:
+        got, _ = asyncio.run(run())
+        (got,) = got.values()
+        assert got == (expected.text, tuple(expected.token_ids), expected.finish_reason)
+        assert engine.is_alive and engine.blocks_in_use() == 0
+        assert 'minivllm:engine_alive{model_name="target"} 1' in asyncio.run(
+            engine.render_metrics()
+        )

@@ -139,3 +139,79 @@ def test_serve_answers_over_http_and_stops_on_ctrl_c() -> None:
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
+
+
+# A test-only fault, injected from outside the package: the subprocess replaces LLMEngine.step with
+# one that raises once the test creates the trigger file, then runs `minivllm serve` unchanged.
+SERVE_WITH_A_FAULT = """
+import sys
+from pathlib import Path
+
+from minivllm import cli
+from minivllm.engine.llm_engine import LLMEngine
+
+trigger, step = Path(sys.argv[1]), LLMEngine.step
+
+
+def step_that_fails_on_purpose(self):
+    if trigger.exists():
+        raise RuntimeError("injected fault: the forward pass failed")
+    return step(self)
+
+
+LLMEngine.step = step_that_fails_on_purpose
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_serve_exits_non_zero_when_its_engine_dies(tmp_path) -> None:
+    """As vLLM V1: a dead engine is logged with its cause and the process exits 1, so a supervisor
+    restarts it, instead of answering 503 forever."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    trigger = tmp_path / "fail-now"
+    command = [sys.executable, "-c", SERVE_WITH_A_FAULT, str(trigger), "serve", "--port", str(port)]
+    command += ["--threads", "1", "--log-level", "warning", "--api-key", "k"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url, auth = f"http://127.0.0.1:{port}", {"authorization": "Bearer k"}
+    body = {"model": "target", "prompt": "ROMEO:\n", "max_tokens": 3}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        served = httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=30)
+        assert served.status_code == 200
+        trigger.touch()
+        try:
+            failed = httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=30)
+            assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_dead"
+        except httpx.TransportError:
+            pass  # the server may already be gone
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1
+    assert "injected fault: the forward pass failed" in err and "the engine died" in err
+
+
+def test_serve_limits_and_key_come_from_the_command_line(monkeypatch) -> None:
+    from minivllm.cli import server_limits
+
+    args = build_parser().parse_args(
+        ["serve", "--max-body-bytes", "1000", "--max-stop-strings", "2", "--api-key", "k"]
+    )
+    limits = server_limits(args)
+    assert (limits.max_body_bytes, limits.max_stop_strings, limits.max_prompts) == (1000, 2, 32)
+    assert args.api_key == "k"
+    monkeypatch.setenv("MINIVLLM_API_KEY", "from-the-environment")
+    assert build_parser().parse_args(["serve"]).api_key == "from-the-environment"
+    with pytest.raises(ValueError, match="max_messages must be an int >= 1"):
+        server_limits(build_parser().parse_args(["serve", "--max-messages", "0"]))

@@ -52,25 +52,53 @@ def test_misuse_is_refused() -> None:
 
 def test_serving_metrics_parse_back_with_prometheus_client() -> None:
     parser = pytest.importorskip("prometheus_client.parser")
-    metrics = ServingMetrics()
+    metrics = ServingMetrics("shakespeare")
     metrics.engine_state(running=3, waiting=1, kv_cache_usage=0.5)
-    metrics.first_token(0.03, prompt_tokens=10, cached_tokens=4)
+    metrics.scheduled(0.002)
+    metrics.first_token(0.03, prompt_tokens=10, cached_tokens=4, prefill_seconds=0.028)
     metrics.tokens(1, since_last=None)
     metrics.tokens(2, since_last=0.02)
-    metrics.finished("length", 0.2)
+    metrics.speculated(draft_tokens=4, accepted_tokens=3)
+    metrics.finished("length", 0.2, generation_tokens=3, decode_seconds=0.17)
     metrics.preemptions.inc(2)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in parser.text_string_to_metric_families(metrics.render())
         for s in family.samples
     }
-    assert samples[("minivllm:num_requests_running", ())] == 3
-    assert samples[("minivllm:kv_cache_usage_perc", ())] == 0.5
-    assert samples[("minivllm:num_preemptions_total", ())] == 2
-    assert samples[("minivllm:prefix_cache_hit_rate", ())] == 0.4
-    assert samples[("minivllm:generation_tokens_total", ())] == 3
-    assert samples[("minivllm:request_success_total", (("finished_reason", "length"),))] == 1
-    assert samples[("minivllm:request_success_total", (("finished_reason", "stop"),))] == 0
-    assert samples[("minivllm:time_to_first_token_seconds_bucket", (("le", "0.04"),))] == 1
-    assert samples[("minivllm:inter_token_latency_seconds_count", ())] == 1
-    assert samples[("minivllm:e2e_request_latency_seconds_sum", ())] == 0.2
+    model = ("model_name", "shakespeare")  # on every series, as vLLM's
+
+    def value(name: str, *labels: tuple[str, str]) -> float:
+        return samples[(name, tuple(sorted([model, *labels])))]
+
+    assert all(model in labels for _, labels in samples)
+    assert value("minivllm:engine_alive") == 1
+    assert value("minivllm:num_requests_running") == 3
+    assert value("minivllm:kv_cache_usage_perc") == 0.5
+    assert value("minivllm:num_preemptions_total") == 2
+    assert value("minivllm:prefix_cache_hit_rate") == 0.4
+    assert value("minivllm:generation_tokens_total") == 3
+    assert value("minivllm:request_success_total", ("finished_reason", "length")) == 1
+    assert value("minivllm:request_success_total", ("finished_reason", "stop")) == 0
+    assert value("minivllm:time_to_first_token_seconds_bucket", ("le", "0.04")) == 1
+    assert value("minivllm:inter_token_latency_seconds_count") == 1
+    assert value("minivllm:e2e_request_latency_seconds_sum") == 0.2
+    assert value("minivllm:request_queue_time_seconds_bucket", ("le", "0.001")) == 0
+    assert value("minivllm:request_queue_time_seconds_bucket", ("le", "0.005")) == 1
+    assert value("minivllm:request_prefill_time_seconds_sum") == 0.028
+    assert value("minivllm:request_decode_time_seconds_sum") == 0.17
+    assert value("minivllm:request_prompt_tokens_bucket", ("le", "10")) == 1
+    assert value("minivllm:request_prompt_tokens_bucket", ("le", "5")) == 0
+    assert value("minivllm:request_generation_tokens_bucket", ("le", "5")) == 1
+    assert value("minivllm:spec_decode_num_drafts_total") == 1
+    assert value("minivllm:spec_decode_num_draft_tokens_total") == 4
+    assert value("minivllm:spec_decode_num_accepted_tokens_total") == 3
+    metrics.engine_alive.set(0)
+    assert 'minivllm:engine_alive{model_name="shakespeare"} 0' in metrics.render()
+
+
+def test_constant_labels_go_first() -> None:
+    counter = Counter("minivllm:things_total", "Things.")
+    counter.inc(kind="a")
+    text = render([counter], labels=(("model_name", "m"),))
+    assert 'minivllm:things_total{model_name="m",kind="a"} 1' in text

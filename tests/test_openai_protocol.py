@@ -1,6 +1,7 @@
-"""Chapter 08's wire format, with no server and no model: request checking, the engine's
-SamplingParams, the chat rendered as a play (ch08.2), response bodies shaped like OpenAI's, and the
-SSE formatter (ch08.1)."""
+"""Chapter 08's wire format, with no server and no model: request checking with bounds, vLLM's
+fields mapped onto the engine's SamplingParams, unsupported and unknown fields refused (never
+ignored), the chat rendered as a play (ch08.2), response bodies and both logprobs shapes like
+OpenAI's, and the SSE formatter (ch08.1)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from minivllm.sched.sequence import SamplingParams
+from minivllm.serving.limits import RequestError
 from minivllm.serving.openai_protocol import (
     DONE,
     END_OF_TURN,
@@ -19,12 +21,15 @@ from minivllm.serving.openai_protocol import (
     CompletionRequest,
     ResponseHeader,
     chat_choice,
+    chat_logprobs,
     completion_choice,
+    completion_logprobs,
     error_body,
     finish_reason,
     render_chat,
     reply_speaker,
     sse_event,
+    token_string,
     usage,
 )
 
@@ -171,19 +176,107 @@ def test_chat_request_adds_the_end_of_turn_stop_and_takes_the_newer_limit_name()
         ("temperature", -0.1, "greater than or equal to 0"),
         ("temperature", True, "valid number"),  # strict: a bool is not a number
         ("top_p", 0, "greater than 0"),
-        ("n", 3, "n must be 1"),
+        ("n", 17, "less than or equal to 16"),
+        ("n", 0, "greater than or equal to 1"),
+        ("top_k", 2**63, "less than or equal to 2147483647"),  # the request that killed the engine
+        ("temperature", float("nan"), "finite number"),
+        ("presence_penalty", 2.5, "less than or equal to 2"),
+        ("logit_bias", {"x": 1}, "logit_bias keys must be token ids"),
+        ("logit_bias", {"65": 101}, "less than or equal to 100"),
+        ("logprobs", 21, "less than or equal to 20"),
+        ("stop_token_ids", [-1], "greater than or equal to 0"),
+        ("allowed_token_ids", [], "at least 1 item"),
+        ("stream_options", {"continuous_usage_stats": True}, "Input should be False"),
+        ("prompt", [[]], "at least 1 item"),
         ("stop", [""], "must not be empty"),
         ("stop", [1], "valid string"),
         ("seed", -1, "greater than or equal to 0"),
         ("stream", "yes", "valid boolean"),
         ("prompt", [], "at least 1 item"),
-        ("echo", True, "echo is not supported"),
-        ("presence_penalty", 0.5, "presence_penalty is not supported"),
     ],
 )
 def test_bad_fields_are_refused_naming_the_problem(field: str, value, words: str) -> None:
     with pytest.raises(ValidationError, match=words):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("suffix", "x", "suffix is not supported"),
+        ("best_of", 2, "best_of is not supported"),
+        ("response_format", {"type": "json_object"}, "response_format is not supported"),
+        ("tools", [{"type": "function"}], "tools is not supported"),
+        ("guided_json", {}, "guided_json is not supported"),
+        ("temprature", 0.5, "unknown field 'temprature'"),  # a typo is not silently ignored
+    ],
+)
+def test_unsupported_and_unknown_fields_are_refused(field: str, value, words: str) -> None:
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
+    with pytest.raises(RequestError, match=words) as raised:
+        request.check_extra_fields()
+    assert raised.value.param == field and raised.value.status == 400
+
+
+def test_off_values_and_fields_with_no_effect_are_accepted() -> None:
+    request = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "x",
+            "best_of": 1,
+            "suffix": None,
+            "response_format": {"type": "text"},
+            "tool_choice": "none",
+            "user": "u",
+            "metadata": {"a": "b"},
+        }
+    )
+    request.check_extra_fields()  # nothing raised
+
+
+def test_vllms_sampling_fields_reach_the_engine() -> None:
+    request = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": [[1, 2], [3]],
+            "n": 3,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2,
+            "min_p": 0.1,
+            "logit_bias": {"65": 5.0},
+            "min_tokens": 2,
+            "stop_token_ids": [10],
+            "include_stop_str_in_output": True,
+            "logprobs": 2,
+            "bad_words": ["sword"],
+            "allowed_token_ids": [65, 66],
+        }
+    )
+    assert request.prompts() == [[1, 2], [3]]
+    params = request.sampling_params(16)
+    assert (params.n, params.presence_penalty, params.frequency_penalty) == (3, 0.5, -0.5)
+    assert (params.repetition_penalty, params.min_p, params.logit_bias) == (1.2, 0.1, ((65, 5.0),))
+    assert (params.min_tokens, params.stop_token_ids, params.include_stop_str_in_output) == (
+        2,
+        (10,),
+        True,
+    )
+    assert (params.logprobs, params.bad_words, params.allowed_token_ids) == (
+        2,
+        ("sword",),
+        (65, 66),
+    )
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [5, 6]}).prompts() == [[5, 6]]
+
+
+def test_chat_logprobs_need_logprobs_true() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+    request = ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 3})
+    assert request.sampling_params(16).logprobs == 3
+    assert ChatCompletionRequest.model_validate(chat).sampling_params(16).logprobs is None
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs"):
+        ChatCompletionRequest.model_validate({**chat, "top_logprobs": 3})
 
 
 @pytest.mark.parametrize(
@@ -231,3 +324,33 @@ def test_finish_reasons_map_to_openais() -> None:
         "length",
         None,
     ]
+
+
+def test_logprobs_in_openais_two_shapes() -> None:
+    # "é" is two bytes (0xC3 0xA9): the second is no new character, so offsets count characters
+    token_ids, positions = [72, 0xC3, 0xA9], [{72: -0.1, 73: -2.5}, {0xC3: -0.5}, {0xA9: 0.0}]
+    legacy = completion_logprobs(token_ids, positions, count=1, text_offset=4)
+    assert legacy == {
+        "tokens": ["H", "bytes:\\xc3", "bytes:\\xa9"],
+        "token_logprobs": [-0.1, -0.5, 0.0],
+        "top_logprobs": [{"H": -0.1}, {"bytes:\\xc3": -0.5}, {"bytes:\\xa9": 0.0}],
+        "text_offset": [4, 5, 5],
+    }
+    # the first prompt token has nothing before it: None
+    assert completion_logprobs([256, 72], [None, {72: -1.0}], 0)["token_logprobs"] == [None, -1.0]
+    chat = chat_logprobs([72], [{72: -0.1, 73: -2.5, 74: -3.0}], count=2)
+    assert chat == {
+        "content": [
+            {
+                "token": "H",
+                "logprob": -0.1,
+                "bytes": [72],
+                "top_logprobs": [
+                    {"token": "H", "logprob": -0.1, "bytes": [72]},
+                    {"token": "I", "logprob": -2.5, "bytes": [73]},
+                ],
+            }
+        ],
+        "refusal": None,
+    }
+    assert [token_string(t) for t in (10, 256, 257)] == ["\n", "<bos>", "<eos>"]

@@ -5,13 +5,15 @@
     minivllm serve --model target --host 127.0.0.1 --port 8000
 
 `generate` streams the continuation to stdout as the engine produces it; `serve` runs the
-OpenAI-compatible HTTP server (chapter 08) until Ctrl-C. A bad argument or a request that can never
-run exits with status 2 and a one-line reason on stderr.
+OpenAI- and Anthropic-compatible HTTP server (chapter 08) until Ctrl-C. A bad argument or a request
+that can never run exits with status 2 and a one-line reason on stderr; a server whose engine died
+exits with status 1, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -22,6 +24,9 @@ from minivllm.model.checkpoint import CheckpointError, load_model
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
 from minivllm.sched.sequence import SamplingParams
+from minivllm.serving.limits import ServerLimits
+
+API_KEY_VARIABLE = "MINIVLLM_API_KEY"  # as vLLM's VLLM_API_KEY
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +78,32 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE),
+        help=f"clients must send it (Bearer, or x-api-key) to /v1/*, /tokenize and /detokenize "
+        f"(default: ${API_KEY_VARIABLE}; unset: no key)",
+    )
+    limits = srv.add_argument_group("limits on one request (refused with 413 or 400)")
+    defaults = ServerLimits()
+    for flag, field, help_text in (
+        ("--max-body-bytes", "max_body_bytes", "bytes in a request body"),
+        ("--max-prompts-per-request", "max_prompts", "prompts in one completions request"),
+        ("--max-stop-strings", "max_stop_strings", "stop strings (or bad words) per request"),
+        ("--max-stop-length", "max_stop_length", "characters in one stop string"),
+        ("--max-messages", "max_messages", "messages in one chat"),
+        ("--max-prompt-chars", "max_prompt_chars", "characters in a prompt (default: the context)"),
+        ("--max-error-chars", "max_error_chars", "characters in an error message"),
+    ):
+        default = getattr(defaults, field)
+        limits.add_argument(
+            flag,
+            type=int,
+            default=default,
+            dest=field,
+            metavar="N",
+            help=help_text if default is None else f"{help_text} (default: {default})",
+        )
     add_engine_arguments(srv)
     return parser
 
@@ -143,22 +174,40 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
     return LLMEngine(load_model(args.model), config)
 
 
-def serve(args: argparse.Namespace) -> None:
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(
+        **{field: getattr(args, field) for field in ServerLimits.__dataclass_fields__}
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """0 after Ctrl-C; 1 when the engine died."""
     # FastAPI and uvicorn load only for this command
     from minivllm.serving.server import serve as serve_http
 
+    limits = server_limits(args)  # checked before the model loads
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
     engine = build_serving_engine(args)
-    serve_http(engine, args.served_model_name or args.model, args.host, args.port, args.log_level)
+    return serve_http(
+        engine,
+        args.served_model_name or args.model,
+        args.host,
+        args.port,
+        args.log_level,
+        limits,
+        args.api_key,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": generate, "serve": serve}[args.command](args)
+        status = {"generate": generate, "serve": serve}[args.command](args)
     except (ValueError, TypeError, CheckpointError, FileNotFoundError) as error:
         print(f"minivllm: error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -17,15 +17,22 @@ A web server answers every client from one asyncio event loop. `LLMEngine` is sy
   token: one wake-up of the loop, which puts each delta on the queue of the `RequestStream` that
   waits for it.
 
-If `step()` raises, the engine's state can no longer be trusted and the AsyncEngine is **dead**:
-every open stream gets an `EngineDeadError`, so does every new request, and the server answers 503.
+Failures are kept as small as their cause. A bad request fails in `add_request`, for its caller
+alone. A failure while handing out one request's output (turning it into a delta) ends that request
+with the error and the engine steps on. But if `step()` itself raises, the engine's state can no
+longer be trusted and the AsyncEngine is **dead**: the cause is logged, every open stream gets an
+`EngineDeadError`, so does every new request, the server answers 503, and `on_death` callbacks run
+(`minivllm serve` stops and exits non-zero, so a supervisor can restart it, as vLLM V1 does).
+
+With `n > 1` one engine request is n samples; each delta names its sample (`index`), and a
+stream is done when every sample of every request has finished.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -41,11 +48,17 @@ from minivllm.sched.sequence import SamplingParams
 from minivllm.serving.metrics import ServingMetrics
 
 T = TypeVar("T")
+logger = logging.getLogger("minivllm.serving")
+Choice = tuple[int, int]  # (request id, sample index): one choice of a response
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped -- the engine failed, or was closed -- and will run nothing
     more."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed while being served; it is ended, and the engine goes on."""
 
 
 class RequestStream:
@@ -58,14 +71,26 @@ class RequestStream:
                 ...
     """
 
-    def __init__(self, engine: AsyncEngine, request_ids: tuple[int, ...]) -> None:
-        self.request_ids = request_ids
-        # filled in by the engine thread when it adds them
+    def __init__(self, engine: AsyncEngine) -> None:
+        # The engine names its requests (the n samples of one take ids of its own too), so the
+        # engine thread fills these in when it adds them, before add_request returns the stream.
+        self.request_ids: tuple[int, ...] = ()
+        # every choice in the order of the response: prompt by prompt, sample by sample
+        self.choices: tuple[Choice, ...] = ()
+        # filled in by the engine thread: when it adds them, and before it hands a finish over
         self.num_prompt_tokens: dict[int, int] = {}
+        self.stop_reasons: dict[Choice, int | str | None] = {}
+        self.prompt_logprobs: dict[int, list] = {}  # per request, when it asked for them
         self.loop = asyncio.get_running_loop()
         self._engine = engine
         self._queue: asyncio.Queue[TextDelta | BaseException] = asyncio.Queue()
-        self._unfinished = set(request_ids)
+        self._unfinished: set[Choice] = set()
+
+    def added(self, request_ids: list[int], num_samples: int) -> None:
+        """Called by the engine thread once the requests are in."""
+        self.request_ids = tuple(request_ids)
+        self.choices = tuple((r, index) for r in request_ids for index in range(num_samples))
+        self._unfinished = set(self.choices)
 
     def put_nowait(self, item: TextDelta | BaseException) -> None:
         """Called on the event loop (see AsyncEngine._hand_over)."""
@@ -79,16 +104,18 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._queue.get()
         if isinstance(item, BaseException):
-            self._unfinished.clear()
+            # leaving `async with` aborts the stream's other requests (a no-op on a dead engine)
             raise item
         if item.finish_reason is not None:
-            self._unfinished.discard(item.request_id)
+            self._unfinished.discard(choice_of(item))
         return item
 
     def abort(self) -> None:
-        """Stop whatever is still running; a no-op once every request has finished."""
-        if self._unfinished:
-            self._engine.abort(self._unfinished)
+        """Stop whatever is still running; a no-op once every request has finished. Before the
+        requests are in (the caller gave up while waiting) the engine thread, which adds them
+        first, stops them right after."""
+        if self._unfinished or not self.request_ids:
+            self._engine.abort_stream(self)
             self._unfinished.clear()
 
     async def __aenter__(self) -> RequestStream:
@@ -98,12 +125,19 @@ class RequestStream:
         self.abort()  # no await in here: it must run to the end even in a task being cancelled
 
 
+def choice_of(delta: TextDelta) -> Choice:
+    return delta.request_id, delta.index
+
+
 @dataclass
 class _Request:
-    """The engine thread's bookkeeping for one unfinished request."""
+    """The engine thread's bookkeeping for one unfinished request (all its samples)."""
 
     stream: RequestStream
     arrival: float  # time.perf_counter() when the client's request reached add_request
+    unfinished: int = 1  # samples still running
+    scheduled: float | None = None  # when the step that first ran it began
+    first_token: float | None = None
     last_output: float | None = None
 
 
@@ -123,6 +157,8 @@ class AsyncEngine:
     ) -> None:
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
+        # called on the engine thread, once, with the error, when the engine dies
+        self.on_death: list[Callable[[EngineDeadError], object]] = []
         # step records kept (a server runs for days; a trace must not grow forever)
         self.max_trace = max_trace
         self.error: EngineDeadError | None = None
@@ -130,7 +166,6 @@ class AsyncEngine:
         self._wakeup = threading.Condition()
         self._closing = False
         self._requests: dict[int, _Request] = {}  # touched by the engine thread only
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -150,10 +185,9 @@ class AsyncEngine:
             raise ValueError(
                 f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one each"
             )
-        stream, arrival = (
-            RequestStream(self, tuple(next(self._ids) for _ in prompts)),
-            time.perf_counter(),
-        )
+        if len({p.n for p in params}) != 1:
+            raise ValueError(f"the SamplingParams of one stream must share n, got {params}")
+        stream, arrival = RequestStream(self), time.perf_counter()
         try:
             await asyncio.wrap_future(
                 self.submit(lambda engine: self._add(stream, prompts, params, arrival))
@@ -168,6 +202,10 @@ class AsyncEngine:
         the next step. Returns at once: the engine thread does the work."""
         ids = tuple(request_ids)
         self.submit(lambda engine: self._abort(ids))  # a dead engine's refusal is nobody's business
+
+    def abort_stream(self, stream: RequestStream) -> None:
+        """Stop every request of `stream` still running (on the engine thread, after any add)."""
+        self.submit(lambda engine: self._abort(stream.request_ids))
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run `fn(engine)` on the engine thread, between two steps; its result (or exception) comes
@@ -244,33 +282,63 @@ class AsyncEngine:
             if closing:
                 return self._stop(EngineDeadError("the engine was closed"))
             try:
-                self._step()
+                self._deliver(self._step())  # a failure of one request's output ends it alone
             except Exception as error:
+                logger.exception("the engine failed in step(); every request is ended")
                 return self._stop(EngineDeadError(f"the engine failed and was stopped: {error!r}"))
 
-    def _step(self) -> None:
+    def _step(self) -> list[RequestOutput]:
         engine, before = self.engine, len(self.engine.trace)
         outputs = engine.step()
+        now = time.perf_counter()
         for record in engine.trace[before:]:
             self.metrics.preemptions.inc(len(record.preempted))
+            for request_id in record.admitted:
+                request = self._requests.get(request_id)
+                if request is not None and request.scheduled is None:
+                    request.scheduled = now - record.step_s
+                    self.metrics.scheduled(request.scheduled - request.arrival)
+            for _, proposed, accepted in record.speculated:
+                self.metrics.speculated(proposed, accepted)
         if len(engine.trace) > 2 * self.max_trace:
             del engine.trace[: -self.max_trace]
-        self._deliver(outputs)
+        return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Each output's new text to its stream: one hand-over per event loop for the whole step."""
+        """Each output's new text to its stream: one hand-over per event loop for the whole step.
+
+        An output that cannot be handed out ends its own request with the error; the others go on.
+        """
         now, batches = time.perf_counter(), {}
         for out in outputs:
             request = self._requests.get(out.request_id)
             if request is None:
                 continue  # aborted, or not ours
-            delta = out.delta()
-            self._observe(request, out, now)
-            if delta.finish_reason is not None:
-                del self._requests[out.request_id]
-            batches.setdefault(request.stream.loop, []).append((request.stream, delta))
+            try:
+                item = self._delta(request, out, now)
+            except Exception as error:
+                logger.exception(
+                    "request %s failed while its output was handed out", out.request_id
+                )
+                self._requests.pop(out.request_id, None)
+                with contextlib.suppress(Exception):
+                    self.engine.abort(out.request_id)
+                item = RequestFailedError(f"the request failed: {error!r}")
+            batches.setdefault(request.stream.loop, []).append((request.stream, item))
         for loop, items in batches.items():
             self._send(loop, items)
+
+    def _delta(self, request: _Request, out: RequestOutput, now: float) -> TextDelta:
+        delta = out.delta()
+        self._observe(request, out, now)
+        if out.prompt_logprobs is not None and out.request_id not in request.stream.prompt_logprobs:
+            request.stream.prompt_logprobs[out.request_id] = out.prompt_logprobs
+        if delta.finish_reason is not None:
+            request.stream.stop_reasons[choice_of(delta)] = out.stop_reason
+            request.unfinished -= 1
+            if request.unfinished == 0:
+                del self._requests[out.request_id]
+        return delta
 
     def _send(
         self, loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, object]]
@@ -281,33 +349,40 @@ class AsyncEngine:
             self._abort([d.request_id for _, d in items if isinstance(d, TextDelta)])
 
     def _observe(self, request: _Request, out: RequestOutput, now: float) -> None:
-        if request.last_output is None:
+        if request.first_token is None:
+            prefill = None if request.scheduled is None else now - request.scheduled
             self.metrics.first_token(
-                now - request.arrival, len(out.prompt_token_ids), out.num_cached_tokens
+                now - request.arrival, len(out.prompt_token_ids), out.num_cached_tokens, prefill
             )
+            request.first_token = now
         since_last = None if request.last_output is None else now - request.last_output
         self.metrics.tokens(len(out.new_token_ids), since_last)
         request.last_output = now
         if out.finish_reason is not None:
-            self.metrics.finished(out.finish_reason, now - request.arrival)
+            self.metrics.finished(
+                out.finish_reason,
+                now - request.arrival,
+                len(out.token_ids),
+                now - request.first_token,
+            )
 
     def _add(
         self, stream: RequestStream, prompts: list, params: list[SamplingParams], arrival: float
     ) -> None:
         added: dict[int, int] = {}  # request id -> prompt tokens
         try:
-            for request_id, prompt, p in zip(stream.request_ids, prompts, params):
+            for prompt, p in zip(prompts, params):
                 prompt_ids, p = self.engine.inputs.process(prompt, p)  # the engine's own checks
-                self.engine.add_request(prompt_ids, p, request_id=request_id)
-                added[request_id] = len(prompt_ids)
+                added[self.engine.add_request(prompt_ids, p)] = len(prompt_ids)
         except Exception:
             # All or none: one error for the client, no half-started answer.
             for request_id in added:
                 self.engine.abort(request_id)
             raise
         stream.num_prompt_tokens.update(added)
+        stream.added(list(added), params[0].n)
         for request_id in added:
-            self._requests[request_id] = _Request(stream, arrival)
+            self._requests[request_id] = _Request(stream, arrival, unfinished=params[0].n)
 
     def _abort(self, request_ids: Iterable[int]) -> None:
         now = time.perf_counter()
@@ -318,10 +393,12 @@ class AsyncEngine:
                 self.metrics.finished("abort", now - request.arrival)
 
     def _stop(self, error: EngineDeadError) -> None:
-        """No more steps: fail what waits in the inbox, and end every open stream with `error`."""
+        """No more steps: fail what waits in the inbox, end every open stream with `error`, tell
+        whoever watches (`on_death`)."""
         with self._wakeup:
             self.error = error
             inbox, self._inbox = self._inbox, []
+        self.metrics.engine_alive.set(0)
         for future, _ in inbox:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
@@ -331,6 +408,11 @@ class AsyncEngine:
                 self.engine.abort(request_id)
         for stream in {r.stream for r in requests.values()}:
             self._send(stream.loop, [(stream, error)])
+        for callback in self.on_death:
+            try:
+                callback(error)
+            except Exception:
+                logger.exception("an on_death callback failed")
 
     def _render_metrics(self, engine: LLMEngine) -> str:
         stats = engine.stats()

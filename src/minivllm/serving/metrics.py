@@ -12,8 +12,10 @@ format is simple enough to write by hand: per metric a `# HELP` line, a `# TYPE`
   to first token -- are estimated from the buckets, and buckets from many servers can simply be
   added.
 
-Names start with `minivllm:` as vLLM's start with `vllm:`; a colon is legal in a metric name
-(`[a-zA-Z_:][a-zA-Z0-9_:]*`). Nothing here knows the engine: `ServingMetrics` is told plain numbers.
+Names start with `minivllm:` as vLLM's start with `vllm:` (the rest of each name is vLLM's); a colon
+is legal in a metric name (`[a-zA-Z_:][a-zA-Z0-9_:]*`). Every series carries vLLM's `model_name`
+label, so one Prometheus can scrape several servers. Nothing here knows the engine:
+`ServingMetrics` is told plain numbers.
 """
 
 from __future__ import annotations
@@ -104,14 +106,15 @@ class Histogram:
         yield f"{self.name}_count", (), cumulative
 
 
-def render(metrics: Iterable[Counter | Gauge | Histogram]) -> str:
-    """The Prometheus text exposition of `metrics` (content type `text/plain; version=0.0.4`)."""
+def render(metrics: Iterable[Counter | Gauge | Histogram], labels: Labels = ()) -> str:
+    """The Prometheus text exposition of `metrics` (content type `text/plain; version=0.0.4`);
+    `labels` go first on every series (the server's `model_name`)."""
     lines = []
     for metric in metrics:
         lines += [f"# HELP {metric.name} {metric.help}", f"# TYPE {metric.name} {metric.kind}"]
         lines += [
-            f"{name}{format_labels(labels)} {format_value(value)}"
-            for name, labels, value in metric.samples()
+            f"{name}{format_labels((*labels, *own))} {format_value(value)}"
+            for name, own, value in metric.samples()
         ]
     return "\n".join(lines) + "\n"
 
@@ -121,6 +124,9 @@ def render(metrics: Iterable[Counter | Gauge | Histogram]) -> str:
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Tokens per request: vLLM's 1-2-5 series, up to past this model's 512-token context.
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 FINISH_REASONS = ("stop", "length", "abort", "cache_full")  # the engine's, see sched/sequence.py
 
 
@@ -128,7 +134,12 @@ class ServingMetrics:
     """The metrics of one server. The engine thread reports events as plain numbers; `render` writes
     them out. Not thread-safe: call it from one thread (the AsyncEngine's engine thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "target") -> None:
+        self.model_name = model_name
+        self.engine_alive = Gauge(
+            "minivllm:engine_alive", "Whether the engine thread is alive (0 once it has died)."
+        )
+        self.engine_alive.set(1)
         self.running = Gauge("minivllm:num_requests_running", "Requests in the running batch.")
         self.waiting = Gauge(
             "minivllm:num_requests_waiting", "Requests waiting to be admitted (or re-admitted)."
@@ -158,10 +169,32 @@ class ServingMetrics:
         # every series exists from the start, so a rate never has a gap
         for reason in FINISH_REASONS:
             self.request_success.inc(0, finished_reason=reason)
+        self.spec_drafts = Counter(
+            "minivllm:spec_decode_num_drafts_total", "Speculative verifications (one per sequence)."
+        )
+        self.spec_draft_tokens = Counter(
+            "minivllm:spec_decode_num_draft_tokens_total", "Draft tokens proposed."
+        )
+        self.spec_accepted_tokens = Counter(
+            "minivllm:spec_decode_num_accepted_tokens_total", "Of those, tokens accepted."
+        )
         self.e2e_latency = Histogram(
             "minivllm:e2e_request_latency_seconds",
             "Arrival to last token, per request.",
             E2E_BUCKETS,
+        )
+        self.queue_time = Histogram(
+            "minivllm:request_queue_time_seconds",
+            "Arrival to the start of the step that first schedules the request.",
+            PHASE_BUCKETS,
+        )
+        self.prefill_time = Histogram(
+            "minivllm:request_prefill_time_seconds",
+            "First scheduled to first token: the prefill, in one step or in chunks.",
+            PHASE_BUCKETS,
+        )
+        self.decode_time = Histogram(
+            "minivllm:request_decode_time_seconds", "First token to last token.", PHASE_BUCKETS
         )
         self.ttft = Histogram(
             "minivllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
@@ -172,17 +205,38 @@ class ServingMetrics:
             "tokens at once).",
             ITL_BUCKETS,
         )
+        self.request_prompt_tokens = Histogram(
+            "minivllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = Histogram(
+            "minivllm:request_generation_tokens",
+            "Tokens generated per finished request.",
+            TOKEN_BUCKETS,
+        )
 
     def engine_state(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_cache_usage.set(kv_cache_usage)
 
-    def first_token(self, seconds: float, prompt_tokens: int, cached_tokens: int) -> None:
+    def scheduled(self, queue_seconds: float) -> None:
+        """A request's first step began `queue_seconds` after it arrived."""
+        self.queue_time.observe(queue_seconds)
+
+    def first_token(
+        self,
+        seconds: float,
+        prompt_tokens: int,
+        cached_tokens: int,
+        prefill_seconds: float | None = None,
+    ) -> None:
         """A request's prefill is done: its prompt has been looked up in the prefix cache and
-        run."""
+        run. `prefill_seconds`: since it was first scheduled, when that is known."""
         self.ttft.observe(seconds)
+        if prefill_seconds is not None:
+            self.prefill_time.observe(prefill_seconds)
         self.prompt_tokens.inc(prompt_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
         self.prefix_queries.inc(prompt_tokens)
         self.prefix_hits.inc(cached_tokens)
 
@@ -192,15 +246,32 @@ class ServingMetrics:
         if since_last is not None:
             self.itl.observe(since_last)
 
-    def finished(self, reason: str, seconds: float) -> None:
+    def speculated(self, draft_tokens: int, accepted_tokens: int) -> None:
+        """One verification of one sequence's draft."""
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(draft_tokens)
+        self.spec_accepted_tokens.inc(accepted_tokens)
+
+    def finished(
+        self,
+        reason: str,
+        seconds: float,
+        generation_tokens: int | None = None,
+        decode_seconds: float | None = None,
+    ) -> None:
         self.request_success.inc(finished_reason=reason)
         self.e2e_latency.observe(seconds)
+        if generation_tokens is not None:
+            self.request_generation_tokens.observe(generation_tokens)
+        if decode_seconds is not None:
+            self.decode_time.observe(decode_seconds)
 
     def render(self) -> str:
         queries = self.prefix_queries.total()
         self.prefix_hit_rate.set(self.prefix_hits.total() / queries if queries else 0.0)
         return render(
             [
+                self.engine_alive,
                 self.running,
                 self.waiting,
                 self.kv_cache_usage,
@@ -211,8 +282,17 @@ class ServingMetrics:
                 self.prompt_tokens,
                 self.generation_tokens,
                 self.request_success,
+                self.spec_drafts,
+                self.spec_draft_tokens,
+                self.spec_accepted_tokens,
                 self.e2e_latency,
+                self.queue_time,
+                self.prefill_time,
+                self.decode_time,
                 self.ttft,
                 self.itl,
-            ]
+                self.request_prompt_tokens,
+                self.request_generation_tokens,
+            ],
+            labels=(("model_name", self.model_name),),
         )

@@ -5,51 +5,87 @@
          -d '{"model": "target", "prompt": "ROMEO:\\n", "max_tokens": 40}'
 
 `build_app` makes a FastAPI app with OpenAI's endpoints -- `/v1/completions`,
-`/v1/chat/completions`, `/v1/models` -- and `/health` and `/metrics`. A handler checks the request
-(openai_protocol.py), puts it in the engine's inbox and awaits the verdict, then either collects the
-whole answer or streams it: a `StreamingResponse` of Server-Sent Events, one chunk per delta of
-text, as the steps produce them.
+`/v1/chat/completions`, `/v1/models` (and `/v1/models/{id}`) --, Anthropic's `/v1/messages`, vLLM's
+`/tokenize`, `/detokenize` and `/version`, and `/health` and `/metrics`. A handler reads the body
+within the server's limits (limits.py), checks it (openai_protocol.py, anthropic_protocol.py), puts
+it in the engine's inbox and awaits the verdict, then either collects the whole answer or streams
+it: a `StreamingResponse` of Server-Sent Events, one chunk per delta of text, as the steps produce
+them.
 
-Every error leaves in OpenAI's error body, so the official client raises its usual exceptions:
-malformed JSON and wrong fields are 400 (OpenAI's status for an invalid request, where FastAPI would
-say 422), an unknown model 404, a dead engine 503. A client that goes away is not served further:
-Starlette cancels a streaming response's generator when the connection drops (a non-streaming
-handler watches for the disconnect itself), leaving `async with stream` aborts the requests, and the
-engine thread frees their blocks before its next step.
+No request can hurt another. Every field is checked with its bounds before anything reaches the
+engine, and every error leaves in the API's own error body (OpenAI's, or Anthropic's on
+/v1/messages), so the official clients raise their usual exceptions: malformed JSON and wrong fields
+are 400 (where FastAPI would say 422), a body over the limit 413, a wrong key 401, an unknown model
+404, a dead engine 503. `--api-key` guards everything but `/health`, `/metrics` and `/version`.
+
+A client that goes away is not served further: Starlette cancels a streaming response's generator
+when the connection drops (a non-streaming handler watches for the disconnect itself), leaving
+`async with stream` aborts the requests, and the engine thread frees their blocks before its next
+step.
 
 `ServerThread` runs all of it in a background thread on a free loopback port, for notebooks and
-tests; `serve` runs it in the foreground for the command line.
+tests; `serve` runs it in the foreground for the command line, and returns 1 if the engine died.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
+import hmac
+import json
+import logging
+import re
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.processing import TextDelta
 from minivllm.sched.sequence import SamplingParams
-from minivllm.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from minivllm.serving import anthropic_protocol as anthropic
+from minivllm.serving.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+    choice_of,
+)
+from minivllm.serving.limits import (
+    RequestError,
+    ServerLimits,
+    cap,
+    check_count,
+    check_prompt_chars,
+    check_stop_strings,
+    off_the_loop_if_big,
+    parse_json,
+    read_body,
+)
+from minivllm.serving.metrics import ServingMetrics
 from minivllm.serving.openai_protocol import (
     DONE,
     END_OF_TURN,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     ResponseHeader,
+    TokenId,
     chat_choice,
     chat_delta,
+    chat_logprobs,
     completion_choice,
+    completion_logprobs,
     error_body,
     finish_reason,
     model_card,
@@ -59,12 +95,16 @@ from minivllm.serving.openai_protocol import (
 )
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+logger = logging.getLogger("minivllm.serving")
 # OpenAI's default for /v1/completions; a chat answer may run to the context's end
 COMPLETION_MAX_TOKENS = 16
+MAX_LISTED_PROBLEMS = 5  # a validation error names this many problems, then counts the rest
 
 
 class APIError(Exception):
-    """An error response in OpenAI's shape: raise it in a handler, the app's handler sends it."""
+    """An error response: raise it in a handler, the app's handler sends it in the shape of the
+    endpoint's API (OpenAI's, or Anthropic's on /v1/messages)."""
 
     def __init__(
         self,
@@ -75,7 +115,17 @@ class APIError(Exception):
         code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.body = status, error_body(message, type, param, code)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    @property
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
 
 
 def engine_dead(error: BaseException | None) -> APIError:
@@ -89,52 +139,170 @@ class Answer:
     """One choice of a non-streamed response, collected from its deltas."""
 
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list | None = None
     finish_reason: str | None = None
+
+    def add(self, delta: TextDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or ()
+        self.finish_reason = delta.finish_reason
 
 
 class OpenAIServer:
     """The endpoints, over one AsyncEngine serving one model."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        limits: ServerLimits | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.engine, self.model_name = engine, model_name
+        self.limits, self.api_key = limits or ServerLimits(), api_key
         self.context = engine.engine.model.config.max_seq_len
+        self.vocab_size = engine.engine.model.config.vocab_size
         self.tokenizer = engine.engine.tokenizer
+        self.max_prompt_chars = self.limits.max_prompt_chars or self.context
         self.created = int(time.time())
 
-    async def completions(self, body: CompletionRequest, request: Request):
-        self._check_model(body.model)
+    # -- OpenAI ------------------------------------------------------------------------------------
+    async def completions(self, request: Request):
+        """POST /v1/completions: every check first (the body, the limits, the token ids, the
+        prompts tokenised), then the engine's verdict, then the answer, whole or streamed."""
+        body = await self._request(request, CompletionRequest)
+        prompts = body.prompts()
+        check_count("prompt", len(prompts), self.limits.max_prompts, "prompts")
+        check_stop_strings("stop", body.stops(), self.limits)
+        check_stop_strings("bad_words", tuple(body.bad_words or ()), self.limits)
+        self._check_token_ids(body)
+        # within the context, text is tokenised in microseconds; only truncate_prompt_tokens lets
+        # a long text through, and then it is tokenised off the event loop
+        chars = sum(len(p) for p in prompts if isinstance(p, str))
+        prompt_ids = await off_the_loop_if_big(
+            chars, self._all_prompt_ids, prompts, body.truncate_prompt_tokens
+        )
+        params = sampling_params(lambda: body.sampling_params(COMPLETION_MAX_TOKENS))
+        if body.echo and params.logprobs is not None:  # the prompt's logprobs come with it
+            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         header = ResponseHeader.new("text_completion", self.model_name)
-        stream = await self._add(body.prompts(), body.sampling_params(COMPLETION_MAX_TOKENS))
+        stream = await self._add(prompt_ids, params)
+        echo = [self.tokenizer.decode(ids) if body.echo else None for ids in prompt_ids]
+        pieces = CompletionPieces(stream, params.logprobs, echo, prompt_ids)
         if body.stream:
-            return event_stream(sse_stream(stream, header, completion_choice, body.include_usage))
+            return event_stream(sse_stream(stream, header, pieces, body.include_usage))
         answers = await self._collect(request, stream)
-        choices = [
-            completion_choice(i, a.text, finish_reason(a.finish_reason))
-            for i, a in enumerate(answers)
-        ]
-        return JSONResponse(header.body(choices, usage=total_usage(stream, answers)))
+        choices = [pieces.whole(i, answer) for i, answer in enumerate(answers)]
+        return SafeJSONResponse(header.body(choices, usage=total_usage(stream, answers)))
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        self._check_model(body.model)
+    async def chat_completions(self, request: Request):
+        """POST /v1/chat/completions: the chat rendered as a play, answered by the next speaker."""
+        body = await self._request(request, ChatCompletionRequest)
+        check_count("messages", len(body.messages), self.limits.max_messages, "messages")
+        check_stop_strings("stop", body.stops(), self.limits)
+        check_stop_strings("bad_words", tuple(body.bad_words or ()), self.limits)
+        self._check_token_ids(body)
+        prompt_ids = await off_the_loop_if_big(
+            sum(len(m.text) for m in body.messages),
+            self._chat_prompt_ids,
+            body.messages,
+            body.truncate_prompt_tokens,
+        )
+        room = max(1, self.context - len(prompt_ids))  # the default: up to the context
+        params = sampling_params(lambda: body.sampling_params(room, extra_stop=[END_OF_TURN]))
         header = ResponseHeader.new(
             "chat.completion.chunk" if body.stream else "chat.completion", self.model_name
         )
-        prompt = render_chat(body.messages)
-        # the default: up to the context
-        room = self.context - len(self.tokenizer.encode(prompt, add_bos=True))
-        stream = await self._add(
-            [prompt], body.sampling_params(max(1, room), extra_stop=[END_OF_TURN]), "messages"
-        )
+        stream = await self._add([prompt_ids], params, "messages")
+        pieces = ChatPieces(params.logprobs)
         if body.stream:
-            first = header.body([chat_delta(0, {"role": "assistant", "content": ""}, None)])
-            return event_stream(sse_stream(stream, header, chat_content, body.include_usage, first))
+            first = header.body(
+                [
+                    chat_delta(i, {"role": "assistant", "content": ""}, None)
+                    for i in range(len(stream.choices))
+                ]
+            )
+            return event_stream(sse_stream(stream, header, pieces, body.include_usage, first))
         answers = await self._collect(request, stream)
-        choices = [chat_choice(0, answers[0].text, finish_reason(answers[0].finish_reason))]
-        return JSONResponse(header.body(choices, usage=total_usage(stream, answers)))
+        choices = [pieces.whole(i, answer) for i, answer in enumerate(answers)]
+        return SafeJSONResponse(header.body(choices, usage=total_usage(stream, answers)))
 
-    async def models(self):
+    async def models(self, request: Request):
+        self._authorize(request)
         return {"object": "list", "data": [model_card(self.model_name, self.created, self.context)]}
+
+    async def model(self, request: Request, model_id: str):
+        self._authorize(request)
+        self._check_model(model_id, param=None)
+        return model_card(self.model_name, self.created, self.context)
+
+    # -- Anthropic ---------------------------------------------------------------------------------
+    async def messages(self, request: Request):
+        """POST /v1/messages: Anthropic's view of the same play and the same engine."""
+        body = await self._request(request, anthropic.MessagesRequest)
+        check_count("messages", len(body.messages), self.limits.max_messages, "messages")
+        check_stop_strings("stop_sequences", body.stops(), self.limits)
+        prompt_ids = self._chat_prompt_ids(body.chat(), None)
+        params = sampling_params(body.sampling_params)
+        stream = await self._add([prompt_ids], params, "messages")
+        message_id = anthropic.new_message_id()
+        if body.stream:
+            return event_stream(anthropic_stream(stream, message_id, self.model_name))
+        (answer,) = await self._collect(request, stream)
+        reason = anthropic.stop_reason(
+            answer.finish_reason, stream.stop_reasons.get(stream.choices[0])
+        )
+        input_tokens = sum(stream.num_prompt_tokens.values())
+        return SafeJSONResponse(
+            anthropic.message_body(
+                message_id,
+                self.model_name,
+                answer.text,
+                reason,
+                input_tokens,
+                len(answer.token_ids),
+            )
+        )
+
+    # -- vLLM's extras -----------------------------------------------------------------------------
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: a `prompt` or chat `messages` as the engine would tokenise them."""
+        body = await self._request(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            check_count("messages", len(body.messages), self.limits.max_messages, "messages")
+            text = render_chat(body.messages)
+        else:
+            text = body.prompt
+        check_prompt_chars("prompt", len(text), self.max_prompt_chars)
+        tokens = self.tokenizer.encode(text, add_bos=body.add_special_tokens)
+        strings = [self.tokenizer.token_repr(t) for t in tokens] if body.return_token_strs else None
+        return {
+            "count": len(tokens),
+            "max_model_len": self.context,
+            "tokens": tokens,
+            "token_strs": strings,
+        }
+
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: token ids back to text (special tokens carry none)."""
+        body = await self._request(request, DetokenizeRequest)
+        if bad := [t for t in body.tokens if t >= self.vocab_size]:
+            raise RequestError(
+                f"token id {bad[0]} is outside the vocabulary 0..{self.vocab_size - 1}",
+                param="tokens",
+            )
+        return SafeJSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
+
+    async def version(self):
+        try:
+            return {"version": metadata.version("minivllm")}
+        except metadata.PackageNotFoundError:
+            return {"version": "unknown"}
 
     async def health(self):
         if not self.engine.is_alive:
@@ -146,26 +314,86 @@ class OpenAIServer:
             await self.engine.render_metrics(), media_type="text/plain; version=0.0.4"
         )
 
-    def _check_model(self, model: str) -> None:
+    # -- the checks --------------------------------------------------------------------------------
+    async def _request(self, request: Request, model: type[M]) -> M:
+        """The body of a request, authorised, read within the limits, parsed and checked (off the
+        event loop when it is big), for this server's model."""
+        self._authorize(request)
+        data = await read_body(request, self.limits)
+        body = await off_the_loop_if_big(len(data), validate, data, model)
+        if getattr(body, "model", None) is not None:  # optional on /tokenize and /detokenize
+            self._check_model(body.model)
+        return body
+
+    def _authorize(self, request: Request) -> None:
+        """With --api-key: `Authorization: Bearer <key>` (OpenAI, vLLM) or `x-api-key: <key>`
+        (Anthropic)."""
+        if self.api_key is None:
+            return
+        bearer = request.headers.get("authorization", "")
+        given = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key")
+        if given is None or not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise APIError(
+                401,
+                "missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key`",
+                code="invalid_api_key",
+            )
+
+    def _check_model(self, model: str, param: str | None = "model") -> None:
         if model != self.model_name:
             raise APIError(
                 404,
-                f"The model `{model}` does not exist: this server serves `{self.model_name}` "
-                f"(GET /v1/models lists it)",
-                param="model",
+                f"The model {json.dumps(model[:100])} does not exist: this server serves "
+                f"`{self.model_name}` (GET /v1/models lists it)",
+                param=param,
                 code="model_not_found",
             )
 
+    def _check_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """Token ids in the sampling fields must be in the vocabulary (the prompt's are checked
+        by the engine)."""
+        for param, ids in (
+            ("stop_token_ids", body.stop_token_ids or ()),
+            ("allowed_token_ids", body.allowed_token_ids or ()),
+            ("logit_bias", [int(key) for key in body.logit_bias or {}]),
+        ):
+            if bad := [t for t in ids if t >= self.vocab_size]:
+                raise RequestError(
+                    f"{param}: token id {bad[0]} is outside the vocabulary "
+                    f"0..{self.vocab_size - 1}",
+                    param=param,
+                )
+
+    def _prompt_ids(self, prompt: str | list[int], param: str, truncate: int | None) -> list[int]:
+        """A prompt as the engine's token ids (BOS first for text), with vLLM's
+        truncate_prompt_tokens: keep the last k. Text longer than the context is refused before it
+        is tokenised, so a huge prompt costs nothing."""
+        if isinstance(prompt, str):
+            if truncate is None:
+                check_prompt_chars(param, len(prompt), self.max_prompt_chars)
+            ids = self.tokenizer.encode(prompt, add_bos=True)
+        else:
+            ids = list(prompt)
+        return ids[-truncate:] if truncate is not None else ids
+
+    def _all_prompt_ids(
+        self, prompts: list[str | list[int]], truncate: int | None
+    ) -> list[list[int]]:
+        return [self._prompt_ids(p, "prompt", truncate) for p in prompts]
+
+    def _chat_prompt_ids(self, messages: list[ChatMessage], truncate: int | None) -> list[int]:
+        chars = sum(len(m.text) for m in messages)
+        if truncate is None:
+            check_prompt_chars("messages", chars, self.max_prompt_chars)
+        return self._prompt_ids(render_chat(messages), "messages", truncate)
+
     async def _add(
-        self, prompts: list[str], params: SamplingParams, param: str = "prompt"
+        self, prompts: list[list[int]], params: SamplingParams, param: str = "prompt"
     ) -> RequestStream:
         try:
             return await self.engine.add_request(prompts, params)
-        except (
-            ValueError,
-            TypeError,
-        ) as error:  # the engine's own check: e.g. a prompt that can never fit
-            raise APIError(400, str(error), param=param) from None
+        except (ValueError, TypeError) as error:  # the engine's own check: a prompt too long
+            raise RequestError(str(error), param=param_of(error, param)) from None
         except EngineDeadError as error:
             raise engine_dead(error) from None
 
@@ -174,34 +402,191 @@ class OpenAIServer:
             return await unless_disconnected(request, collect(stream))
         except EngineDeadError as error:
             raise engine_dead(error) from None
+        except RequestFailedError as error:
+            raise APIError(500, str(error), "server_error") from None
 
 
-def chat_content(index: int, text: str, reason: str | None) -> dict:
-    """A streamed chat choice: a content delta, or for the finish an empty delta with the reason."""
-    return chat_delta(index, {"content": text} if text else {}, reason)
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or a chat (rendered as the chat endpoint renders it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def validate(data: bytes, model: type[M]) -> M:
+    """Parse and check a body; every problem becomes a RequestError naming the field."""
+    payload = parse_json(data)
+    if not isinstance(payload, dict):
+        raise RequestError(
+            f"the body must be a JSON object, got {type(payload).__name__}: send a valid dictionary"
+        )
+    try:
+        body = model.model_validate(payload)
+    except ValidationError as error:
+        raise validation_problem(error) from None
+    except RecursionError:
+        raise RequestError("the body is nested too deeply") from None
+    if hasattr(body, "check_extra_fields"):
+        body.check_extra_fields()
+    return body
+
+
+def validation_problem(error: ValidationError) -> RequestError:
+    """Pydantic's errors as one message, every problem named `field: what is wrong` (the first
+    few, then how many more)."""
+    problems, params = [], []
+    for problem in error.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in problem["loc"])
+        params.append(str(problem["loc"][0]) if problem["loc"] else None)
+        if problem["type"] == "value_error":  # our validators' own messages, without the prefix
+            text = str(problem["ctx"]["error"])
+        elif problem["type"] == "missing":
+            text = "Field required"
+        else:
+            text = problem["msg"]
+        problems.append(f"{where or 'body'}: {text}")
+    problems = list(dict.fromkeys(problems))
+    listed = "; ".join(problems[:MAX_LISTED_PROBLEMS])
+    if len(problems) > MAX_LISTED_PROBLEMS:
+        listed += f"; and {len(problems) - MAX_LISTED_PROBLEMS} more"
+    return RequestError("invalid request: " + listed, param=params[0] if params else None)
+
+
+def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
+    """`make()`, with the engine's check of a bad mix ("SamplingParams.min_tokens must ...") as
+    a 400 naming the field."""
+    try:
+        return make()
+    except ValueError as error:
+        raise RequestError(str(error), param=param_of(error, None)) from None
+
+
+def param_of(error: Exception, default: str | None) -> str | None:
+    """The field the engine's ValueError names ("SamplingParams.n ..."), else `default`."""
+    match = re.match(r"SamplingParams\.(\w+)", str(error))
+    return match.group(1) if match else default
+
+
+# -- the answers -----------------------------------------------------------------------------------
+
+
+class CompletionPieces:
+    """The choices of /v1/completions, whole or piece by piece: the text, with the prompt first
+    when it is echoed, and the legacy logprobs when asked (their text offsets run on)."""
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        num_logprobs: int | None,
+        echo: list[str | None],
+        prompt_ids: list[list[int]],
+    ) -> None:
+        self.stream = stream
+        prompt_of = {request_id: i for i, request_id in enumerate(stream.request_ids)}
+        self.prompt = [prompt_of[request_id] for request_id, _ in stream.choices]
+        self.num_logprobs, self.echo, self.prompt_ids = num_logprobs, echo, prompt_ids
+        self.offsets: dict[int, int] = {}  # choice -> characters streamed so far
+
+    def _echo(self, i: int, prompt_logprobs: list | None) -> tuple[str, dict | None]:
+        """The echoed prompt of choice i, and its logprobs when asked."""
+        p = self.prompt[i]
+        text = self.echo[p] or ""
+        if not text or self.num_logprobs is None:
+            return text, None
+        positions = prompt_logprobs or [None] * len(self.prompt_ids[p])
+        return text, completion_logprobs(self.prompt_ids[p], positions, self.num_logprobs)
+
+    def whole(self, i: int, answer: Answer) -> dict:
+        text, logprobs = self._echo(i, answer.prompt_logprobs)
+        if self.num_logprobs is not None:
+            generated = completion_logprobs(
+                answer.token_ids, answer.logprobs, self.num_logprobs, len(text)
+            )
+            logprobs = join_logprobs(logprobs, generated)
+        return completion_choice(
+            i, text + answer.text, finish_reason(answer.finish_reason), logprobs
+        )
+
+    def piece(self, i: int, delta: TextDelta) -> dict | None:
+        text, logprobs = ("", None)
+        if i not in self.offsets:
+            text, logprobs = self._echo(i, self.stream.prompt_logprobs.get(delta.request_id))
+            self.offsets[i] = len(text)
+        if self.num_logprobs is not None and delta.token_ids:
+            generated = completion_logprobs(
+                delta.token_ids, delta.logprobs or (), self.num_logprobs, self.offsets[i]
+            )
+            logprobs = join_logprobs(logprobs, generated)
+        self.offsets[i] += len(delta.text)
+        if not (text + delta.text or logprobs):
+            return None  # a step may bring a token but no text yet: half a character, a stop
+        return completion_choice(i, text + delta.text, None, logprobs)
+
+    def finish(self, i: int, reason: str | None) -> dict:
+        return completion_choice(i, "", reason)
+
+
+def join_logprobs(first: dict | None, second: dict) -> dict:
+    return second if first is None else {k: first[k] + second[k] for k in first}
+
+
+class ChatPieces:
+    """The choices of /v1/chat/completions, whole or piece by piece, with chat's logprobs."""
+
+    def __init__(self, num_logprobs: int | None) -> None:
+        self.num_logprobs = num_logprobs
+
+    def _logprobs(self, token_ids, logprobs) -> dict | None:
+        if self.num_logprobs is None:
+            return None
+        return chat_logprobs(token_ids, logprobs or (), self.num_logprobs)
+
+    def whole(self, i: int, answer: Answer) -> dict:
+        logprobs = self._logprobs(answer.token_ids, answer.logprobs)
+        return chat_choice(i, answer.text, finish_reason(answer.finish_reason), logprobs)
+
+    def piece(self, i: int, delta: TextDelta) -> dict | None:
+        logprobs = self._logprobs(delta.token_ids, delta.logprobs) if delta.token_ids else None
+        if not (delta.text or logprobs):
+            return None
+        return chat_delta(i, {"content": delta.text} if delta.text else {}, None, logprobs)
+
+    def finish(self, i: int, reason: str | None) -> dict:
+        return chat_delta(i, {}, reason)
 
 
 async def collect(stream: RequestStream) -> list[Answer]:
-    """Every delta of the stream, joined into one answer per request (in the order of the
-    prompts)."""
-    answers = {request_id: Answer() for request_id in stream.request_ids}
+    """Every delta of the stream, joined into one answer per choice (in the order of the
+    prompts, then of the samples)."""
+    answers = {choice: Answer() for choice in stream.choices}
     async with stream:
         async for delta in stream:
-            answer = answers[delta.request_id]
-            answer.text += delta.text
-            answer.num_tokens += len(delta.token_ids)
-            answer.finish_reason = delta.finish_reason
+            answers[choice_of(delta)].add(delta)
+    for (request_id, _), answer in answers.items():
+        answer.prompt_logprobs = stream.prompt_logprobs.get(request_id)
     return list(answers.values())
 
 
 def total_usage(stream: RequestStream, answers: list[Answer]) -> dict:
-    return usage(sum(stream.num_prompt_tokens.values()), sum(a.num_tokens for a in answers))
+    return usage(sum(stream.num_prompt_tokens.values()), sum(len(a.token_ids) for a in answers))
 
 
 async def sse_stream(
     stream: RequestStream,
     header: ResponseHeader,
-    choice: Callable[[int, str, str | None], dict],
+    pieces: CompletionPieces | ChatPieces,
     include_usage: bool,
     first: dict | None = None,
 ) -> AsyncIterator[str]:
@@ -210,20 +595,18 @@ async def sse_stream(
     `[DONE]`."""
     if first is not None:
         yield sse_event(first)
-    index = {request_id: i for i, request_id in enumerate(stream.request_ids)}
+    number = {choice: i for i, choice in enumerate(stream.choices)}
     completion_tokens = 0
     try:
         async with stream:
             async for delta in stream:
                 completion_tokens += len(delta.token_ids)
-                # a step may bring a token but no text yet: half a character, a possible stop
-                if delta.text:
-                    yield sse_event(
-                        header.body([choice(index[delta.request_id], delta.text, None)])
-                    )
+                i = number[choice_of(delta)]
+                if (piece := pieces.piece(i, delta)) is not None:
+                    yield sse_event(header.body([piece]))
                 if delta.finish_reason is not None:
                     reason = finish_reason(delta.finish_reason)
-                    yield sse_event(header.body([choice(index[delta.request_id], "", reason)]))
+                    yield sse_event(header.body([pieces.finish(i, reason)]))
         if include_usage:
             yield sse_event(
                 header.body(
@@ -233,7 +616,52 @@ async def sse_stream(
     except EngineDeadError as error:
         # The 200 status has gone out already: the error becomes an event.
         yield sse_event(engine_dead(error).body)
+    except Exception as error:  # this request alone failed; the engine goes on
+        logger.exception("a streamed request failed")
+        yield sse_event(error_body(f"the request failed: {error!r}", "server_error"))
     yield sse_event(DONE)
+
+
+async def anthropic_stream(
+    stream: RequestStream, message_id: str, model: str
+) -> AsyncIterator[str]:
+    """Anthropic's event sequence for one streamed message; an error after the start is an
+    `error` event, as Anthropic sends it."""
+    input_tokens = sum(stream.num_prompt_tokens.values())
+    start = anthropic.message_body(message_id, model, None, (None, None), input_tokens, 0)
+    yield anthropic.event({"type": "message_start", "message": start})
+    yield anthropic.event(
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    )
+    yield anthropic.event({"type": "ping"})
+    output_tokens, reason = 0, None
+    try:
+        async with stream:
+            async for delta in stream:
+                output_tokens += len(delta.token_ids)
+                if delta.text:
+                    text = {"type": "text_delta", "text": delta.text}
+                    yield anthropic.event(
+                        {"type": "content_block_delta", "index": 0, "delta": text}
+                    )
+                if delta.finish_reason is not None:
+                    reason = anthropic.stop_reason(
+                        delta.finish_reason, stream.stop_reasons.get(choice_of(delta))
+                    )
+    except Exception as error:
+        if not isinstance(error, EngineDeadError):
+            logger.exception("a streamed message failed")
+        yield anthropic.event(anthropic.error_body(500, f"the request failed: {error}"))
+        return
+    yield anthropic.event({"type": "content_block_stop", "index": 0})
+    yield anthropic.event(
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason[0], "stop_sequence": reason[1]},
+            "usage": {"output_tokens": output_tokens},
+        }
+    )
+    yield anthropic.event({"type": "message_stop"})
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
@@ -266,59 +694,82 @@ async def disconnected(request: Request) -> None:
 # -- the app ---------------------------------------------------------------------------------------
 
 
-def build_app(engine: AsyncEngine, model_name: str = "target") -> FastAPI:
-    server = OpenAIServer(engine, model_name)
-    app = FastAPI(title="minivllm", summary="An OpenAI-compatible server over minivllm's engine")
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: a lone surrogate a client sent (say in a model name) is written
+    as a JSON escape instead of failing as UTF-8."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def build_app(
+    engine: AsyncEngine,
+    model_name: str = "target",
+    limits: ServerLimits | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
+    server = OpenAIServer(engine, model_name, limits, api_key)
+    app = FastAPI(
+        title="minivllm",
+        summary="An OpenAI- and Anthropic-compatible server over minivllm's engine",
+        default_response_class=SafeJSONResponse,
+    )
+    app.state.limits = server.limits
+    for path, handler, model in (
+        ("/v1/completions", server.completions, CompletionRequest),
+        ("/v1/chat/completions", server.chat_completions, ChatCompletionRequest),
+        ("/v1/messages", server.messages, anthropic.MessagesRequest),
+        ("/tokenize", server.tokenize, TokenizeRequest),
+        ("/detokenize", server.detokenize, DetokenizeRequest),
+    ):
+        # the body is read by the handler (within the limits); its schema still goes in the docs
+        schema = {"content": {"application/json": {"schema": model.model_json_schema()}}}
+        app.add_api_route(path, handler, methods=["POST"], openapi_extra={"requestBody": schema})
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
+    app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
     app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
     return app
 
 
+def error_response(request: Request, error: APIError) -> JSONResponse:
+    """`error` in the shape of the endpoint's API, its message capped in length."""
+    limits = getattr(request.app.state, "limits", ServerLimits())
+    message = cap(error.message, limits.max_error_chars)
+    if request.url.path.startswith("/v1/messages"):
+        body = anthropic.error_body(error.status, message)
+    else:
+        body = error_body(message, error.type, error.param, error.code)
+    return SafeJSONResponse(body, status_code=error.status)
+
+
 async def api_error(request: Request, error: APIError) -> JSONResponse:
-    return JSONResponse(error.body, status_code=error.status)
+    return error_response(request, error)
 
 
-async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 becomes OpenAI's 400, with every problem named: `field: what is wrong`."""
-    problems, params = [], []
-    for problem in error.errors():
-        where = ".".join(str(part) for part in problem["loc"][1:])  # loc starts with "body"
-        params.append(where.split(".")[0])
-        if problem["type"] == "json_invalid":
-            message = (
-                f"the body is not valid JSON ({problem['ctx']['error']} at character {where}): "
-                "send a JSON object"
-            )
-            return JSONResponse(error_body(message), status_code=400)
-        # our validators' own messages, without pydantic's prefix
-        if problem["type"] == "value_error":
-            problems.append(f"{where or 'body'}: {problem['ctx']['error']}")
-        else:
-            problems.append(f"{where or 'body'}: {problem['msg']}")
-    message = "invalid request: " + "; ".join(dict.fromkeys(problems))
-    return JSONResponse(error_body(message, param=params[0] or None), status_code=400)
+async def request_error(request: Request, error: RequestError) -> JSONResponse:
+    return error_response(request, APIError(error.status, str(error), param=error.param))
 
 
 async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (no such route, wrong method, an unreadable body) in OpenAI's
-    shape."""
+    """Starlette's own errors (no such route, wrong method) in the API's shape."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-    return JSONResponse(
-        error_body(str(error.detail), param=None, code=code),
-        status_code=error.status_code,
-        headers=getattr(error, "headers", None),
-    )
+    response = error_response(request, APIError(error.status_code, str(error.detail), code=code))
+    response.headers.update(getattr(error, "headers", None) or {})
+    return response
 
 
 async def internal_error(request: Request, error: Exception) -> JSONResponse:
-    return JSONResponse(error_body(f"internal error: {error!r}", "server_error"), status_code=500)
+    """A bug of ours: the client still gets the API's error body (Starlette logs the traceback)."""
+    return error_response(request, APIError(500, f"internal error: {error!r}", "server_error"))
 
 
 # -- running it ------------------------------------------------------------------------------------
@@ -342,6 +793,8 @@ class ServerThread:
         host: str = "127.0.0.1",
         port: int = 0,
         log_level: str = "warning",
+        limits: ServerLimits | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.model_name, self.host = model_name, host
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -352,9 +805,9 @@ class ServerThread:
             self._socket.close()
             raise
         self.port = self._socket.getsockname()[1]
-        self.engine = AsyncEngine(engine)
+        self.engine = AsyncEngine(engine, ServingMetrics(model_name))
         config = uvicorn.Config(
-            build_app(self.engine, model_name),
+            build_app(self.engine, model_name, limits, api_key),
             log_config=None,
             log_level=log_level,
             access_log=False,
@@ -408,15 +861,30 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
-) -> None:
-    """Serve in the foreground until Ctrl-C (the `minivllm serve` command)."""
+    limits: ServerLimits | None = None,
+    api_key: str | None = None,
+) -> int:
+    """Serve in the foreground until Ctrl-C (the `minivllm serve` command). Returns 0, or 1 when
+    the engine died: the server stops at once so that a supervisor restarts it (as vLLM V1)."""
     # Everything alive now (model, libraries) lives as long as the process: take it out of the
     # garbage collector's view, or each full collection walks it all while holding the GIL the
     # engine needs.
     gc.collect()
     gc.freeze()
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, ServingMetrics(model_name))
+    app = build_app(async_engine, model_name, limits, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+
+    def stop_serving(error: EngineDeadError) -> None:
+        logger.critical("the engine died (%s): the server stops", error)
+        server.should_exit = True  # uvicorn checks it a few times a second
+
+    async_engine.on_death.append(stop_serving)
     try:
-        uvicorn.run(build_app(async_engine, model_name), host=host, port=port, log_level=log_level)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shuts down, then raises Ctrl-C again: the normal end
+        pass
     finally:
+        died = async_engine.error is not None  # before close(), only a failure sets it
         async_engine.close()
+    return 1 if died else 0

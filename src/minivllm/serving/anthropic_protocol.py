@@ -1,0 +1,195 @@
+"""The Anthropic Messages API as plain data: a second view of the same engine (chapter 08).
+
+`POST /v1/messages` takes a `system` prompt, `messages` of user and assistant turns, `max_tokens`
+(required), `stop_sequences`, `temperature`, `top_p`, `top_k` and `stream`. The chat becomes the
+same play as OpenAI's (openai_protocol.render_chat): the system prompt is the Chorus, the user
+ROMEO, the assistant JULIET. A whole answer is one `message` with one text block; a streamed one is
+Anthropic's event sequence, each event an SSE `event:` line naming its type and a `data:` line:
+
+    message_start, content_block_start, ping, content_block_delta (one per piece of text),
+    content_block_stop, message_delta (stop_reason and the output tokens), message_stop
+
+Errors have Anthropic's shape, `{"type": "error", "error": {"type": ..., "message": ...}}`, so
+the official `anthropic` client raises its usual exceptions. Like openai_protocol, this module knows
+no engine and imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minivllm.sched.sequence import LENGTH, SamplingParams
+from minivllm.serving.limits import RequestError
+from minivllm.serving.openai_protocol import (
+    END_OF_TURN,
+    MAX_INT,
+    ChatMessage,
+    short,
+)
+
+# Fields that change nothing here, and fields refused unless "off" (as openai_protocol does).
+NO_EFFECT = {"metadata", "cache_control"}  # cache_control: a prompt-caching hint
+UNSUPPORTED = {
+    "tools": ([],),
+    "tool_choice": ({"type": "none"},),
+    "thinking": ({"type": "disabled"},),
+    "service_tier": ("auto", "standard_only"),
+    "container": (),
+    "mcp_servers": ([],),
+}
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+    cache_control: dict | None = None  # a prompt-caching hint: no effect here
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["user", "assistant"]
+    content: str | Annotated[list[TextBlock], Field(min_length=1)]
+
+    @property
+    def text(self) -> str:
+        return (
+            self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        )
+
+
+class MessagesRequest(BaseModel):
+    """POST /v1/messages, with Anthropic's bounds (temperature 0..1)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    max_tokens: int = Field(ge=1, le=MAX_INT)
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_INT)
+    stream: bool | None = False
+
+    def check_extra_fields(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in NO_EFFECT or value is None:
+                continue
+            if name in UNSUPPORTED:
+                if value in UNSUPPORTED[name]:
+                    continue
+                raise RequestError(
+                    f"{name} is not supported by this server (got {short(value)}): leave it out",
+                    param=name,
+                )
+            raise RequestError(
+                f"unknown field {short(name)}: this server refuses fields it does not know "
+                "rather than ignore them; leave it out",
+                param=name,
+            )
+
+    def chat(self) -> list[ChatMessage]:
+        """The conversation as chat messages (the system prompt first), for render_chat."""
+        chat = []
+        system = self.system
+        if system is not None and not isinstance(system, str):
+            system = "".join(block.text for block in system)
+        if system and system.strip():
+            chat.append(ChatMessage(role="system", content=system))
+        for number, message in enumerate(self.messages):
+            if not message.text.strip():
+                raise RequestError(
+                    f"messages.{number}: a {message.role} message has empty content",
+                    param="messages",
+                )
+            chat.append(ChatMessage(role=message.role, content=message.text))
+        return chat
+
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop_sequences or ())
+
+    def sampling_params(self) -> SamplingParams:
+        """Anthropic's defaults: temperature 1, no top-p or top-k. A turn ends at END_OF_TURN."""
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            stop=tuple(dict.fromkeys([*self.stops(), END_OF_TURN])),
+        )
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def stop_reason(engine_reason: str | None, stop: int | str | None) -> tuple[str | None, str | None]:
+    """Anthropic's (stop_reason, stop_sequence): a user's stop sequence is named; the end of the
+    turn (the blank line) or the end of the scene is "end_turn"; a limit is "max_tokens"."""
+    if engine_reason is None:
+        return None, None
+    if engine_reason == LENGTH or engine_reason == "cache_full":
+        return "max_tokens", None
+    if isinstance(stop, str) and stop != END_OF_TURN:
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens}
+
+
+def message_body(
+    message_id: str,
+    model: str,
+    text: str | None,
+    reason: tuple[str | None, str | None],
+    input_tokens: int,
+    output_tokens: int,
+) -> dict:
+    """A whole answer; `text` None for the empty shell that `message_start` carries."""
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [] if text is None else [{"type": "text", "text": text}],
+        "stop_reason": reason[0],
+        "stop_sequence": reason[1],
+        "usage": usage(input_tokens, output_tokens),
+    }
+
+
+def event(payload: dict) -> str:
+    """One Server-Sent Event of Anthropic's stream: `event: <type>`, then its data."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {payload['type']}\ndata: {data}\n\n"
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(status: int, message: str) -> dict:
+    """Anthropic's error body; a status with no type of its own is an "api_error"."""
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message},
+    }
