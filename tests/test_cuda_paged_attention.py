@@ -1,10 +1,10 @@
-"""The numba-cuda paged-attention kernels (chapter 07) against the torch reference.
+"""The numba-cuda paged-attention kernels (chapter 07) against a float64 reference.
 
 On a CPU the kernels run in numba's CUDA simulator -- the same source, every CUDA thread a Python
-thread -- so these shapes are small. The full grid of the issue (block sizes 8/16/32, head_dim
-32/64/128, GQA 1/2/4, float32 and float16) runs natively when a GPU is present. Inputs are fresh
-random numbers (never zeros) and the output is poisoned with NaN before the launch, so an element
-the kernel forgets to write cannot pass.
+thread -- so these shapes are small: v3 is checked on a set of cases in which every block size
+(8/16/32), head_dim (32/64/128), GQA group (1/2/4) and dtype appears, and the full product of them
+runs natively when a GPU is present. Inputs are fresh random numbers (never zeros) and the output is
+poisoned with NaN before the launch, so an element the kernel forgets to write cannot pass.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import itertools
 import pytest
 import torch
 
-from minivllm.attention.cuda.launch import paged_attention
+from minivllm.attention.cuda.launch import GroupedDecode, grouped_paged_attention, paged_attention
 from minivllm.attention.cuda.simulator import SIMULATOR
-from minivllm.book.kernel_check import kernel_error, random_inputs
+from minivllm.book.kernel_check import kernel_error, random_inputs, reference_attention
 
 GPU = torch.cuda.is_available()
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -38,9 +38,9 @@ def make_case(num_heads_kv_dim, block_size, context_lens, dtype, seed, device="c
     )
 
 
-def relative_error(case, partition_size=None, threads=32) -> float:
+def relative_error(case, partition_size=None, threads=32, **options) -> float:
     """One warp per block by default: a simulated thread is a Python thread, so fewer is faster."""
-    return kernel_error(case, partition_size=partition_size, threads=threads)
+    return kernel_error(case, partition_size=partition_size, threads=threads, **options)
 
 
 def test_the_simulator_runs_when_there_is_no_gpu() -> None:
@@ -109,16 +109,178 @@ def test_bad_shapes_are_refused_before_a_launch(change, message) -> None:
         paged_attention(*case, threads=48)
 
 
+# v3 in the simulator: each block size, head_dim, group and dtype at least twice; contexts of one
+# token, ending mid-block and (with two sequences) spanning several blocks.
+V3_CASES = [
+    (8, 32, 1, torch.float32),
+    (8, 128, 2, torch.float16),
+    (16, 64, 2, torch.float32),
+    (16, 32, 4, torch.float16),
+    (32, 128, 4, torch.float32),
+    (32, 64, 1, torch.float16),
+]
+
+
+@pytest.mark.parametrize("block_size, head_dim, group, dtype", V3_CASES)
+def test_v3_matches_the_reference(block_size, head_dim, group, dtype) -> None:
+    lens = [1, block_size + 3]
+    case = make_case((group, 1, head_dim), block_size, lens, dtype, seed=block_size + head_dim)
+    assert relative_error(case, grouped=True) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    "lanes_per_token, threads",
+    [
+        (1, 32),  # every lane its own token: 32 tokens in flight, 32 states to merge
+        (32, 32),  # a whole warp on one token, as v1
+        (8, 64),  # two warps of four teams each
+    ],
+)
+def test_v3_teams_and_warps_merge_their_softmax_states(lanes_per_token, threads) -> None:
+    case = make_case((4, 2, 32), 8, [3, 21], torch.float32, seed=lanes_per_token + threads)
+    error = relative_error(case, threads=threads, grouped=True, lanes_per_token=lanes_per_token)
+    assert error <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "partition_size, dtype",
+    [
+        (24, torch.float32),  # one partition covers every context: no merge kernel
+        (8, torch.float32),  # 3 partitions; the short sequence has 1 real and 2 empty ones
+        (8, torch.float16),
+    ],
+)
+def test_v3_split_kv_merges_partitions(partition_size, dtype) -> None:
+    case = make_case((4, 2, 32), 8, [19, 6], dtype, seed=partition_size)
+    error = relative_error(case, partition_size=partition_size, grouped=True)
+    assert error <= TOLERANCE[dtype]
+
+
+def test_v3_decode_serves_every_layer_of_a_step() -> None:
+    """One `GroupedDecode` per step, called per layer with that layer's caches and queries."""
+    layers = [make_case((4, 2, 32), 8, [5, 12], torch.float32, seed=s) for s in (1, 2)]
+    tables, lens = layers[0][3], layers[0][4]
+    decode = GroupedDecode(
+        tables, lens, 12, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, threads=32
+    )
+    for q, key_cache, value_cache, _, _ in layers:
+        out = decode(q, key_cache, value_cache)
+        expected = reference_attention(q, key_cache, value_cache, tables, lens, torch.float64)
+        assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_v3_writes_nan_for_a_context_longer_than_the_host_promised() -> None:
+    """On a GPU the lengths are not read back, so the kernel guards its shared table itself."""
+    q, key_cache, value_cache, tables, lens = make_case((2, 1, 32), 8, [4, 9], torch.float32, 3)
+    decode = GroupedDecode(
+        tables, lens, 9, num_heads=2, num_kv_heads=1, head_dim=32, block_size=8, threads=32
+    )
+    lens[1] = 16  # after the checks: as a GPU-side length would be, unseen by the host
+    out = decode(q, key_cache, value_cache)
+    assert out[1].isnan().all()
+    expected = reference_attention(q[:1], key_cache, value_cache, tables[:1], lens[:1])
+    assert torch.allclose(out[:1], expected, rtol=1e-5, atol=1e-6)
+
+
+def v3_case():
+    return make_case((4, 2, 16), 4, [5, 3], torch.float32, seed=0)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: {"max_context_len": 0}, "max_context_len must be in 1..8"),
+        (lambda c: {"max_context_len": 9}, "max_context_len must be in 1..8"),
+        (lambda c: {"max_context_len": 4}, r"context lengths must be in 1..4 "),
+        (lambda c: {"partition_size": 6}, "partition_size must be a positive multiple of"),
+        (lambda c: {"lanes_per_token": 3}, "lanes_per_token must be a power of two"),
+        (lambda c: {"lanes_per_token": 32}, "lanes_per_token must be a power of two"),
+        (lambda c: {"threads": 48}, "multiple of 32"),
+        (lambda c: {"block_tables": c[3].long()}, "block_tables must be int32"),
+        (lambda c: {"context_lens": c[4][:1]}, r"and context_lens \[1\] expected, got \(2, 2\)"),
+        (lambda c: {"q": c[0][:, :3].contiguous()}, "cannot share"),
+        (lambda c: {"q": c[0].half()}, "share one dtype"),
+        (lambda c: {"key_cache": c[1][:, :, :1].contiguous()}, "caches must both be"),
+        (lambda c: {"value_cache": c[2][..., ::2]}, "caches must both be"),
+        (
+            lambda c: {"value_cache": c[2].transpose(0, 1).contiguous().transpose(0, 1)},
+            "value_cache must be contiguous",
+        ),
+        (lambda c: {"out": torch.full((2, 4, 8), float("nan"))}, "out must be like q"),
+        (lambda c: {"partition_size": 50_000}, "bytes of shared memory"),
+    ],
+)
+def test_v3_refuses_bad_arguments_before_a_launch(change, message) -> None:
+    q, key_cache, value_cache, tables, lens = v3_case()
+    arguments = {
+        "q": q,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "block_tables": tables,
+        "context_lens": lens,
+        "max_context_len": 5,
+        "threads": 32,
+        "out": torch.full_like(q, float("nan")),
+    }
+    arguments.update(change(v3_case()))
+    with pytest.raises(ValueError, match=message):
+        grouped_paged_attention(**arguments)
+    assert arguments["out"].isnan().all()  # nothing was launched
+
+
+def test_v3_checks_read_no_value_of_a_device_tensor() -> None:
+    """Tables and lengths on the meta device have shapes but no values: reading one (what a GPU
+    tensor would need a host-device sync for) would raise, not give the ValueError."""
+    tables = torch.empty(2, 3, dtype=torch.int32, device="meta")
+    lens = torch.empty(2, dtype=torch.int32, device="meta")
+    shape = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "block_size": 4}
+    with pytest.raises(ValueError, match=r"max_context_len must be in 1..12"):
+        GroupedDecode(tables, lens, 13, **shape)
+    with pytest.raises(ValueError, match="partition_size must be"):
+        GroupedDecode(tables, lens, 12, partition_size=6, **shape)
+    with pytest.raises(ValueError, match="the kernels run on"):  # valid: only the
+        GroupedDecode(tables, lens, 12, **shape)  # device itself is refused
+
+
+def test_split_kv_only_when_the_grid_cannot_fill_the_sms() -> None:
+    from minivllm.attention.cuda.launch import split_partition_size
+
+    # 64 sequences x 8 K/V heads = 512 blocks >= 2 per SM on 132 SMs: one partition.
+    assert split_partition_size(64, 8, 1024, 16, num_sms=132) is None
+    # 1 x 8 blocks: 2 x 132 / 8 = 33 partitions wanted; 4096 / 33 -> 128 tokens, a multiple of 16.
+    assert split_partition_size(1, 8, 4096, 16, num_sms=132) == 128
+    # Never below min_partition, and no split at all when that leaves one partition.
+    assert split_partition_size(1, 8, 1000, 16, num_sms=132, min_partition=200) == 208
+    assert split_partition_size(1, 8, 100, 16, num_sms=132) is None
+
+
+def test_occupancy_counts_several_blocks_per_sm() -> None:
+    from minivllm.attention.cuda.occupancy import H100_SXM, blocks_per_sm, occupancy
+
+    # v1 as Nsight Compute saw it (80 registers, 128 threads): 80 x 32 = 2,560 registers a warp,
+    # 65,536 / 2,560 = 25 warps, 6 blocks of 4 -- not 1 block per SM.
+    assert blocks_per_sm(128, 80, 4 * 1200) == (6, "registers")
+    assert blocks_per_sm(128, 32, 4 * 1200) == (16, "warp slots")
+    assert blocks_per_sm(128, 32, 60 * 1024) == (3, "shared memory")  # 61 KiB a block
+    batch_64 = occupancy(64 * 32, 128, 80, 4 * 1200)  # 2,048 blocks, 792 resident at a time
+    assert batch_64.waves == 3
+    assert batch_64.warp_occupancy == pytest.approx(2048 * 4 / (3 * 132 * 64))
+    assert occupancy(8, 128, 80, 4 * 1200).warp_occupancy == pytest.approx(32 / (132 * 64))
+    with pytest.raises(ValueError, match="does not fit"):
+        occupancy(1, 128, 32, 300 * 1024, H100_SXM)
+
+
+GPU_ONLY = pytest.mark.skipif(
+    not GPU,
+    reason="no CUDA GPU: the native kernels need one (the simulator tests above run "
+    "the same kernel source on the CPU)",
+)
 GRID = list(
     itertools.product([8, 16, 32], [32, 64, 128], [1, 2, 4], [torch.float32, torch.float16])
 )
 
 
-@pytest.mark.skipif(
-    not GPU,
-    reason="no CUDA GPU: the native kernels need one (the simulator tests above run "
-    "the same kernel source on the CPU)",
-)
+@GPU_ONLY
 @pytest.mark.parametrize("block_size, head_dim, group, dtype", GRID)
 @pytest.mark.parametrize("partition_size", [None, 64])
 def test_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size) -> None:
@@ -134,7 +296,24 @@ def test_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size
     assert relative_error(case, partition_size=partition_size, threads=128) <= TOLERANCE[dtype]
 
 
-def test_the_engine_gives_the_same_tokens_with_the_kernel_backend() -> None:
+@GPU_ONLY
+@pytest.mark.parametrize("block_size, head_dim, group, dtype", GRID)
+@pytest.mark.parametrize("partition_size", [None, 64, 512])
+def test_v3_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size) -> None:
+    lens = [1, block_size - 1, 3 * block_size + 5, 517, 2000]
+    case = make_case(
+        (8, 8 // group, head_dim),
+        block_size,
+        lens,
+        dtype,
+        seed=block_size + head_dim + group,
+        device="cuda",
+    )
+    error = relative_error(case, partition_size=partition_size, threads=128, grouped=True)
+    assert error <= TOLERANCE[dtype]
+
+
+def test_the_engine_gives_the_same_tokens_with_the_kernel_backend(monkeypatch) -> None:
     """A tiny random model, so the simulator can run every decode of a few requests through the
     kernel."""
     from minivllm.attention.cuda.backend import CudaPagedAttention
@@ -151,7 +330,14 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_backend() -> None:
         [[256, 65, 66], [256, 71, 72, 73, 74]],
         SamplingParams(max_tokens=3, temperature=0),
     )
-    outputs = {}
+    outputs, used_v3 = {}, []
+    original_call = GroupedDecode.__call__
+
+    def counting_call(self, *args, **kwargs):
+        used_v3.append(self.parts)
+        return original_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupedDecode, "__call__", counting_call)
     for backend in ["torch", "cuda"]:
         engine = LLMEngine(
             model,
@@ -159,6 +345,7 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_backend() -> None:
         )
         outputs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
     assert engine.runner.backend is CudaPagedAttention
+    assert used_v3, "the decodes did not run on the v3 kernel"
     assert outputs["cuda"] == outputs["torch"] and all(len(t) == 3 for t in outputs["torch"])
 
 

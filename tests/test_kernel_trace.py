@@ -2,11 +2,16 @@
 
 One small launch of the v1 kernel, recorded, is checked against what the kernel's code says it does:
 every cached element of the sequence read exactly once per phase, nothing outside its blocks, warps
-taking tokens round-robin in table order, lanes over head_dim.
+taking tokens round-robin in table order, lanes over head_dim. One launch of v3 on a GQA group of
+four: every cached element read once for the whole group, the block table read once (into shared
+memory), teams of lanes taking different tokens in the same round.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 
@@ -104,3 +109,87 @@ def test_host_reads_are_not_recorded() -> None:
     reads = []
     device = recorded(np.arange(6.0).reshape(2, 3), reads)
     assert device[1, 2] == 5.0 and reads == []
+
+
+GROUP = 4  # query heads sharing the one K/V head
+
+
+@pytest.fixture(scope="module")
+def grouped_recording():
+    """v3 on a GQA group of 4: one thread block serves the four query heads."""
+    from minivllm.attention.cuda.grouped import (
+        default_lanes_per_token,
+        grouped_decode_kernel,
+        shared_words,
+    )
+    from minivllm.book.kernel_trace import recorded
+
+    generator = torch.Generator().manual_seed(12)
+    q = torch.randn(1, GROUP, HEAD_DIM, generator=generator)
+    k_cache, v_cache = (
+        torch.randn(8, BLOCK_SIZE, 1, HEAD_DIM, generator=generator) for _ in range(2)
+    )
+    table, lens = (
+        torch.tensor([TABLE], dtype=torch.int32),
+        torch.tensor([LENGTH], dtype=torch.int32),
+    )
+    partition = len(TABLE) * BLOCK_SIZE  # one partition: the whole table
+    out = torch.full((1, GROUP, 1, HEAD_DIM), float("nan"))
+    max_logits, exp_sums = torch.empty(1, GROUP, 1), torch.empty(1, GROUP, 1)
+    key_reads, value_reads, table_reads = [], [], []
+    kernel = grouped_decode_kernel(HEAD_DIM, GROUP, default_lanes_per_token(HEAD_DIM), BLOCK_SIZE)
+    shared = 4 * shared_words(
+        len(TABLE), HEAD_DIM, GROUP, WARP_SIZE, default_lanes_per_token(HEAD_DIM)
+    )
+    kernel[(1, 1, 1), WARP_SIZE, 0, shared](
+        out.numpy(),
+        max_logits.numpy(),
+        exp_sums.numpy(),
+        q.numpy(),
+        recorded(k_cache.view(-1).numpy(), key_reads),  # v3 takes the caches flattened
+        recorded(v_cache.view(-1).numpy(), value_reads),
+        recorded(table.numpy(), table_reads),
+        lens.numpy(),
+        LENGTH,
+        HEAD_DIM**-0.5,
+        partition,
+    )
+    expected = paged_attention(q, k_cache, v_cache, table, lens, threads=WARP_SIZE)
+    return out[:, :, 0], expected, cache_indices(key_reads), cache_indices(value_reads), table_reads
+
+
+def cache_indices(flat_reads):
+    """The reads of a flattened cache, with (block, slot, kv_head, element) indices again."""
+    shape = (8, BLOCK_SIZE, 1, HEAD_DIM)
+    return [
+        replace(r, index=tuple(int(i) for i in np.unravel_index(r.index[0], shape)))
+        for r in flat_reads
+    ]
+
+
+def test_v3_reads_each_cached_element_once_for_the_whole_group(grouped_recording) -> None:
+    out, expected, key_reads, value_reads, _ = grouped_recording
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+    for reads in (key_reads, value_reads):  # v1 reads each of them GROUP times, once per head
+        assert sorted(r.index for r in reads) == sorted(cached_elements())
+
+
+def test_v3_reads_the_block_table_once_into_shared_memory(grouped_recording) -> None:
+    table_reads = grouped_recording[4]
+    assert sorted(r.index for r in table_reads) == [(0, i) for i in range(len(TABLE))]
+
+
+def test_v3_teams_of_lanes_take_different_tokens_in_the_same_round(grouped_recording) -> None:
+    """head_dim 32 -> teams of 4 lanes, 8 tokens in flight per warp; lane j of a team reads
+    elements j, j + 4, ... of its token's row."""
+    from minivllm.attention.cuda.grouped import default_lanes_per_token
+    from minivllm.book.kernel_trace import reads_by_thread
+
+    lanes = default_lanes_per_token(HEAD_DIM)
+    teams = WARP_SIZE // lanes
+    for (_, thread), indices in reads_by_thread(grouped_recording[2]).items():
+        team, team_lane = divmod(thread, lanes)
+        tokens = [TABLE.index(block) * BLOCK_SIZE + slot for block, slot, _, _ in indices]
+        per_row = HEAD_DIM // lanes
+        assert tokens == [t for t in range(team, LENGTH, teams) for _ in range(per_row)]
+        assert [d for *_, d in indices[:per_row]] == list(range(team_lane, HEAD_DIM, lanes))

@@ -16,7 +16,11 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from minivllm.attention.cuda.launch import DEFAULT_THREADS, paged_attention
+from minivllm.attention.cuda.launch import (
+    DEFAULT_THREADS,
+    grouped_paged_attention,
+    paged_attention,
+)
 from minivllm.model.transformer import attention_reference
 
 
@@ -61,12 +65,13 @@ def reference_attention(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """What the kernels compute, the plain way, in float32 on the CPU: gather each sequence's K/V
-    through its block table, then the model's softmax attention (grouped-query: it repeats the K/V
-    heads)."""
+    """What the kernels compute, the plain way, on the CPU in `dtype` (`kernel_error` uses
+    float64): gather each sequence's K/V through its block table, then the model's softmax attention
+    (grouped-query: it repeats the K/V heads)."""
     block_size = key_cache.shape[1]
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=dtype)
     for seq, length in enumerate(context_lens.tolist()):
         positions = torch.arange(length)
         blocks, slots = (
@@ -74,11 +79,11 @@ def reference_attention(
             positions % block_size,
         )
         keys, values = (
-            key_cache.cpu().float()[blocks, slots],
-            value_cache.cpu().float()[blocks, slots],
+            key_cache.cpu().to(dtype)[blocks, slots],
+            value_cache.cpu().to(dtype)[blocks, slots],
         )
         out[seq] = attention_reference(
-            q[seq].cpu().float()[None], keys, values, torch.ones(1, length, dtype=torch.bool)
+            q[seq].cpu().to(dtype)[None], keys, values, torch.ones(1, length, dtype=torch.bool)
         )[0]
     return out
 
@@ -87,13 +92,27 @@ def kernel_error(
     inputs: SequenceOf[torch.Tensor],
     partition_size: int | None = None,
     threads: int = DEFAULT_THREADS,
+    grouped: bool = False,
+    lanes_per_token: int | None = None,
 ) -> float:
     """Launch the kernel on `inputs` into a NaN-poisoned output; its max error relative to the
-    reference's largest element. Raises AssertionError if the kernel left any output element
+    reference's largest element. v1 (v2 with a `partition_size`), or with `grouped` v3 (its split
+    form with a `partition_size`). Raises AssertionError if the kernel left any output element
     unwritten."""
     out = torch.full_like(inputs[0], float("nan"))
-    paged_attention(*inputs, partition_size=partition_size, threads=threads, out=out)
+    if grouped:
+        longest = int(inputs[4].max())  # the host knows it; here the inputs are ours to read
+        grouped_paged_attention(
+            *inputs,
+            max_context_len=longest,
+            partition_size=partition_size,
+            threads=threads,
+            lanes_per_token=lanes_per_token,
+            out=out,
+        )
+    else:
+        paged_attention(*inputs, partition_size=partition_size, threads=threads, out=out)
     unwritten = int(out.isnan().sum())
     assert unwritten == 0, f"the kernel left {unwritten} output elements unwritten"
-    expected = reference_attention(*inputs)
-    return float((out.cpu().float() - expected).abs().max() / expected.abs().max())
+    expected = reference_attention(*inputs, dtype=torch.float64)
+    return float((out.cpu().double() - expected).abs().max() / expected.abs().max())

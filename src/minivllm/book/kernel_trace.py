@@ -41,6 +41,7 @@ class RecordingArray(np.ndarray):
 
     def __getitem__(self, index):
         value = super().__getitem__(index)
+        index = index if isinstance(index, tuple) else (index,)  # a 1-D array's index is bare
         if self.reads is not None and _is_element(index, self.ndim):
             thread = threading.current_thread()
             if hasattr(thread, "threadIdx"):  # a simulated CUDA thread, not the host
@@ -50,8 +51,7 @@ class RecordingArray(np.ndarray):
         return value
 
 
-def _is_element(index, ndim: int) -> bool:
-    index = index if isinstance(index, tuple) else (index,)
+def _is_element(index: tuple, ndim: int) -> bool:
     return len(index) == ndim and all(isinstance(i, (int, np.integer)) for i in index)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention.batch import VarlenBatch
-from minivllm.attention.cuda.launch import DEFAULT_THREADS, paged_attention
+from minivllm.attention.cuda.launch import DEFAULT_THREADS, GroupedDecode, split_partition_size
 from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.attention.torch_backend import TorchPagedAttention
@@ -14,25 +14,45 @@ from minivllm.attention.torch_backend import TorchPagedAttention
 ENGINE_THREADS = WARP_SIZE if SIMULATOR else DEFAULT_THREADS
 
 
+def engine_partition_size(
+    num_seqs: int, num_kv_heads: int, longest: int, block_size: int, device: torch.device
+) -> int | None:
+    """Split-KV on a GPU when the batch has too few (sequence, K/V head) blocks to fill its SMs;
+    one partition in the simulator, where there are no SMs to fill."""
+    if SIMULATOR:
+        return None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return split_partition_size(num_seqs, num_kv_heads, longest, block_size, sms)
+
+
 class KernelDecodeAttention:
-    """The decode group on the kernel (v1), in the place of the reference's `DecodeAttention`."""
+    """The decode group on the v3 kernel (grouped flash-decoding), in the place of the reference's
+    `DecodeAttention`. Built once per step: the block tables and context lengths are converted, and
+    the launch sized, once for all the layers."""
 
     def __init__(self, storage: PagedKVStorage, batch: VarlenBatch) -> None:
         nd = batch.num_decodes
         self.storage = storage
-        self.block_tables = batch.block_tables[:nd].to(torch.int32)
-        self.context_lens = batch.context_lens[:nd].to(torch.int32)
+        context_lens = batch.context_lens[:nd]
+        config = storage.config
+        longest = batch.max_decode_context_len  # known on the host: no read from the device
+        self.decode = GroupedDecode(
+            batch.block_tables[:nd].to(torch.int32).contiguous(),
+            context_lens.to(torch.int32).contiguous(),
+            longest,
+            partition_size=engine_partition_size(
+                nd, config.n_kv_heads, longest, storage.block_size, context_lens.device
+            ),
+            num_heads=config.n_heads,
+            num_kv_heads=config.n_kv_heads,
+            head_dim=config.head_dim,
+            block_size=storage.block_size,
+            threads=ENGINE_THREADS,
+        )
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         key_cache, value_cache = self.storage.kv[layer]
-        return paged_attention(
-            q.contiguous(),
-            key_cache,
-            value_cache,
-            self.block_tables,
-            self.context_lens,
-            threads=ENGINE_THREADS,
-        )
+        return self.decode(q.contiguous(), key_cache, value_cache)
 
 
 class CudaPagedAttention(TorchPagedAttention):

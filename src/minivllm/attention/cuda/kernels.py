@@ -19,6 +19,9 @@ switches on (NUMBA_ENABLE_CUDASIM=1, before numba is imported) when torch sees n
 runs every CUDA thread as a Python thread: slow, but it executes the very same kernel code. It lacks
 warp shuffles, so `simulator.py` adds `shfl_xor_sync` to it with a block barrier -- which needs
 every thread of a block to call it together, as these kernels do. The launcher is `launch.py`.
+
+These two are the first versions, kept for the chapter's story; the engine runs v3 (`grouped.py`:
+one block per sequence and K/V head for the whole query group, one pass with an online softmax).
 """
 
 from __future__ import annotations
