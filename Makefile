@@ -20,7 +20,9 @@ help:
 	@echo "make lint       ruff check and ruff format --check (what make test runs first)"
 	@echo "make lab        JupyterLab on chapters/"
 	@echo "make notebooks  sync chapters/*.py -> .ipynb and execute in place"
-	@echo "make student DEST=dir [STUDENT_FLAGS=--force]   a student copy with the exercises stubbed out"
+	@echo "make student DEST=dir [EXERCISES=ch03.1,ch05.2] [STUDENT_FLAGS=--force]"
+	@echo "                a course copy with those exercises (default: all) stubbed, and its own"
+	@echo "                HTML book without their solutions (DEST/book/_build/html)"
 	@echo "make bench      run the benchmarks (tables + JSON in benchmarks/results/)"
 	@echo "make serve      the OpenAI-compatible server on http://127.0.0.1:8000 (PORT=..., Ctrl-C to stop)"
 
@@ -60,7 +62,7 @@ check-notebooks: $(BOOK_STAMP)
 	$(PY) tools/notebooks.py check
 
 student: $(BOOK_STAMP)
-	$(PY) tools/student.py $(DEST) $(STUDENT_FLAGS)
+	$(PY) tools/student.py $(DEST) --book $(if $(EXERCISES),--exercises $(EXERCISES)) $(STUDENT_FLAGS)
 
 bench: $(DEV_STAMP)  # the dev extra brings transformers, for the Hugging Face rows of throughput.py
 	@for script in benchmarks/[!_]*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

@@ -11,14 +11,17 @@
 # %% [markdown]
 # # Chapter 00 — The model an engine serves
 #
-# An inference engine is everything that stands between a trained model and the people asking it
-# for text: memory for keys and values, a scheduler that batches requests, a sampler, a server. This
-# book builds one, layer by layer. Before any of that, you need the thing being served.
+# An inference engine is everything that stands between a trained model and the people asking it for
+# text: memory for keys and values, a {term}`scheduler` that batches requests, a sampler, a server.
+# This book builds one, layer by layer. Before any of that, you need the thing being served.
 #
-# This chapter introduces it: a small Llama-architecture transformer, trained by this project on
-# Shakespeare's plays, shipped in the package as safetensors. You will read its code, count its
-# parameters, make it write, and then watch the simplest way of generating text get slower with every
-# token — the problem the next three chapters solve.
+# This chapter introduces it: a small Llama-architecture transformer {cite}`touvron2023llama` (the
+# decoder-only transformer of {cite}`vaswani2017attention` with {term}`RMSNorm`
+# {cite}`zhang2019rmsnorm`, rotary positions {cite}`su2021roformer` and
+# {term}`grouped-query attention` {cite}`ainslie2023gqa`), trained by this project on Shakespeare's
+# plays, shipped in the package as safetensors. You will read its code, count its parameters, make
+# it write, and then watch the simplest way of generating text get slower with every token — the
+# problem the next three chapters solve.
 
 # %%
 import json
@@ -43,11 +46,11 @@ print(model.config)
 #
 # The model reads a sequence of token ids and, for every position, returns a score (a *logit*) for
 # each possible next token. Here a token is one byte of UTF-8 text (chapter 01 explains why), so the
-# vocabulary is the 256 byte values plus three special tokens.
+# vocabulary is the 256 byte values plus three {term}`special tokens <special token>`.
 #
 # `Transformer.forward` is the whole computation, top to bottom: embed the tokens, work out the
-# rotation angles for their positions, run a stack of decoder layers, apply a final norm, and the LM head that turns each
-# position's vector into logits.
+# rotation angles for their positions, run a stack of decoder layers, apply a final norm, and the LM
+# head that turns each position's vector into logits.
 
 # %%
 from minivllm.model.transformer import Transformer
@@ -67,9 +70,9 @@ show(DecoderLayer.forward)
 # %% [markdown]
 # ### RMSNorm
 #
-# Llama normalises with RMSNorm: divide each vector by its root-mean-square and multiply by a learned
-# gain. There is no mean subtraction and no bias — cheaper than LayerNorm and just as good in practice.
-# You will write this function yourself in exercise ch00.1.
+# Llama normalises with RMSNorm: divide each vector by its root-mean-square and multiply by a
+# learned gain. There is no mean subtraction and no bias — cheaper than LayerNorm and just as good
+# in practice. You will write this function yourself in exercise ch00.1.
 
 # %%
 from minivllm.model.transformer import RMSNorm
@@ -87,9 +90,9 @@ show(RMSNorm.forward)
 #
 # Read the last lines of `SelfAttention.forward` closely. After rotating q and k by their positions,
 # the layer does **not** compute attention itself. It hands `(layer, q, k, v)` to an `attention`
-# object the *caller* supplied. That line is the seam the whole book plugs into: chapter 02 passes an
-# object that remembers keys and values, chapter 03 one that stores them in pages, chapter 04 one that
-# serves a whole batch at once. The model never changes.
+# object the *caller* supplied. That line is the seam the whole book plugs into: chapter 02 passes
+# an object that remembers keys and values, chapter 03 one that stores them in pages, chapter 04 one
+# that serves a whole batch at once. The model never changes.
 
 # %%
 from minivllm.model.transformer import SelfAttention
@@ -105,9 +108,9 @@ from minivllm.model.transformer import CausalAttention, attention_reference
 show(CausalAttention)
 
 # %% [markdown]
-# `CausalAttention` uses torch's fused kernel. `attention_reference` writes the same softmax out by
-# hand, with an explicit mask. Every attention implementation in this book is checked against it, so
-# check the first one now: same inputs, the causal mask, the same output.
+# `CausalAttention` uses torch's fused {term}`kernel <kernel (CUDA)>`. `attention_reference` writes
+# the same softmax out by hand, with an explicit mask. Every attention implementation in this book
+# is checked against it, so check the first one now: same inputs, the causal mask, the same output.
 
 # %%
 g = torch.Generator().manual_seed(0)
@@ -153,8 +156,8 @@ for pos_q, pos_k in [(3, 0), (103, 100), (403, 400), (3, 2)]:
 #
 # ### The MLP
 #
-# The feed-forward block is a SwiGLU: two projections up, one gated by SiLU, multiplied, projected
-# back down.
+# The feed-forward block is a {term}`SwiGLU`: two projections up, one gated by SiLU, multiplied,
+# projected back down.
 
 # %%
 from minivllm.model.transformer import SwiGLU
@@ -190,7 +193,7 @@ for part, n in counts.items():
     print(f"{part:16s} {n:>10,d}  {n / total:6.1%}")
 print(f"{'total':16s} {total:>10,d}")
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7.5, 2.8))
 parts = sorted(counts, key=counts.get)
 ax.barh(
@@ -201,9 +204,9 @@ ax.set_title(f"minivllm target: {total / 1e6:.2f} M parameters")
 plt.show()
 
 # %% [markdown]
-# The MLPs hold most of the weights. The key and value projections are small — grouped-query attention
-# at work — and that matters more than their size suggests: k and v are what an engine caches, once
-# per token per layer.
+# The MLPs hold most of the weights. The key and value projections are small — grouped-query
+# attention at work — and that matters more than their size suggests: k and v are what an engine
+# caches, once per token per layer.
 
 # %%
 c = model.config
@@ -271,7 +274,7 @@ for name, info in [("target", card), ("draft", draft_card)]:
     )
 print(f"held out: {card['validation_bytes']:,} bytes of Macbeth and Twelfth Night")
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots()
 for name, info, color in [
     ("target", card, sequence_color(0)),
@@ -292,10 +295,10 @@ ax.set_title("Held-out bits per byte while training")
 plt.show()
 
 # %% [markdown]
-# *Bits per byte* is the average number of bits the model needs to encode each byte of unseen text.
-# A model that knows nothing needs 8 (any of 256 bytes, equally likely); the lower, the better it
-# predicts Shakespeare. The curves are scored on the first 64 windows of the held-out text while
-# training; the model card's number is the whole held-out text, scored once at the end.
+# *{term}`Bits per byte`* is the average number of bits the model needs to encode each byte of
+# unseen text. A model that knows nothing needs 8 (any of 256 bytes, equally likely); the lower, the
+# better it predicts Shakespeare. The curves are scored on the first 64 windows of the held-out text
+# while training; the model card's number is the whole held-out text, scored once at the end.
 #
 # ## Making it write
 #
@@ -383,7 +386,7 @@ print(
     f"last 10 steps: {1000 * sum(step_seconds[-10:]) / 10:.1f} ms per token"
 )
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots()
 positions = range(len(tokenizer.encode("ROMEO:\n", add_bos=True)), len(ids))
 ax.plot(
@@ -409,9 +412,9 @@ plt.show()
 #
 # ## Exercises
 #
-# Solutions live in the package between `### BEGIN SOLUTION` and `### END SOLUTION`; in a student copy
-# (`make student DEST=...`) they are replaced by `raise NotImplementedError`. Each exercise has tests
-# marked with its id; run one exercise's tests with
+# Solutions live in the package between `### BEGIN SOLUTION` and `### END SOLUTION`; in a student
+# copy (`make student DEST=...`) they are replaced by `raise NotImplementedError`. Each exercise has
+# tests marked with its id; run one exercise's tests with
 #
 # ```
 # pytest tests/test_model.py --exercise ch00.1
@@ -421,10 +424,35 @@ plt.show()
 #    divide `x` by the root-mean-square of its last dimension (plus `eps`, inside the square root),
 #    then multiply by `self.weight`. The tests check the definition and that the output has unit RMS
 #    whatever the input's scale.
-# 2. **ch00.2 — RoPE.** Implement `apply_rope`: split the last dimension in halves, build
-#    `rotate_half(x) = [-x2, x1]`, and return `x * cos + rotate_half(x) * sin` (broadcast over heads).
-#    The tests check the identity at position 0, an exact rotation, and that scores depend only on
-#    the distance between positions.
-# 3. *(Explore, no test.)* Count parameters for a model with 8 key/value heads instead of 2, and the KV
-#    cache bytes per token. At what context length does the KV cache of one sequence outgrow the model
-#    itself?
+#
+#    *Hint:* Reduce over the last dimension with `keepdim=True`, so the RMS keeps a size-1 axis and
+#    broadcasts back against `x`. Unlike LayerNorm there is no mean to subtract and no bias.
+# 2. **ch00.2 — {term}`RoPE`.** Implement `apply_rope`: split the last dimension in halves, build
+#    `rotate_half(x) = [-x2, x1]`, and return `x * cos + rotate_half(x) * sin` (broadcast over
+#    heads). The tests check the identity at position 0, an exact rotation, and that scores depend
+#    only on the distance between positions.
+#
+#    *Hint:* `rope_cos_sin` gives `cos` and `sin` as `[..., T, head_dim]`, with no heads axis, while
+#    `x` is `[..., T, heads, head_dim]`: give them a size-1 axis just before the last one. At
+#    position 0 the angle is 0, so your output must be `x` itself.
+# 3. *(Explore, no test.)* Count parameters for a model with 8 key/value heads instead of 2, and the
+#    KV cache bytes per token. At what context length does the {term}`KV cache` of one sequence
+#    outgrow the model itself?
+#
+#    *Hint:* `Transformer(dataclasses.replace(model.config, n_kv_heads=8)).num_parameters()` counts
+#    it for you; only `k_proj` and `v_proj` grow. The break-even context is the model's bytes
+#    divided by the KV bytes per token, both at 4 bytes a number.
+
+# %% [markdown]
+# ## Summary
+#
+# You have the model the rest of the book serves: a Llama-architecture decoder (RMSNorm, rotary
+# positions, grouped-query attention, a SwiGLU MLP) whose attention is a seam the caller fills, its
+# parameters counted, its weights loaded from safetensors, and its text sampled. And you have the
+# problem: naive generation re-runs the whole sequence for every token, so the time per token climbs
+# with the length — the curve measured above, which chapter 02 flattens.
+#
+# **The same idea in vLLM.** The model: `vllm/model_executor/models/llama.py`, with its layers in
+# `vllm/model_executor/layers/` (`layernorm.py`, `rotary_embedding/`, `activation.py`); the
+# attention seam is vLLM's `Attention` layer (`vllm/attention/layer.py`), which forwards to the
+# backend the engine chose. nano-vllm: `nanovllm/models/qwen3.py` and `nanovllm/layers/`.

@@ -90,16 +90,17 @@ print(f"the client shows  {naive!r}")
 
 # %% [markdown]
 # The `á` and the emoji take several bytes each; decoded one at a time, none of those bytes is a
-# character, so the client shows U+FFFD, the replacement character `�`, once for every byte of them.
-# You will fix both: bytes make unknown tokens impossible, and a streaming decoder makes the stream
-# come out right.
+# character, so the client shows U+FFFD, the {term}`replacement character` `�`, once for every byte
+# of them. You will fix both: bytes make unknown tokens impossible, and a {term}`streaming decoder`
+# makes the stream come out right.
 
 # %% [markdown]
 # ## Build: the byte tokenizer
 #
-# UTF-8 writes every Unicode character as one to four bytes. The byte tokenizer takes those bytes
-# as the token ids 0-255, and puts three *special tokens* above them: `<bos>` (beginning of
-# sequence, put in front of every prompt), `<eos>` (the model says it is done) and `<pad>`.
+# UTF-8 writes every Unicode character as one to four bytes. The {term}`byte tokenizer` takes those
+# bytes as the token ids 0-255, and puts three *{term}`special tokens <special token>`* above them:
+# `<bos>` (beginning of sequence, put in front of every prompt), `<eos>` (the model says it is done)
+# and `<pad>`.
 
 # %%
 show(ByteTokenizer)
@@ -108,12 +109,14 @@ show(ByteTokenizer)
 # Three things to notice:
 #
 # - `encode` is `text.encode("utf-8")`. Every string has a UTF-8 encoding, so every string encodes.
-#   (A Python string may hold a *lone surrogate*, half of a UTF-16 pair, which is not a character;
-#   it becomes U+FFFD rather than an error.)
+#   (A Python string may hold a *lone {term}`surrogate`*, half of a UTF-16 pair, which is not a
+#   character; it becomes U+FFFD rather than an error.)
 # - Special tokens are never produced by `encode`. The five characters `<eos>` are five bytes; only
-#   your code can put the real `<eos>` into a sequence. A user cannot end the model's turn by typing it.
-# - `decode` never raises. It skips special tokens, and bytes that are not valid UTF-8 become U+FFFD.
-#   A model can emit any id in any order, and the server must turn whatever comes out into text.
+#   your code can put the real `<eos>` into a sequence. A user cannot end the model's turn by typing
+#   it.
+# - `decode` never raises. It skips special tokens, and bytes that are not valid UTF-8 become
+#   U+FFFD. A model can emit any id in any order, and the server must turn whatever comes out into
+#   text.
 
 # %%
 print("vocabulary size:", tok.vocab_size, "  special tokens:", SPECIAL_TOKENS)
@@ -128,7 +131,7 @@ print(repr(tok.decode([BOS_ID, *tok.encode("Hi!"), EOS_ID])), "<- decode skips t
 # ASCII characters are one byte. Everything else takes two, three or four, and some things you see
 # as one character are several code points glued together: an accent can be a separate *combining
 # mark*, a flag is two *regional indicator* letters, and a family emoji is three people joined by
-# invisible *zero-width joiners* (ZWJ, U+200D).
+# invisible *{term}`zero-width joiners <zero-width joiner>`* (ZWJ, U+200D).
 
 # %%
 examples = {
@@ -161,8 +164,9 @@ for name, text in examples.items():
 # | 80-BF, C0, C1, F5-FF | — | never the first byte of a character |
 #
 # A few first bytes also narrow the range of the *second* byte, to forbid *overlong* encodings (a
-# character written with more bytes than it needs, like `C0 AF` for `/`), the surrogates U+D800-DFFF,
-# and anything past U+10FFFF. The package keeps these facts in one small function and one table:
+# character written with more bytes than it needs, like `C0 AF` for `/`), the surrogates
+# U+D800-DFFF, and anything past U+10FFFF. The package keeps these facts in one small function and
+# one table:
 
 # %%
 print(
@@ -176,7 +180,7 @@ show(utf8_length)
 # characters are one cell each, the emoji four.
 
 
-# %%
+# %% tags=["hide-input"]
 def byte_map(ax, text: str) -> None:
     """One cell per byte, coloured by the character it belongs to, labelled with its hex value."""
     x = 0
@@ -240,7 +244,7 @@ bytes_per_char = {name: len(tok.encode(text)) / len(text) for name, text in phra
 for name, ratio in bytes_per_char.items():
     print(f"{name:9} {ratio:.2f} tokens per code point")
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots()
 ax.bar(list(bytes_per_char), list(bytes_per_char.values()), color=sequence_color(0))
 ax.set_ylabel("tokens (bytes) per code point")
@@ -276,14 +280,15 @@ print(f"{'end':>4}  {'':10} {'':10} {'':22} {decoder.flush()!r:10}  <- flush")
 # The streaming column is silent while a character is incomplete, then sends the whole character
 # at once; nothing it sends ever changes. The per-token column is garbage for good. (Decoded as
 # Latin-1 instead, each byte would be a character of its own, and you would get the classic
-# *mojibake*:)
+# *{term}`mojibake`*:)
 
 # %%
 print(repr(reply.encode("utf-8").decode("latin-1")))
 
 # %% [markdown]
 # The whole streaming decoder rests on one question: *how many bytes at the end of what you have are
-# the start of a character that can still be completed?* Those wait; everything before them is final.
+# the start of a character that can still be completed?* Those wait; everything before them is
+# final.
 
 # %%
 show(incomplete_utf8_tail)
@@ -291,8 +296,8 @@ show(incomplete_utf8_tail)
 # %% [markdown]
 # It walks back over at most three continuation bytes to find the first byte of the last character.
 # If that character is already complete, or already invalid — an overlong start, a surrogate, a byte
-# that starts nothing — waiting cannot help: it is decoded now, as U+FFFD if it must be. Only a valid
-# but unfinished character is held back. Then the decoder itself is a few lines:
+# that starts nothing — waiting cannot help: it is decoded now, as U+FFFD if it must be. Only a
+# valid but unfinished character is held back. Then the decoder itself is a few lines:
 
 # %%
 show(StreamingDecoder)
@@ -318,12 +323,12 @@ for data in [
     print(f"{data.hex(' '):15} -> hold back {incomplete_utf8_tail(data)}")
 
 # %% [markdown]
-# The last three are never held: `E0 80` can only become an overlong encoding, `ED A0` a surrogate,
-# and `F5` starts nothing at all.
+# The last three are never held: `E0 80` can only become an {term}`overlong encoding`, `ED A0` a
+# surrogate, and `F5` starts nothing at all.
 #
 # One limit of the guarantee: the decoder works in *code points*, not in what you see as one
-# character (a *grapheme cluster*). The family emoji arrives person by person — never a broken byte,
-# but a terminal shows one woman, then two, then the family:
+# character (a *{term}`grapheme cluster`*). The family emoji arrives person by person — never a
+# broken byte, but a terminal shows one woman, then two, then the family:
 
 # %%
 decoder = StreamingDecoder()
@@ -383,8 +388,8 @@ print(f"word-level tokens {n_words:>8,}   {n_bytes / n_words:.2f} byte tokens pe
 # The plays are plain ASCII, so a byte is a character and the cost per character is nothing. The
 # real cost is against words: the cell above says how many times longer a sequence of bytes is than
 # the same text in words. Every token is one step of the model when it generates, so a reply takes
-# that many times more steps — and the naive loop of chapter 00, which re-reads the whole sequence at
-# every step, pays for it twice over:
+# that many times more steps — and the naive loop of chapter 00, which re-reads the whole sequence
+# at every step, pays for it twice over:
 
 # %%
 ratio = n_bytes / n_words
@@ -392,12 +397,12 @@ print(f"generation steps per word-level token: {ratio:.1f}")
 print(f"naive generation (cost grows with length squared): {ratio**2:.0f}x the work")
 
 # %% [markdown]
-# That quadratic bill is what the KV cache of chapter 02 removes. Now what bytes buy. A word-level
-# vocabulary has to be built from text, and it keeps growing as you read more: the curve below counts
-# the distinct words seen so far while reading through *Macbeth* and then *Twelfth Night*. The byte
-# vocabulary is the flat line — it was complete before you read anything.
+# That quadratic bill is what the {term}`KV cache` of chapter 02 removes. Now what bytes buy. A
+# word-level vocabulary has to be built from text, and it keeps growing as you read more: the curve
+# below counts the distinct words seen so far while reading through *Macbeth* and then *Twelfth
+# Night*. The byte vocabulary is the flat line — it was complete before you read anything.
 
-# %%
+# %% tags=["hide-input"]
 seen: set[str] = set()
 growth = []
 for word in words(validation):
@@ -472,7 +477,7 @@ print(f"embedding rows, words of these two plays: {full_vocab:,} ({times_more:.0
 # `F5`, a truncated character followed by ASCII or by the end of the stream), and then, through
 # `StreamingDecoder`, random byte strings: the stream must equal
 # `bytes(ids).decode("utf-8", errors="replace")` and nothing sent may ever change. *Hint:* walk back
-# from the end over continuation bytes until you find a first byte.
+# from the end over {term}`continuation bytes <continuation byte>` until you find a first byte.
 #
 # **Exercise ch01.2 — `ByteTokenizer.decode(ids)`.** Turn ids back into text: keep only the byte
 # ids 0-255 (special tokens and anything out of range carry no text) and replace invalid UTF-8 with
@@ -480,6 +485,27 @@ print(f"embedding rows, words of these two plays: {full_vocab:,} ({times_more:.0
 # round trip on arbitrary text, special tokens, each kind of invalid byte, and that no list of ids
 # makes it raise.
 #
+# *Hint:* Drop the out-of-range ids *before* you build the `bytes` (`bytes()` rejects values above
+# 255), and decode the whole byte string at once, not id by id: a multi-byte character decodes only
+# when its bytes are together.
+#
 # **Going further (not graded).** Python has a streaming UTF-8 decoder of its own:
 # `codecs.getincrementaldecoder("utf-8")(errors="replace")`. Feed it `ED A0 80` one byte at a time
 # next to `StreamingDecoder`. Which one sends the first U+FFFD sooner, and why is that allowed?
+#
+# *Hint:* Print what each returns after every byte. Once `ED A0` is in, look it up in
+# `SECOND_BYTE_RANGE`: can any later byte still make it valid? Sending early is fine as long as
+# nothing sent is ever taken back.
+
+# %% [markdown]
+# ## Summary
+#
+# A tokenizer that can never fail: one token per UTF-8 byte and no vocabulary file. It costs
+# longer sequences (the bytes-per-character table above), and it needs a streaming decoder that holds
+# back an unfinished character, so a client never sees half of a multi-byte character or a
+# replacement character that later turns out to be wrong.
+#
+# **The same idea in vLLM.** Tokenizers come from Hugging Face (`vllm/transformers_utils/`), and
+# streaming text is made by an incremental detokenizer (`vllm/v1/engine/detokenizer.py`), which
+# holds back text the same way: until the bytes decode cleanly, and while it might still be the
+# start of a stop string.

@@ -11,11 +11,12 @@
 # %% [markdown]
 # # Chapter 02 — Keep the keys and values: the contiguous KV cache
 #
-# Chapter 00 ended with a plot that climbed: naive generation re-runs the model over the whole
-# sequence for every new token, so each token costs more than the last. Yet most of that work
-# computes the same numbers again. This chapter keeps them — a *KV cache* — and watches the time per
-# token go flat. Then it asks what the cache costs in memory when a server holds many sequences at
-# once, and finds the problem that chapter 03 solves.
+# Chapter 00 ended with a plot that climbed: {term}`naive generation` re-runs the model over the
+# whole sequence for every new token, so each token costs more than the last. Yet most of that work
+# computes the same numbers again. This chapter keeps them — a *{term}`KV cache`*
+# {cite}`pope2023efficiently` — and watches the time per token go flat. Then it asks what the cache
+# costs in memory when a server holds many sequences at once, and finds the problem that chapter 03
+# solves.
 
 # %%
 import time
@@ -44,10 +45,10 @@ config = model.config
 # ## Why: the same keys, computed again and again
 #
 # Token *i*'s key and value in a layer depend only on tokens 0..*i*: causal attention never lets an
-# earlier token see a later one, and RoPE rotates each key by its own position, which never changes.
-# So when step *t* of naive generation recomputes the keys and values of tokens 0..*t*-1, it gets
-# exactly the numbers step *t*-1 already had. Check it: the keys layer 0 hands to the seam for a
-# prefix are the first rows of the keys it hands over for a longer sequence.
+# earlier token see a later one, and {term}`RoPE` rotates each key by its own position, which never
+# changes. So when step *t* of naive generation recomputes the keys and values of tokens 0..*t*-1,
+# it gets exactly the numbers step *t*-1 already had. Check it: the keys layer 0 hands to the seam
+# for a prefix are the first rows of the keys it hands over for a longer sequence.
 
 
 # %%
@@ -87,9 +88,9 @@ print(f"max |difference| between the first 20 keys of both passes: {difference:.
 show(ContiguousKVCache.__call__)
 
 # %% [markdown]
-# A call can carry one new token (a decode step) or many (the prompt, in one *prefill* pass). Query
-# *i* of the call sits at absolute position `start + i`: it may look at the whole history and at the
-# new tokens up to itself. That is the mask — exercise ch02.2:
+# A call can carry one new token (a {term}`decode step`) or many (the prompt, in one
+# *{term}`prefill`* pass). Query *i* of the call sits at absolute position `start + i`: it may look
+# at the whole history and at the new tokens up to itself. That is the mask — exercise ch02.2:
 
 # %%
 show(cached_causal_mask)
@@ -113,10 +114,11 @@ show(stream_cached)
 # A *contiguous* cache keeps each layer's keys (and values) as one `[length, n_kv_heads, head_dim]`
 # tensor. A tensor cannot grow in place, so there are two ways to add rows:
 #
-# - **grow by concatenation** — `torch.cat` the history with the new rows. Memory is exactly what the
-#   sequence holds, but every append copies the whole history into a new tensor (exercise ch02.1);
-# - **preallocate to the maximum length** — reserve `max_len` rows up front and write into slices. No
-#   copies, but every sequence pays for `max_len` rows, however short it turns out to be.
+# - **grow by concatenation** — `torch.cat` the history with the new rows. Memory is exactly what
+#   the sequence holds, but every append copies the whole history into a new tensor (exercise
+#   ch02.1);
+# - **preallocate to the maximum length** — reserve `max_len` rows up front and write into slices.
+#   No copies, but every sequence pays for `max_len` rows, however short it turns out to be.
 
 # %%
 show(ContiguousKVCache._append_concat)
@@ -198,7 +200,7 @@ for name, times in [("naive", naive_times), ("cached", cached_times)]:
         f"last 10 steps {1000 * sum(times[-10:]) / 10:5.1f} ms/token, total {sum(times):5.2f} s"
     )
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots()
 positions = range(len(start_ids), len(start_ids) + 300)
 ax.plot(
@@ -254,7 +256,7 @@ for name, rows in [("concat", concat_rows), ("preallocate", prealloc_rows)]:
         f"{reserved / 1024:6.0f} KiB reserved, {copied / 2**20:6.1f} MiB copied"
     )
 
-# %%
+# %% tags=["hide-input"]
 fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
 lengths = [r[0] for r in concat_rows]
 left.plot(
@@ -300,10 +302,10 @@ plt.show()
 # cache, each request needs one unbroken range of slots, and since nobody knows in advance how long
 # a reply will be, the range must cover the request's *maximum* length: prompt plus `max_tokens`.
 #
-# `minivllm.book.arena` simulates exactly that, with no model in the loop: a seeded stream of requests
-# with mixed prompt and reply lengths arrives over time; each decode step every running request
-# grows by one token and finishes when its reply is done; waiting requests are admitted first come,
-# first served, into the first free range large enough (*first fit*).
+# `minivllm.book.arena` simulates exactly that, with no model in the loop: a seeded stream of
+# requests with mixed prompt and reply lengths arrives over time; each decode step every running
+# request grows by one token and finishes when its reply is done; waiting requests are admitted
+# first come, first served, into the first free range large enough (*first fit*).
 
 # %%
 from minivllm.book.arena import make_workload, simulate_contiguous
@@ -347,7 +349,7 @@ print(f"running sequences: mean {contiguous.mean_running:.1f}, peak {contiguous.
 # See both in the arena's memory map: time runs left to right, the arena's slots bottom to top, one
 # colour per request. The solid part of each band holds tokens; the pale part is reserved and empty.
 
-# %%
+# %% tags=["hide-input"]
 import numpy as np
 from matplotlib.colors import to_rgb
 
@@ -386,10 +388,10 @@ ax.grid(False)
 plt.show()
 
 # %% [markdown]
-# The pale bands are internal waste; the grey gaps between bands, too small for the next request, are
-# external fragmentation. Most of the arena holds nothing at any moment — yet requests wait.
+# The pale bands are internal waste; the grey gaps between bands, too small for the next request,
+# are external fragmentation. Most of the arena holds nothing at any moment — yet requests wait.
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots()
 steps = [r.step for r in contiguous.steps]
 ax.plot(
@@ -413,7 +415,7 @@ plt.show()
 
 # %% [markdown]
 # Chapter 03 runs this same workload through the same amount of memory, cut into small fixed-size
-# blocks that a sequence takes one at a time as it grows — the paged KV cache.
+# blocks that a sequence takes one at a time as it grows — the {term}`paged KV cache`.
 #
 # ## Exercises
 #
@@ -424,12 +426,38 @@ plt.show()
 #
 # 1. **ch02.1 — grow by concatenation.** Implement `ContiguousKVCache._append_concat`: `torch.cat`
 #    the new rows onto this layer's K and V, and add the bytes of the history you copied to
-#    `self.bytes_copied`. The tests check what is stored and that the count equals the exact sum over
-#    all appends.
+#    `self.bytes_copied`. The tests check what is stored and that the count equals the exact sum
+#    over all appends.
+#
+#    *Hint:* Count before you concatenate: the copy that matters is the history already stored, K
+#    and V of this layer, not the rows you append. `tensor_bytes` (imported at the top of the
+#    module) gives a tensor's size.
 # 2. **ch02.2 — the mask of a cached call.** Implement `cached_causal_mask(start, new_tokens)`: a
 #    boolean `[new_tokens, start + new_tokens]` tensor, True where query *i* (at position
 #    `start + i`) may look at key *j*. The tests check a decode step, a prefill, and a chunk in the
 #    middle of a sequence.
+#
+#    *Hint:* Think in absolute positions, not row numbers: row *i* is position `start + i` and sees
+#    key *j* exactly when $j \le$ `start + i`. A column of query positions compared against a row of
+#    key positions builds the whole matrix in one broadcast.
 # 3. *(Explore, no test.)* Change the workload's `max_tokens_choices` to reservations that match the
 #    replies more tightly. How much of the waste comes back — and what does a server have to know in
 #    advance for that to work?
+#
+#    *Hint:* `make_workload` takes `max_tokens_choices`, and it caps every reply at its
+#    `max_tokens`: a reservation tighter than the reply cuts the reply short. Compare the reply
+#    tokens served as well as the waste.
+
+# %% [markdown]
+# ## Summary
+#
+# A KV cache keeps every layer's keys and values, so each new token runs the model over one
+# position instead of the whole sequence: the same logits, and a time per token that stays flat.
+# But a server holding many sequences must decide where each sequence's cache lives; reserving the
+# maximum length up front wastes most of the arena, and growing by copying wastes time. The memory
+# figure above shows the arena turning requests away while mostly empty — chapter 03's problem.
+#
+# **The same idea in vLLM.** vLLM never keeps a contiguous per-sequence cache; it starts from
+# chapter 03's blocks. Hugging Face `transformers` does keep one (`DynamicCache` grows by
+# concatenation, `StaticCache` preallocates), which is why `generate` wastes memory on a batch of
+# uneven sequences.

@@ -14,15 +14,13 @@
 # Chapter 02's arena was mostly empty and still turned requests away: every sequence reserved its
 # maximum length up front (internal waste), and the holes finished sequences left behind were too
 # small for the next one (external fragmentation). Operating systems met the same problem with
-# process memory and answered it with *paging*. vLLM's PagedAttention gives the KV cache the same
-# answer: cut the memory into small fixed-size **blocks**, give each sequence blocks one at a time as
-# it grows, and keep a **block table** that maps the sequence's logical blocks to physical ones,
-# wherever they are.
+# process memory and answered it with *paging*. vLLM's PagedAttention {cite}`kwon2023pagedattention`
+# gives the {term}`KV cache` the same answer: cut the memory into small fixed-size **blocks**, give
+# each sequence blocks one at a time as it grows, and keep a **{term}`block table`** that maps the
+# sequence's logical blocks to physical ones, wherever they are.
 
 # %%
-import io
 
-import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import torch
 
@@ -30,6 +28,7 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.book import sequence_color, show, use_book_style
 from minivllm.book.arena import make_workload, simulate_contiguous, simulate_paged
 from minivllm.book.figures.blocks import draw_block_pool, draw_block_tables
+from minivllm.book.stepper import Stepper
 from minivllm.kv.block_manager import BlockManager
 from minivllm.kv.block_pool import BlockPool, OutOfBlocks
 from minivllm.kv.prefix_cache import PrefixCache, block_hash
@@ -89,9 +88,9 @@ for held, extra in [(0, 1), (0, 4), (0, 5), (5, 3), (5, 4), (8, 1)]:
 
 # %% [markdown]
 # Growing is **transactional**: `append` checks that every block it needs is free *before* it takes
-# any. Either the sequence grows, or `OutOfBlocks` says how many blocks were needed and how many were
-# free — and nothing changed, so the caller (the scheduler of chapter 04) can wait, or preempt
-# someone (chapter 05), and simply retry.
+# any. Either the sequence grows, or `OutOfBlocks` says how many blocks were needed and how many
+# were free — and nothing changed, so the caller (the {term}`scheduler` of chapter 04) can wait, or
+# preempt someone (chapter 05), and simply retry.
 
 # %%
 show(BlockManager.append)
@@ -125,12 +124,12 @@ print("state unchanged:", before == after)
 show(BlockPool.decref)
 
 # %% [markdown]
-# Three sequences of different lengths in a pool of 16 blocks of 4 slots. Each sequence's block table
-# (left) points into the pool (right); the blocks of one sequence need not be next to each other,
-# which is exactly why there is no external fragmentation: any free block will do.
+# Three sequences of different lengths in a pool of 16 blocks of 4 slots. Each sequence's block
+# table (left) points into the pool (right); the blocks of one sequence need not be next to each
+# other, which is exactly why there is no external fragmentation: any free block will do.
 
 
-# %%
+# %% tags=["hide-input"]
 def show_state(manager: BlockManager, title: str) -> None:
     fig, (tables_ax, pool_ax) = plt.subplots(
         1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [1, 1.2]}
@@ -156,10 +155,13 @@ show_state(manager, "sequence 1 finished; sequence 3 reuses its blocks first (fr
 # ## Build: the storage, and attention through the block table
 #
 # `PagedKVStorage` (`attention/storage.py`) keeps all layers' keys and values in **one** tensor,
-# `[num_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]` — the layout vLLM's and
-# nano-vllm's paths use. A token's place in it is its **slot**: `block * block_size + offset`. The
-# model writes the new tokens' k and v through the slot mapping the policy computed; attention reads
-# a sequence's history back by *gathering* its blocks in table order (exercise ch03.3).
+# `[num_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]`. Each layer's slice,
+# `[2, num_blocks, block_size, n_kv_heads, head_dim]`, is the shape vLLM's FlashAttention backend
+# gives a layer's cache (nano-vllm stacks the layers inside the K/V axis instead, `[2, num_layers,
+# ...]`). A token's place in it is its **slot**: `block * block_size + offset`. The
+# model writes the new tokens' k and v through the {term}`slot mapping` the policy computed;
+# attention reads a sequence's history back by *gathering* its blocks in table order (exercise
+# ch03.3).
 
 # %%
 show(PagedKVStorage.gather)
@@ -240,15 +242,15 @@ show_state(
 
 # %% [markdown]
 # Shared blocks are reference-counted. A freed block keeps its name and contents until it is handed
-# out again, so a later request can still hit it; when it *is* reallocated, its old name is forgotten
-# so a stale hash can never match new contents.
+# out again, so a later request can still hit it; when it *is* reallocated, its old name is
+# forgotten so a stale hash can never match new contents.
 #
 # That is why the free queue has two ends. A block the prefix cache can still hit goes to the *back*
 # when it is freed, so the cache evicts its least recently used blocks first (an LRU queue), and a
 # finished sequence is released tail first, so its head — the part other prompts are most likely to
-# share — is evicted last. Blocks that hold nothing reusable, and blocks never used at all, are handed
-# out before any of them. A stack would do the opposite: the blocks freed last, the hottest entries
-# of the cache, would be the first overwritten.
+# share — is evicted last. Blocks that hold nothing reusable, and blocks never used at all, are
+# handed out before any of them. A stack would do the opposite: the blocks freed last, the hottest
+# entries of the cache, would be the first overwritten.
 #
 # Watch a "system prompt" of whole blocks survive an unrelated request that comes after it:
 
@@ -277,17 +279,21 @@ show(PrefixCache)
 
 # %% [markdown]
 # `HashPrefixCache`, the chained hash above, is the one that ships. A radix tree over token ids —
-# SGLang's RadixAttention — answers the same five questions with a tree walk instead of a dict, and
-# plugs in at the same place: `BlockManager(num_blocks, block_size, prefix_cache=...)`.
+# SGLang's RadixAttention {cite}`zheng2024sglang` — answers the same five questions with a tree walk
+# instead of a dict, and plugs in at the same place: `BlockManager(num_blocks, block_size,
+# prefix_cache=...)`.
 #
 # ### Copy-on-write
 #
-# What if a sequence must write into a block it shares? It first takes a fresh block, records that the
-# old block's contents must be copied there, lets go of the old block, and only then swaps the new
-# block into its table (exercise ch03.2). The order is the safety argument: the new block is taken
-# while we still hold the old one, so the free queue can never hand the old block back to us as the
-# "fresh" one before its tokens are copied, whichever end of the queue it would have gone to; and the
-# table is switched last, so it never points at a block we hold no reference to.
+# What if a sequence must write into a block it shares? It first takes a fresh block, records that
+# the old block's contents must be copied there, lets go of the old block, and only then swaps the
+# new block into its table (exercise ch03.2). The order is not what makes this safe: the old block
+# is shared (reference count above 1), so letting go of it never frees it, and nobody can be handed
+# it as a "fresh" block while another sequence still holds it. What does matter: the fresh block is
+# taken *first*, so a pool with no free block raises `OutOfBlocks` before anything has changed; and
+# the storage copies the old block's rows into the new one before this step writes its new token
+# there. The property test checks the outcome — reference counts, tables, the copy list — not an
+# order.
 
 # %%
 show(BlockManager.write)
@@ -306,8 +312,8 @@ show_state(manager, "after fork and one copy-on-write: sequence 2's tail block i
 # %% [markdown]
 # ## Step through the workload
 #
-# Back to the server. Run chapter 02's workload through a paged pool of the same size and step through
-# it: the slider picks a decode step and shows which sequence holds each block.
+# Back to the server. Run chapter 02's workload through a paged pool of the same size and step
+# through it: the slider picks a {term}`decode step` and shows which sequence holds each block.
 
 # %%
 paged = simulate_paged(workload, num_blocks=ARENA_SLOTS // BLOCK_SIZE, block_size=BLOCK_SIZE)
@@ -341,25 +347,19 @@ def draw_pool_step(ax, record) -> None:
     ax.axis("off")
 
 
-def pool_png(step: int) -> bytes:
-    """The pool at `step` as PNG bytes for an Image widget (redrawn when the slider moves)."""
+def pool_figure(step: int):
     fig, ax = plt.subplots(figsize=(7, 3))
     draw_pool_step(ax, paged.steps[step])
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    return buffer.getvalue()
+    return fig
 
 
-slider = widgets.IntSlider(min=0, max=paged.num_steps - 1, step=10, value=300, description="step")
-image = widgets.Image(value=pool_png(slider.value), format="png")
-slider.observe(lambda change: setattr(image, "value", pool_png(change["new"])), names="value")
-widgets.VBox([slider, image])
+Stepper(pool_figure, steps=range(0, paged.num_steps, 25), start=300)
 
 # %% [markdown]
-# The slider needs a live kernel. For a reader without one, the same pool at six moments:
+# The slider's frames are drawn in advance and embedded, so it works in the HTML book without a
+# {term}`kernel <kernel (CUDA)>` or a network. Six moments side by side:
 
-# %%
+# %% tags=["hide-input"]
 fig, axes = plt.subplots(2, 3, figsize=(10, 4))
 for ax, step in zip(axes.flat, [20, 100, 200, 400, 700, 1000]):
     draw_pool_step(ax, paged.steps[step])
@@ -415,7 +415,7 @@ print(
 # few long stragglers — look alike for both. When every running sequence needs a block and none is
 # free, the simulation preempts the youngest (counted above); chapter 05 makes that a real policy.
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots()
 for result, color in [(contiguous, sequence_color(1)), (paged, sequence_color(0))]:
     ax.plot(
@@ -433,8 +433,8 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
-# And the prefix cache on a workload with a shared system prompt: 32 requests, each the system prompt
-# above plus its own question, admitted one after another.
+# And the prefix cache on a workload with a shared system prompt: 32 requests, each the system
+# prompt above plus its own question, admitted one after another.
 
 # %%
 import random
@@ -479,15 +479,47 @@ print(
 # (ch03.3); run one exercise's tests with `pytest tests/test_block_allocator.py --exercise ch03.1`
 # (ch03.3's are in `tests/test_paged_cache.py`).
 #
-# 1. **ch03.1 — `blocks_needed`.** How many new blocks does a sequence holding `num_tokens_now` tokens
-#    need for `extra_tokens` more? None while its last block has room. The tests check the boundary
-#    cases (exactly full, one over, zero extra) and block size 1.
-# 2. **ch03.2 — copy-on-write.** In `BlockManager.write`, when the block to be written is shared
-#    (reference count above 1), take a fresh block, let go of the old one, swap the new one into the
-#    table, and return `(new, old)` so the storage copies the contents. Keep the order of the text
-#    above; the property test runs thousands of random fork/write/free sequences against it.
+# 1. **ch03.1 — `blocks_needed`.** How many new blocks does a sequence holding `num_tokens_now`
+#    tokens need for `extra_tokens` more? None while its last block has room. The tests check the
+#    boundary cases (exactly full, one over, zero extra) and block size 1.
+#
+#    *Hint:* A sequence of $n$ tokens holds $\lceil n / b \rceil$ blocks of size $b$; the answer is
+#    how much that count grows. Do the ceiling in integers; 0 tokens hold no block.
+# 2. **ch03.2 — {term}`copy-on-write`.** In `BlockManager.write`, when the block to be written is
+#    shared (reference count above 1), take a fresh block, let go of the old one, swap the new one
+#    into the table, and return `(new, old)` so the storage copies the contents. With no free block
+#    it must raise `OutOfBlocks` and change nothing; the property test runs thousands of random
+#    fork/write/free sequences against it.
+#
+#    *Hint:* A block you hold alone is written in place: `(old, None)`. For a shared one, take the
+#    fresh block (`_new_block`) *before* you drop your reference to the old one: on an empty pool it
+#    raises `OutOfBlocks` while nothing has changed yet, which the all-or-nothing test checks.
 # 3. **ch03.3 — gather.** Implement `PagedKVStorage.gather`: read the first `length` K and V rows of
-#    a sequence through its block table. The tests fill the storage slot by slot, with the blocks out
-#    of order and contexts that end mid-block.
+#    a sequence through its block table. The tests fill the storage slot by slot, with the blocks
+#    out of order and contexts that end mid-block.
+#
+#    *Hint:* Index this layer's `[2, num_blocks, block_size, heads, dim]` slice of `self.kv` with a
+#    long tensor of the block ids the first `length` tokens use: that lays the blocks out in logical
+#    order. Then merge the block and slot axes into one token axis and cut it at `length`.
 # 4. *(Explore, no test.)* Rerun the measurement with `BLOCK_SIZE` 4 and 64. Which way does the
 #    utilisation move, and what would a GPU kernel that reads the blocks prefer?
+#
+#    *Hint:* Paging wastes only the unfilled end of each sequence's last block, about half a block
+#    per running sequence: how does that scale with the block size? For the kernel, count
+#    block-table lookups and the length of each contiguous read.
+
+# %% [markdown]
+# ## Summary
+#
+# The cache is now paged: fixed-size blocks handed out one at a time, a block table per sequence,
+# reference counts so sequences can share blocks (prefix caching, copy-on-write), and a free queue
+# whose two ends keep reusable blocks longest. The policy (`kv/`) is plain Python with no torch; the
+# storage (`attention/storage.py`) writes through slot mappings and reads through block tables. On
+# chapter 02's workload the same memory now holds several times as many sequences — the measurement
+# above.
+#
+# **The same idea in vLLM.** The pool and its free queue: `vllm/v1/core/block_pool.py` and
+# `FreeKVCacheBlockQueue` in `vllm/v1/core/kv_cache_utils.py`; the per-request block lists and
+# prefix-cache hits: `vllm/v1/core/kv_cache_manager.py`; the block table and slot mapping on the
+# device: `vllm/v1/worker/block_table.py`. nano-vllm does all of it in one file,
+# `nanovllm/engine/block_manager.py`.

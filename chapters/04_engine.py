@@ -16,7 +16,9 @@
 # sequences in the same forward pass and those weights are read once for all of them. That is
 # **batching**, and this chapter builds the part of an inference engine that decides *who* runs in
 # each pass: the **scheduler**. After it, minivllm is an engine: requests come in at any time, join
-# the running batch at the next step, and leave the moment they are done.
+# the running batch at the next step, and leave the moment they are done — Orca's iteration-level
+# scheduling {cite}`yu2022orca`, over vLLM's paged cache {cite}`kwon2023pagedattention`, with long
+# prompts cut into chunks that share a step with decodes {cite}`agrawal2023sarathi`.
 
 # %%
 import time
@@ -51,14 +53,14 @@ EOS = model.config.eos_token_id
 # %% [markdown]
 # ## Why: a static batch waits for its longest member
 #
-# The simplest way to batch is **static batching**: take the next four requests, run them together
-# until *all four* are done, then take the next four. Requests want different numbers of tokens, so
-# a batch that started full empties out one request at a time, and its freed places stay idle until
-# the last, longest member finishes.
+# The simplest way to batch is **{term}`static batching`**: take the next four requests, run them
+# together until *all four* are done, then take the next four. Requests want different numbers of
+# tokens, so a batch that started full empties out one request at a time, and its freed places stay
+# idle until the last, longest member finishes.
 #
 # minivllm's engine never batches this way, so the book keeps static batching on its own side, as a
-# baseline: `StaticBatching` (in `minivllm.book.modes`) is an *admission rule* that lets new requests
-# in only when nothing is running. The engine runs with it as with any other rule.
+# baseline: `StaticBatching` (in `minivllm.book.modes`) is an *admission rule* that lets new
+# requests in only when nothing is running. The engine runs with it as with any other rule.
 #
 # Here are 16 requests: a few lines of the held-out plays as the prompt, and between 8 and 120 new
 # tokens each (`ignore_eos`, so every request produces exactly what it asked for).
@@ -92,18 +94,18 @@ print(
 # %% [markdown]
 # The rest of the batch did nothing. Each row below is one batch place; each colour a request.
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(8, 2.2))
 draw_batch_places(ax, static.trace, 4, "static batching: grey = an idle batch place")
 plt.show()
 
 # %% [markdown]
 # The grey is throughput thrown away: the hardware ran a smaller batch than it could, while requests
-# sat in the queue. The fix is to decide who runs **at every step** instead of once per batch: when a
-# request finishes, the next one takes its place in the very next step. That is **continuous
-# batching** (Orca, 2022; vLLM's default). It needs three things this chapter builds: a scheduler that
-# replans every step, a model runner that can run *different* sequences at *different* stages in one
-# forward pass, and sampling that does not care who else is in the batch.
+# sat in the queue. The fix is to decide who runs **at every step** instead of once per batch: when
+# a request finishes, the next one takes its place in the very next step. That is **continuous
+# batching** (Orca, 2022; vLLM's default). It needs three things this chapter builds: a scheduler
+# that replans every step, a model runner that can run *different* sequences at *different* stages
+# in one forward pass, and sampling that does not care who else is in the batch.
 #
 # ## Build: the request
 #
@@ -118,9 +120,9 @@ for bad in [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=1.5), dict(to
         print(error)
 
 # %% [markdown]
-# The one number the scheduler looks at is `num_uncomputed_tokens`: how many of the sequence's tokens
-# have no K/V in the cache yet. For a fresh prompt that is the whole prompt; after that it is exactly
-# one each step, the token sampled last step.
+# The one number the scheduler looks at is `num_uncomputed_tokens`: how many of the sequence's
+# tokens have no K/V in the cache yet. For a fresh prompt that is the whole prompt; after that it is
+# exactly one each step, the token sampled last step.
 
 # %%
 show(Sequence.num_uncomputed_tokens.fget)
@@ -128,53 +130,55 @@ show(Sequence.num_uncomputed_tokens.fget)
 # %% [markdown]
 # ## Build: the scheduler and its StepPlan
 #
-# `Scheduler.schedule()` runs once per step. It does not touch a tensor: it returns a plain value, the
-# `StepPlan`, and changes only its queues and the block tables. The phases, in order: the running
-# batch — decodes first (each reserves the slot for its next token *before* the forward pass), then
-# prompts still being prefilled — and then admissions from the waiting queue, first come first served,
-# while three limits hold: `max_num_seqs`, the per-step token budget `max_num_batched_tokens`, and
-# free blocks. Two names point ahead: `_reserve` asks for a running sequence's slots and, when there
-# are none, hands the sequence to the **preemption policy** (chapter 05; `may_preempt`, `served`,
-# `preempted` and `_finish_too_big` are its part), and `_lookahead` is the number of slots chapter 06
-# reserves after a decode for draft tokens (0 in this chapter).
+# `Scheduler.schedule()` runs once per step. It does not touch a tensor: it returns a plain value,
+# the `StepPlan`, and changes only its queues and the {term}`block tables <block table>`. The
+# phases, in order: the running batch — decodes first (each reserves the slot for its next token
+# *before* the forward pass), then prompts still being prefilled — and then admissions from the
+# waiting queue, first come first served, while three limits hold: `max_num_seqs`, the per-step
+# {term}`token budget` `max_num_batched_tokens`, and free blocks. Two names point ahead: `_reserve`
+# asks for a running sequence's slots and, when there are none, hands the sequence to the
+# **{term}`preemption <preemption (by recompute)>` policy** (chapter 05; `may_preempt`, `served`,
+# `preempted` and `_finish_too_big` are its part), and `_lookahead` is the number of slots chapter
+# 06 reserves after a decode for draft tokens (0 in this chapter).
 
 # %%
 show(Scheduler.schedule)
 
 # %% [markdown]
 # Admission is where the limits bite. A prompt longer than what is left of the token budget is not
-# turned away: it is admitted with a first **chunk**, and continues next step (**chunked prefill**).
-# That keeps every step's size bounded, so one long prompt cannot freeze everyone else's decoding.
-# With prefix caching on, a prompt starts with the blocks it finds in chapter 03's prefix cache
-# (`computed_prefix`) and computes only the rest. The head of the queue that does not fit ends the
-# admissions for this step: nobody overtakes it.
+# turned away: it is admitted with a first **chunk**, and continues next step
+# (**{term}`chunked prefill`**). That keeps every step's size bounded, so one long prompt cannot
+# freeze everyone else's decoding. With {term}`prefix caching` on, a prompt starts with the blocks
+# it finds in chapter 03's prefix cache (`computed_prefix`) and computes only the rest. The head of
+# the queue that does not fit ends the admissions for this step: nobody overtakes it.
 
 # %%
 show(Scheduler._admit)
 
 # %% [markdown]
-# The first line of `_admit` is the batching rule, a seam of its own: `ContinuousBatching` may always
-# admit; the `StaticBatching` of the "Why" section only when the last batch is gone.
+# The first line of `_admit` is the batching rule, a seam of its own: `ContinuousBatching` may
+# always admit; the `StaticBatching` of the "Why" section only when the last batch is gone.
 
 # %%
 show(StaticBatching.may_admit)
 
 # %% [markdown]
 # Neither method counts blocks. Both ask the block manager one question, `allocate_slots`: *may this
-# sequence have `num_new_tokens` more slots after its `num_computed_tokens`?* The block layer does the
-# arithmetic — the slack in the last block, the free blocks, a new block table on a sequence's first
-# call — and grows the table, or answers 0 and changes nothing. A prompt chunk may `shrink` to what is
-# free; a decode gets all its slots or none. This is vLLM's split too: its scheduler asks
-# `KVCacheManager.allocate_slots` (`vllm/v1/core/kv_cache_manager.py`) and only sees the answer, so a
-# smarter block layer (several cache groups, sliding windows) changes nothing in the scheduler.
+# sequence have `num_new_tokens` more slots after its `num_computed_tokens`?* The block layer does
+# the arithmetic — the slack in the last block, the free blocks, a new block table on a sequence's
+# first call — and grows the table, or answers 0 and changes nothing. A prompt chunk may `shrink` to
+# what is free; a decode gets all its slots or none. This is vLLM's split too: its {term}`scheduler`
+# asks `KVCacheManager.allocate_slots` (`vllm/v1/core/kv_cache_manager.py`) and only sees the
+# answer, so a smarter block layer (several cache groups, sliding windows) changes nothing in the
+# scheduler.
 
 # %%
 show(BlockManager.allocate_slots)
 
 # %% [markdown]
-# Let us run the scheduler with no model at all: three requests, a budget of 8 tokens per step, and a
-# fake token source that always answers `ord("a")`. Request 0 has a 12-token prompt, so it needs two
-# steps of prefill; watch request 1 and 2 get the budget it leaves.
+# Let us run the scheduler with no model at all: three requests, a budget of 8 tokens per step, and
+# a fake token source that always answers `ord("a")`. Request 0 has a 12-token prompt, so it needs
+# two steps of {term}`prefill`; watch request 1 and 2 get the budget it leaves.
 
 # %%
 manager = BlockManager(num_blocks=16, block_size=4)
@@ -199,11 +203,11 @@ while toy.has_unfinished():
     )
 
 # %% [markdown]
-# `P0[0:8]` is a prefill chunk of sequence 0 covering positions 0–7; `D1[3:4]` a decode; a `*` marks a
-# chunk whose last row picks a token. In step 1 request 0 takes the whole budget; in step 2 its last
-# four prompt tokens leave room for request 1 (all 3 tokens) and one token of request 2. From step 3
-# the decodes come first. Finished sequences give their blocks back in the same step, so the pool is
-# full again at the end.
+# `P0[0:8]` is a prefill chunk of sequence 0 covering positions 0–7; `D1[3:4]` a decode; a `*` marks
+# a chunk whose last row picks a token. In step 1 request 0 takes the whole budget; in step 2 its
+# last four prompt tokens leave room for request 1 (all 3 tokens) and one token of request 2. From
+# step 3 the decodes come first. Finished sequences give their blocks back in the same step, so the
+# pool is full again at the end.
 #
 # ## Build: one forward pass for the whole step
 #
@@ -226,7 +230,7 @@ show(pack_batch)
 # prefilled, all in one batch of tokens. Above each token, its position in its own sequence; below,
 # the cache slot its K/V is written to.
 
-# %%
+# %% tags=["hide-input"]
 engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4))
 for prompt in ["ROMEO:\n", "JULIET:\n", "HAMLET:\nTo be"]:
     engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0))
@@ -248,15 +252,16 @@ print("num_decodes ", batch.num_decodes, "          logits_indices", batch.logit
 # %% [markdown]
 # Inside the model nothing changes: embeddings, projections and the MLP see `N` rows and do not care
 # whose they are. Only attention must keep sequences apart, and the model reaches it through one
-# seam: an **attention backend**, built once per forward pass from the cache storage and the
+# seam: an **{term}`attention backend`**, built once per forward pass from the cache storage and the
 # `VarlenBatch` (so the gathers and masks are prepared once, not per layer), and called by every
 # layer. `TorchPagedAttention`, the reference backend, first writes the new K/V of all sequences
-# through the slot mapping, then attends in two groups: `DecodeAttention`, all decodes as one
-# `[decodes, kv_heads, group, context]` call, and `PrefillAttention`, the prefill chunks padded to the
-# longest chunk — so a long prompt never pads every decode to its length. Backends are registered by
-# name and `EngineConfig(attention_backend=...)` picks one; its default, "auto", takes the kernel
-# registered for the device. Chapter 07 writes those kernels, which read the cache in place — a
-# CPU one and a CUDA one — and checks that they give the reference's tokens, token for token.
+# through the {term}`slot mapping`, then attends in two groups: `DecodeAttention`, all decodes as
+# one `[decodes, kv_heads, group, context]` call, and `PrefillAttention`, the prefill chunks padded
+# to the longest chunk — so a long prompt never pads every decode to its length. Backends are
+# registered by name and `EngineConfig(attention_backend=...)` picks one; its default, "auto", takes
+# the {term}`kernel <kernel (CUDA)>` registered for the device. Chapter 07 writes those kernels,
+# which read the cache in place — a CPU one and a CUDA one — and checks that they give the
+# reference's tokens, token for token.
 
 # %%
 show(TorchPagedAttention.__call__)
@@ -264,10 +269,10 @@ show(TorchPagedAttention.__call__)
 # %% [markdown]
 # ## Build: sampling that belongs to the request
 #
-# The runner samples all rows in one call. Each row has its own temperature, top-k and top-p, gathered
-# once per step into a `SamplingMetadata` (`SamplingMetadata.from_sequences`, one row per sequence
-# that picks a token); `token_probs` turns the logits into the distribution each request asked for,
-# and `sample_from_probs` draws from it by inverse CDF with one uniform number per row.
+# The runner samples all rows in one call. Each row has its own temperature, top-k and top-p,
+# gathered once per step into a `SamplingMetadata` (`SamplingMetadata.from_sequences`, one row per
+# sequence that picks a token); `token_probs` turns the logits into the distribution each request
+# asked for, and `sample_from_probs` draws from it by inverse CDF with one uniform number per row.
 
 # %%
 show(token_probs)
@@ -283,7 +288,7 @@ show(token_probs)
 print(position_uniforms(seeds=[5, 5, 6], positions=[17, 18, 17]))
 print(position_uniforms(seeds=[6, 5], positions=[17, 17]), "<- same (seed, position), same number")
 
-# %%
+# %% tags=["hide-input"]
 logits = model(torch.tensor(tokenizer.encode("ROMEO:\nI", add_bos=True)))[-1:].detach()
 fig, ax = plt.subplots(figsize=(7.5, 2.6))
 for (t, k, p), color in zip([(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 0, 0.8), (1.0, 5, 1.0)], range(4)):
@@ -306,17 +311,17 @@ plt.show()
 # ## The model runner and the engine
 #
 # The model runner turns a `StepPlan` into tokens, and holds no policy: it builds the sampling
-# metadata and the batch once, runs one forward pass and samples. (The drafter's proposals are
-# chapter 06's speculative decoding; without a drafter `propose` returns nothing and `sample` draws
-# one token per row.)
+# metadata and the batch once, runs one forward pass and samples. (The {term}`drafter`'s proposals
+# are chapter 06's {term}`speculative decoding`; without a drafter `propose` returns nothing and
+# `sample` draws one token per row.)
 
 # %%
 show(ModelRunner.execute)
 
 # %% [markdown]
-# `LLMEngine` connects the pieces and adds no policy of its own either: schedule, execute, update the
-# sequences (append the tokens, check for stops, free the finished ones' blocks), record one trace
-# entry, and hand back a `RequestOutput` for every request that got a token or finished.
+# `LLMEngine` connects the pieces and adds no policy of its own either: schedule, execute, update
+# the sequences (append the tokens, check for stops, free the finished ones' blocks), record one
+# trace entry, and hand back a `RequestOutput` for every request that got a token or finished.
 
 # %%
 show(LLMEngine.step)
@@ -349,8 +354,8 @@ print("seeded sampling: the same tokens alone and in a chunked batch of 16")
 print(repr(together[0].text))
 
 # %% [markdown]
-# Text can also stream out as it is made. `stream` yields each request's new text every step,
-# whole UTF-8 characters only (chapter 01's streaming decoder), and never a piece of a stop string
+# Text can also stream out as it is made. `stream` yields each request's new text every step, whole
+# UTF-8 characters only (chapter 01's {term}`streaming decoder`), and never a piece of a stop string
 # that might still have to be cut:
 
 # %%
@@ -369,10 +374,10 @@ for delta in engine.stream(
 # %% [markdown]
 # ## See: continuous against static
 #
-# The same 16 requests, the same four places, now with continuous batching. Each row is a request:
-# grey while it waits, hatched while its prompt is prefilled, solid while it decodes.
+# The same 16 requests, the same four places, now with {term}`continuous batching`. Each row is a
+# request: grey while it waits, hatched while its prompt is prefilled, solid while it decodes.
 
-# %%
+# %% tags=["hide-input"]
 continuous, continuous_out = run(prompts, params, max_num_seqs=4)
 assert [o.token_ids for o in continuous_out] == [o.token_ids for o in static_out]
 fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
@@ -389,7 +394,7 @@ print(
 # Under static batching a request waits until a whole batch has drained; under continuous batching
 # it takes the first free place. Batch occupancy tells the same story per step:
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7.5, 2.8))
 for engine_run, name, color in [(static, "static", 1), (continuous, "continuous", 0)]:
     busy = [len(r.decoded) + len(r.prefilled) for r in engine_run.trace]
@@ -432,9 +437,9 @@ print(f"{len(continuous.trace)} records written and read back")
 # %% [markdown]
 # ## Measure: throughput against concurrency
 #
-# 16 requests of 32 new tokens each, with at most 1, 2, 4, 8 or 16 of them running at once. The number
-# of steps halves with each doubling; the time per step grows far more slowly than the batch,
-# because a decode step is dominated by reading the weights, not by the number of rows.
+# 16 requests of 32 new tokens each, with at most 1, 2, 4, 8 or 16 of them running at once. The
+# number of steps halves with each doubling; the time per step grows far more slowly than the batch,
+# because a {term}`decode step` is dominated by reading the weights, not by the number of rows.
 
 # %%
 bench_prompts = [text[s : s + 48] for s in rng.integers(0, len(text) - 48, size=16)]
@@ -476,15 +481,47 @@ plt.show()
 # `src/minivllm/runner/sampler.py` (ch04.1, ch04.2) and `src/minivllm/runner/batch.py` (ch04.3); run
 # one exercise's tests with `pytest tests --exercise ch04.1`.
 #
-# 1. **ch04.1 — top-k and top-p.** In `token_probs`, keep each row's `top_k` most likely tokens
-#    (0 = all), then the smallest head of the sorted distribution whose mass reaches `top_p`, and
-#    renormalise. Rows have different settings: do it for the whole batch at once (sort, mask, scatter
-#    back), no loop over rows.
-# 2. **ch04.2 — inverse CDF.** In `sample_from_probs`, pick for each row the first token whose running
-#    total of probability exceeds `u` (scaled by the row's total). The tests check boundaries and that a
-#    zero-probability token is never picked.
+# 1. **ch04.1 — top-k and top-p.** In `token_probs`, keep each row's `top_k` most likely tokens (0 =
+#    all), then the smallest head of the sorted distribution whose mass reaches `top_p`, and
+#    renormalise. Rows have different settings: do it for the whole batch at once (sort, mask,
+#    scatter back), no loop over rows.
+#
+#    *Hint:* Mask by rank in the sorted logits *before* the softmax, so top-p sees the renormalised
+#    top-k head (k = 0 keeps all). Then keep a token while the mass strictly *before* it is below p:
+#    the top token always survives, and a head whose mass equals p is enough.
+# 2. **ch04.2 — inverse CDF.** In `sample_from_probs`, pick for each row the first token whose
+#    running total of probability exceeds `u` (scaled by the row's total). The tests check
+#    boundaries and that a zero-probability token is never picked.
+#
+#    *Hint:* `torch.searchsorted` on the row-wise cumulative sum does every row at once; with
+#    `right=True` a running total equal to the target does not count, so a zero-probability token
+#    (its total equals its predecessor's) is skipped. Clamp to the last token against round-off.
 # 3. **ch04.3 — flatten a chunk.** In `pack_batch`, append one piece's token ids to the flat batch,
 #    its end to `query_start`, and its context length (positions and slots follow for every token at
 #    once, below the loop). The tests compare a hand-worked step token by token.
+#
+#    *Hint:* `query_start` holds cumulative offsets (it starts as `[0]`), and the code below yours
+#    reads its last entry. A piece's context length counts everything its queries attend to: the
+#    cached history *and* the piece's own tokens, a number the loop has already computed.
 # 4. *(Explore, no test.)* Rerun the static/continuous comparison with `max_num_batched_tokens=16`.
-#    Which requests' time to first token grows, and why do decodes not slow down?
+#    Which requests' {term}`time to first token <time to first token (TTFT)>` grows, and why do
+#    decodes not slow down?
+#
+#    *Hint:* Each step the scheduler gives the budget to the running decodes first, one token each;
+#    prefills get what is left, in chunks. Count how many steps the chapter's 17-81-token prompts
+#    need to prefill when up to four decodes come first.
+
+# %% [markdown]
+# ## Summary
+#
+# minivllm is an engine: requests arrive at any time, the scheduler plans each step under a token
+# budget (decodes first, then prefill chunks), one forward pass runs every scheduled token of every
+# sequence as one flat batch over the paged cache, and each request's sampling is a pure function of
+# its seed and position, so its tokens do not depend on what else is in the batch. The Gantt chart
+# above is the point: no slot waits for the longest member of a static batch.
+#
+# **The same idea in vLLM.** The scheduler: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`
+# returns a `SchedulerOutput`, our `StepPlan`); the flat batch and its metadata:
+# `vllm/v1/worker/gpu_model_runner.py` (`_prepare_inputs`); the sampler: `vllm/v1/sample/sampler.py`;
+# the engine loop: `vllm/v1/engine/core.py`. nano-vllm: `nanovllm/engine/scheduler.py`,
+# `model_runner.py` and `llm_engine.py`.

@@ -13,16 +13,16 @@
 #
 # Chapter 04's scheduler admits a request when there are blocks for its prompt. It cannot know how
 # long the answer will be, so it bets that the running sequences will find blocks as they grow. With
-# a big cache the bet is safe. With a small one, or a burst of long answers, every block ends up held
-# by a sequence that needs one more — and nobody can move. This chapter makes the engine take a
-# block back: it **preempts** a running sequence, throws its KV cache away, and recomputes it later.
+# a big cache the bet is safe. With a small one, or a burst of long answers, every block ends up
+# held by a sequence that needs one more — and nobody can move. This chapter makes the engine take a
+# block back: it **preempts** a running sequence, throws its {term}`KV cache` away, and recomputes
+# it later (recomputation, one of the two recovery policies of {cite}`kwon2023pagedattention`; the
+# other swaps the blocks out to host memory).
 
 # %%
 import copy
-import io
 import time
 
-import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from minivllm.book import sequence_color, show, use_book_style
 from minivllm.book.figures.blocks import draw_block_pool, draw_block_tables
 from minivllm.book.figures.timelines import draw_gantt
 from minivllm.book.modes import Stall
+from minivllm.book.stepper import Stepper
 from minivllm.model.checkpoint import load_model
 from minivllm.sched.preemption import (
     CountingPolicy,
@@ -80,10 +81,10 @@ except SchedulerStalled as error:
 
 # %% [markdown]
 # Every block belongs to a sequence that needs one more. None can finish, so none will ever free a
-# block: a **deadlock**. Here is the pool at that moment — every colour is a request that is half
-# done and stuck:
+# block: a **{term}`deadlock <deadlock (scheduler)>`**. Here is the pool at that moment — every
+# colour is a request that is half done and stuck:
 
-# %%
+# %% tags=["hide-input"]
 fig, (pool_ax, table_ax) = plt.subplots(
     1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1, 1.4]}
 )
@@ -99,11 +100,11 @@ plt.show()
 # vLLM's answer is to **preempt**: pick a running sequence (the *victim*), free *all* of its blocks,
 # and put it back at the front of the waiting queue. Its tokens — prompt and the output so far — are
 # kept; only their keys and values are thrown away. When it is admitted again it prefills prompt and
-# output together (one chunked prefill, fast: all positions in parallel) and carries on where it was.
-# Because sampling depends only on (request seed, position), it produces exactly the tokens it would
-# have produced without the interruption.
+# output together (one {term}`chunked prefill`, fast: all positions in parallel) and carries on
+# where it was. Because sampling depends only on (request seed, position), it produces exactly the
+# tokens it would have produced without the interruption.
 #
-# `Scheduler.preempt` is that move, on the scheduler's queues and the block manager:
+# `Scheduler.preempt` is that move, on the {term}`scheduler`'s queues and the block manager:
 
 # %%
 show(Scheduler.preempt)
@@ -124,9 +125,9 @@ show(Preemption)
 
 # %% [markdown]
 # The policy that ships, `RecomputePreemption`, asks once; while the answer is "no room" and the
-# sequence is not alone, it picks a victim among the running sequences not yet scheduled in this step,
-# preempts it and asks again — until the sequence fits or is itself the victim. (vLLM's V1 scheduler
-# does the same inside its `schedule()`, in `vllm/v1/core/sched/scheduler.py`.)
+# sequence is not alone, it picks a victim among the running sequences not yet scheduled in this
+# step, preempts it and asks again — until the sequence fits or is itself the victim. (vLLM's V1
+# scheduler does the same inside its `schedule()`, in `vllm/v1/core/sched/scheduler.py`.)
 
 # %%
 show(RecomputePreemption.make_room)
@@ -145,14 +146,15 @@ show(RecomputePreemption.make_room)
 # The seam is also where other ways of making room plug in. The book's `Stall` from the top of the
 # chapter is a `make_room` that only asks. **Swap-to-host** preemption would be a policy whose
 # `make_room` copies the victim's blocks to CPU memory (plus a block copy in `attention/storage.py`)
-# instead of dropping them, and copies them back when it is readmitted: no recompute, but a copy each
-# way. vLLM V0 had it (`PreemptionMode.SWAP` in `vllm/core/scheduler.py`); V1 dropped it. On a CPU
-# there is nowhere cheaper to swap to.
+# instead of dropping them, and copies them back when it is readmitted: no recompute, but a copy
+# each way. vLLM V0 had it (`PreemptionMode.SWAP` in `vllm/core/scheduler.py`); V1 dropped it. On a
+# CPU there is nowhere cheaper to swap to.
 #
-# Whom to evict is a *victim policy*, a plain function from the candidates to the victim. Two ship:
+# Whom to evict is a *{term}`victim policy`*, a plain function from the candidates to the victim.
+# Two ship:
 #
-# - **newest first** (LIFO) — the most recently admitted; vLLM's and nano-vllm's choice. The newest has
-#   waited least, and usually has the least computed.
+# - **newest first** (LIFO) — the most recently admitted; vLLM's and nano-vllm's choice. The newest
+#   has waited least, and usually has the least computed.
 # - **least progressed** — the fewest output tokens, ties to the higher id: it throws away the least
 #   generated work, whoever arrived first.
 
@@ -163,7 +165,7 @@ show(newest_first)
 show(least_progressed)
 
 # %% [markdown]
-# The same 12 requests, now with preemption: all finish.
+# The same 12 requests, now with {term}`preemption <preemption (by recompute)>`: all finish.
 
 # %%
 for policy in ["newest", "least_progressed"]:
@@ -180,10 +182,10 @@ for policy in ["newest", "least_progressed"]:
 # %% [markdown]
 # ## A worked example, step by step
 #
-# Small enough to follow by hand: a cache of **6 blocks of 1 token**, a token budget of 4 per step,
-# and three requests. A arrives first (3 prompt tokens, 2 new), C at step 1 (3 prompt tokens, 3 new),
-# B at step 2 (1 prompt token, 3 new). Each step's log says who was admitted, preempted, resumed or
-# finished, and what the queues and the pool look like after it.
+# Small enough to follow by hand: a cache of **6 blocks of 1 token**, a {term}`token budget` of 4
+# per step, and three requests. A arrives first (3 prompt tokens, 2 new), C at step 1 (3 prompt
+# tokens, 3 new), B at step 2 (1 prompt token, 3 new). Each step's log says who was admitted,
+# preempted, resumed or finished, and what the queues and the pool look like after it.
 
 # %%
 WORKED = {  # request id: (name, arrival step, prompt ids, max_tokens)
@@ -235,11 +237,11 @@ for policy in ["newest", "least_progressed"]:
 # sequences need a block and none is free, and the policies part ways: newest-first evicts the one
 # admitted last; least-progressed evicts the one with the fewest output tokens (on a tie, the higher
 # id). The victim loses its blocks and waits at the front of the queue; when the other finishes, the
-# victim is admitted again, recomputes prompt and output in one prefill, and finishes.
+# victim is admitted again, recomputes prompt and output in one {term}`prefill`, and finishes.
 #
 # The pool at each step under `newest` (one colour per request; the block tables below each pool):
 
-# %%
+# %% tags=["hide-input"]
 names, snapshots = run_worked("newest")
 
 
@@ -262,7 +264,7 @@ print("sequence ids:", {i: n for i, n in names.items()}, "(colours follow the id
 # ## Step through a bigger run
 #
 # The burst from the top of the chapter, with preemption (`newest`). The slider picks a step and
-# shows the pool, the block tables and the queues after it.
+# shows the pool, the {term}`block tables <block table>` and the queues after it.
 
 # %%
 burst_engine = small_engine("newest")
@@ -283,28 +285,24 @@ def draw_burst_step(fig, manager, record):
     table_ax.set_title(f"{events}waiting {list(record.waiting)}", fontsize=8)
 
 
-def burst_png(step: int) -> bytes:
+def burst_figure(step: int):
     fig = plt.figure(figsize=(9, 3.4))
     draw_burst_step(fig, *burst_snapshots[step - 1])
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    return buffer.getvalue()
+    return fig
 
 
+# Every 20th step, and the first 12 steps where someone is preempted or resumed: each frame is a
+# PNG embedded in the page, so all of them would make it megabytes.
 first_preemption = next(r.step for _, r in burst_snapshots if r.preempted)
-slider = widgets.IntSlider(
-    min=1, max=len(burst_snapshots), value=first_preemption, description="step"
-)
-image = widgets.Image(value=burst_png(slider.value), format="png")
-slider.observe(lambda change: setattr(image, "value", burst_png(change["new"])), names="value")
-widgets.VBox([slider, image])
+events = [r.step for _, r in burst_snapshots if r.preempted or r.resumed][:12]
+frames = sorted(set(range(1, len(burst_snapshots) + 1, 20)) | set(events))
+Stepper(burst_figure, steps=frames, start=first_preemption)
 
 # %% [markdown]
-# Without a kernel, four moments of the same run: just before the first preemption, at it, at the
+# Side by side, four moments of the same run: just before the first preemption, at it, at the
 # first resumption, and near the end.
 
-# %%
+# %% tags=["hide-input"]
 first_resume = next(r.step for _, r in burst_snapshots if r.resumed)
 moments = [first_preemption - 1, first_preemption, first_resume, len(burst_snapshots) - 5]
 fig = plt.figure(figsize=(10, 13))
@@ -316,8 +314,8 @@ plt.show()
 # ## Check: preemption never changes a token
 #
 # The load-bearing promise: a request's tokens are the same whether it was preempted five times or
-# never — greedy and sampled. Run a seeded workload in a cache large enough that nobody is preempted,
-# and in one small enough that many are:
+# never — greedy and sampled. Run a seeded workload in a cache large enough that nobody is
+# preempted, and in one small enough that many are:
 
 # %%
 mixed = [
@@ -354,7 +352,7 @@ print(normal.finish_reason, repr(normal.text))
 # The burst again, one row per request: grey while waiting, hatched while prefilling, solid while
 # decoding, crossed grey once preempted (and waiting again), back-hatched while recomputing.
 
-# %%
+# %% tags=["hide-input"]
 fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
 timelines = {}
 for ax, policy in zip(axes, ["newest", "least_progressed"]):
@@ -378,10 +376,10 @@ print(
 # ## Measure: recompute overhead and throughput against cache size
 #
 # 16 requests with prompts of 16–240 bytes and 30–90 new tokens, a token budget of 64 per step (so
-# long prompts are chunked), in caches of 20 to 40 blocks of 16 tokens. The **recompute overhead** is
-# the tokens computed again after a preemption, as a share of the useful tokens (prompts plus outputs).
-# A counting wrapper (`CountingPolicy`) also asks, at every preemption, whether the *other* policy
-# would have chosen the same victim.
+# long prompts are chunked), in caches of 20 to 40 blocks of 16 tokens. The **recompute overhead**
+# is the tokens computed again after a preemption, as a share of the useful tokens (prompts plus
+# outputs). A counting wrapper (`CountingPolicy`) also asks, at every preemption, whether the
+# *other* policy would have chosen the same victim.
 
 # %%
 prompt_bytes = rng.integers(16, 241, size=16)
@@ -453,29 +451,59 @@ plt.show()
 # first-come-first-served admission and one token per step for everyone, the sequence admitted last
 # is nearly always also the one with the fewest output tokens. The policies part only when progress
 # is uneven — a resumed sequence re-admitted with many tokens, a long prompt still being prefilled
-# in chunks — which is exactly where "fewest *output* tokens" and "least *computed*" stop meaning the
-# same thing.
+# in chunks — which is exactly where "fewest *output* tokens" and "least *computed*" stop meaning
+# the same thing.
 #
 # An overhead above 100 % means sequences were recomputed more than once. In a cache this small a
 # readmitted sequence's prefill takes every block the decodes will need a few steps later, so it is
-# preempted again: *thrashing*. vLLM damps it with a *watermark* — admit only while some blocks stay
-# free for the running batch to grow into (exercise 4).
+# preempted again: *thrashing*. vLLM's V0 block manager damped it with a *watermark* — admit only
+# while some blocks stay free for the running batch to grow into (exercise 4); V1 dropped the
+# watermark and preempts the newest running request when one finds no block.
 #
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/sched/preemption.py` (ch05.1) and `src/minivllm/sched/scheduler.py` (ch05.2); run one
-# exercise's tests with `pytest tests --exercise ch05.1`.
+# `src/minivllm/sched/preemption.py` (ch05.1) and `src/minivllm/sched/scheduler.py` (ch05.2); run
+# one exercise's tests with `pytest tests --exercise ch05.1`.
 #
-# 1. **ch05.1 — least progressed.** Return the candidate with the fewest output tokens; on a tie, the
-#    one with the higher `seq_id`. The tests pin the worked example's victims.
-# 2. **ch05.2 — preempt.** In `Scheduler.preempt`, give back every block of the victim, take it out of
-#    the running list, reset what it has computed (its tokens stay) and put it at the *front* of the
-#    waiting queue. The tests check output identity under heavy preemption.
-# 3. *(Explore, no test.)* Write a third policy — *longest remaining* (evict the sequence furthest from
-#    its `max_tokens`) — pass the function as `SchedulerConfig(preemption=...)`, and compare its
-#    recompute overhead with the two above.
+# 1. **ch05.1 — least progressed.** Return the candidate with the fewest output tokens; on a tie,
+#    the one with the higher `seq_id`. The tests pin the worked example's victims.
+#
+#    *Hint:* A single `min` with a tuple key compares the fields in order; choose the second field
+#    so that a higher `seq_id` counts as smaller. Do not rely on the candidates' order.
+# 2. **ch05.2 — preempt.** In `Scheduler.preempt`, give back every block of the victim, take it out
+#    of the running list, reset what it has computed (its tokens stay) and put it at the *front* of
+#    the waiting queue. The tests check output identity under heavy preemption.
+#
+#    *Hint:* The block manager frees all of a sequence's blocks in one call. "Reset what it has
+#    computed" is the status back to `Status.WAITING` and `num_computed_tokens` to 0, so its next
+#    admission prefills prompt and output again; `waiting` is a deque, with `appendleft`.
+# 3. *(Explore, no test.)* Write a third policy — *longest remaining* (evict the sequence furthest
+#    from its `max_tokens`) — pass the function as `SchedulerConfig(preemption=...)`, and compare
+#    its {term}`recompute overhead` with the two above.
+#
+#    *Hint:* A victim policy is any function from the candidate list to one sequence, like
+#    `least_progressed`; the distance is `params.max_tokens` minus `num_output_tokens`. Give it a
+#    fixed tie-break, and compare on the same workload and cache size.
 # 4. *(Explore, no test.)* Add a watermark to `Scheduler._admit`: admit only while, after the
 #    allocation, at least one free block per running decode would remain. Rerun the measurement: how
 #    do the preemption count, the recompute overhead and the steps move, and at what cache size does
 #    the watermark start to cost more than it saves?
+#
+#    *Hint:* Check just before `allocate_slots` and `break` like the other refusals, so nobody
+#    overtakes the head of the queue; `manager.blocks_needed` and `manager.num_free` give the blocks
+#    the admission takes and those left. One free block per decode lets each cross into a new block
+#    next step.
+
+# %% [markdown]
+# ## Summary
+#
+# When the cache runs out, the engine takes blocks back: it preempts a running sequence, frees its
+# blocks, and later recomputes its cache from its tokens — the sequence continues with exactly the
+# tokens it would have produced, which the check above verifies. The price is recomputation, and in
+# a cache that is too small, thrashing; the recompute-overhead measurement shows where that starts.
+#
+# **The same idea in vLLM.** In `vllm/v1/core/sched/scheduler.py`, `Scheduler.schedule` preempts
+# the last request in its running queue when `KVCacheManager.allocate_slots` finds no block for a
+# running one, and puts it back at the front of the waiting queue to be recomputed. nano-vllm does
+# the same in `nanovllm/engine/scheduler.py` (`preempt`).

@@ -13,9 +13,12 @@
 #
 # Chapter 04's engine emits one token per sequence per step, and every step is a full pass of the
 # target model. At a small batch that pass costs nearly the same whether it computes one token or
-# several: the weights are read, the kernels launched, the Python runs, and the arithmetic is the
-# small part. This chapter lets a cheap **drafter** guess the next k tokens and has the target check
-# all of them in ONE pass — keeping the output distribution *exactly* the target's.
+# several: the weights are read, the {term}`kernels <kernel (CUDA)>` launched, the Python runs, and
+# the arithmetic is the small part. This chapter lets a cheap **drafter** guess the next k tokens
+# and has the target check all of them in ONE pass — keeping the output distribution *exactly* the
+# target's: speculative sampling {cite}`leviathan2023speculative,chen2023speculative`, with a small
+# {term}`draft model` or with {term}`prompt lookup <prompt lookup (n-gram drafting)>`
+# {cite}`saxena2023promptlookup` as the {term}`drafter`.
 
 # %%
 import copy
@@ -123,15 +126,19 @@ plt.show()
 #
 # ## Build 1: the acceptance rule
 #
-# The drafter proposes a token d drawn from its distribution q. The target's distribution at that
-# position is p. Accept d with probability min(1, p(d)/q(d)); if rejected, draw a replacement from
-# the **residual** norm(max(0, p − q)). Why is the emitted token distributed exactly as p?
+# The drafter proposes a token $d$ drawn from its distribution $q$. The target's distribution at
+# that position is $p$. Accept $d$ with probability $\min(1, p(d)/q(d))$; if rejected, draw a
+# replacement from the **residual** $\operatorname{norm}(\max(0, p - q))$. Why is the emitted token
+# distributed exactly as $p$?
 #
-# - A token x is emitted by acceptance with probability q(x) · min(1, p(x)/q(x)) = min(p(x), q(x)).
-# - A rejection happens with probability 1 − Σ min(p, q) = Σ max(0, p − q) (the two sums add to 1).
-# - So x is emitted by resampling with probability Σ max(0, p − q) · max(0, p(x) − q(x)) / Σ max(0, p − q)
-#   = max(0, p(x) − q(x)).
-# - min(p, q) + max(0, p − q) = p. ∎
+# - A token $x$ is emitted by acceptance with probability
+#   $q(x) \cdot \min(1, p(x)/q(x)) = \min(p(x), q(x))$.
+# - A rejection happens with probability $1 - \sum_y \min(p(y), q(y)) = \sum_y \max(0, p(y) - q(y))$
+#   (the two sums add to 1).
+# - So $x$ is emitted by resampling with probability
+#   $\sum_y \max(0, p(y) - q(y)) \cdot \frac{\max(0, p(x) - q(x))}{\sum_y \max(0, p(y) - q(y))}
+#   = \max(0, p(x) - q(x))$.
+# - $\min(p, q) + \max(0, p - q) = p$. ∎
 #
 # The package's rule, for all drafted rows of a batch at once:
 
@@ -188,7 +195,7 @@ for name, rule in [("min(1, p/q)", accept_or_resample), ("accept if p > q", temp
         f"({dof} dof), p-value {p_value:.3g}"
     )
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7.5, 3))
 x = np.arange(len(vocab))
 ax.bar(x - 0.3, p_toy, 0.2, color="#1f77b4", label="p (target)")
@@ -234,19 +241,20 @@ for draft_token in [0, 3]:
     )
 
 # %% [markdown]
-# **Whose randomness?** The three uniform numbers a position uses — the draft's draw, the accept test,
-# the residual draw — each come from `position_uniforms(seed, position, stream)` with its own stream;
-# a bonus token uses stream 0, the ordinary draw. A request's tokens are a pure function of (seed, k,
-# drafter): batching and preemption cannot change them. They are a *different* draw from plain
-# sampling's (same distribution, different tokens): no exact rule can emit the token plain sampling
-# would have, because the draft must be drawn before p is known.
+# **Whose randomness?** The three uniform numbers a position uses — the draft's draw, the accept
+# test, the residual draw — each come from `position_uniforms(seed, position, stream)` with its own
+# stream; a {term}`bonus token` uses stream 0, the ordinary draw. A request's tokens are a pure
+# function of (seed, k, drafter): batching and {term}`preemption <preemption (by recompute)>` cannot
+# change them. They are a *different* draw from plain sampling's (same distribution, different
+# tokens): no exact rule can emit the token plain sampling would have, because the draft must be
+# drawn before p is known.
 #
 # ## Build 2: drafters
 #
 # **Prompt lookup (n-gram).** No model at all: find the latest earlier place where the last n tokens
 # of the context occurred, and propose what followed them there. Text repeats — names, refrains, a
-# small model's own loops — and when it does, the guess is free. Its proposals are deterministic (q is
-# one-hot), so the rule above reduces to "accept with probability p(d)".
+# small model's own loops — and when it does, the guess is free. Its proposals are deterministic (q
+# is one-hot), so the rule above reduces to "accept with probability p(d)".
 
 # %%
 show(NgramDrafter.lookup)
@@ -257,13 +265,14 @@ context = list(b"To be, or not to be, that is the question: whether 'tis nobler 
 print(repr(bytes(context[-12:]).decode()), "->", repr(bytes(ngram.lookup(context, 6)).decode()))
 
 # %% [markdown]
-# **A draft model.** The shipped draft is a 2-layer model trained on the same plays. It drafts k tokens
-# per sequence in k batched passes; its keys and values live in a tensor of their own but at the same
-# slots as the target's, read through the target's block tables, as vLLM's draft models do. One
-# reservation covers both models, and one truncation rolls both back. The draft lags the target by a
-# token or two (`num_draft_computed_tokens`); the first pass of each round catches it up. Its draws
-# come from the step's `SamplingMetadata` — each sampling sequence's temperature, top-k, top-p, seed
-# and position, built once per step — with each pass's rows selected one position further on.
+# **A draft model.** The shipped draft is a 2-layer model trained on the same plays. It drafts k
+# tokens per sequence in k batched passes; its keys and values live in a tensor of their own but at
+# the same slots as the target's, read through the target's {term}`block tables <block table>`, as
+# vLLM's draft models do. One reservation covers both models, and one truncation rolls both back.
+# The draft lags the target by a token or two (`num_draft_computed_tokens`); the first pass of each
+# round catches it up. Its draws come from the step's `SamplingMetadata` — each sampling sequence's
+# temperature, top-k, top-p, seed and position, built once per step — with each pass's rows selected
+# one position further on.
 
 # %%
 show(ModelDrafter.propose)
@@ -273,17 +282,17 @@ show(ModelDrafter.propose)
 #
 # Three small changes carry speculation through chapter 04's engine.
 #
-# 1. **Lookahead slots.** The scheduler reserves k extra slots after every decode, all or nothing,
-#    with k capped so a round never runs past `max_tokens`. The cap depends on the sequence alone,
-#    so how far a sequence speculates never depends on who else is in the batch.
+# 1. **{term}`Lookahead slots`.** The {term}`scheduler` reserves k extra slots after every decode,
+#    all or nothing, with k capped so a round never runs past `max_tokens`. The cap depends on the
+#    sequence alone, so how far a sequence speculates never depends on who else is in the batch.
 
 # %%
 show(Scheduler._lookahead)
 
 # %% [markdown]
-# 2. **One verify pass.** The model runner's `execute` is the engine step on the model's side. Before
-#    the forward pass its drafter proposes (`propose`, for every chunk with lookahead slots);
-#    `build_batch` appends each sequence's drafts to its decode chunk, so a decode becomes a
+# 2. **One {term}`verify pass`.** The model runner's `execute` is the engine step on the model's
+#    side. Before the forward pass its drafter proposes (`propose`, for every chunk with lookahead
+#    slots); `build_batch` appends each sequence's drafts to its decode chunk, so a decode becomes a
 #    (k + 1)-token chunk — chapter 04's varlen attention already handles a multi-token chunk at any
 #    position — and all k + 1 rows of it return logits. `sample` hands them to `verify`, which turns
 #    them into runs: the accepted drafts, then the target's own token.
@@ -292,10 +301,11 @@ show(Scheduler._lookahead)
 show(ModelRunner.execute)
 
 # %% [markdown]
-# 3. **Rollback.** The scheduler's `update` appends the run and counts the accepted drafts as computed
-#    (their K/V were written by the verify pass). Then it calls the block layer's `commit(seq_id,
-#    token_ids, num_computed_tokens)`, the one call after every forward pass: a sequence that holds
-#    more slots than it has computed tokens — the slots of rejected drafts — is truncated back to them:
+# 3. **Rollback.** The scheduler's `update` appends the run and counts the accepted drafts as
+#    computed (their K/V were written by the verify pass). Then it calls the block layer's
+#    `commit(seq_id, token_ids, num_computed_tokens)`, the one call after every forward pass: a
+#    sequence that holds more slots than it has computed tokens — the slots of rejected drafts — is
+#    truncated back to them:
 
 # %%
 show(BlockManager.truncate)
@@ -360,7 +370,7 @@ print(
     f"emitted  {bytes(run).decode(errors='replace')!r}: {len(run) - 1} drafts accepted + 1 from the target"
 )
 
-# %%
+# %% tags=["hide-input"]
 accepted_count = len(run) - 1
 final_kind = "bonus" if accepted_count == len(drafted_ids) else "resampled"
 fig = plt.figure(figsize=(10, 4.4))
@@ -387,14 +397,15 @@ plt.show()
 
 # %% [markdown]
 # Read it left to right: each draft is kept while a uniform number falls under p(d)/q(d) (always, if
-# p ≥ q); the first one that fails is replaced by a draw from the residual, and the drafts after it are
-# never looked at. The block tables show the same round in memory: the scheduler reserved k slots
-# beyond the last token, and the rollback gave back the ones holding rejected drafts.
+# p ≥ q); the first one that fails is replaced by a draw from the residual, and the drafts after it
+# are never looked at. The block tables show the same round in memory: the scheduler reserved k
+# slots beyond the last token, and the rollback gave back the ones holding rejected drafts.
 #
 # ## Check: exactness in the engine
 #
-# Greedy speculative decoding must reproduce plain greedy decoding token for token — for every k,
-# with the model drafter, with a deliberately useless draft (random weights) and with prompt lookup.
+# Greedy {term}`speculative decoding` must reproduce plain greedy decoding token for token — for
+# every k, with the model drafter, with a deliberately useless draft (random weights) and with
+# prompt lookup.
 
 # %%
 rng = np.random.default_rng(6)
@@ -458,11 +469,11 @@ print(
 # ## See: drafts being accepted
 #
 # One column per verify pass of a request (greedy, k = 4): green drafts were accepted, the red one
-# was the first rejection (the blue dot is the target's replacement), grey ones were never checked; a
-# blue cell on top is the bonus token after a fully accepted round. Model drafter above, prompt lookup
-# below, same request.
+# was the first rejection (the blue dot is the target's replacement), grey ones were never checked;
+# a blue cell on top is the bonus token after a fully accepted round. Model drafter above, prompt
+# lookup below, same request.
 
-# %%
+# %% tags=["hide-input"]
 maps = {}
 for name, settings in [("draft model", {"draft_model": draft}), ("n-gram", {"method": "ngram"})]:
     engine = speculative_engine(SpeculativeConfig(num_speculative_tokens=4, **settings))
@@ -481,18 +492,18 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The draft model is right most of the time, everywhere. Prompt lookup is all or nothing: it has long
-# green runs where the text repeats itself (and a small greedy model's text does), and proposes
-# nothing or nonsense elsewhere. A column that is a single blue cell at the bottom is a pass where it
-# found no match: the step was a plain decode.
+# The draft model is right most of the time, everywhere. Prompt lookup is all or nothing: it has
+# long green runs where the text repeats itself (and a small greedy model's text does), and proposes
+# nothing or nonsense elsewhere. A column that is a single blue cell at the bottom is a pass where
+# it found no match: the step was a plain decode.
 #
 # ## Measure: acceptance, tokens per pass, speedup
 #
-# **Tokens per pass against k.** If each draft is accepted with probability α independently, a
-# round with k drafts emits (1 − α^{k+1}) / (1 − α) tokens on average: the accepted prefix plus one.
-# α is estimated from the traces as accepted / reached drafts (a draft is *reached* if every draft
-# before it was accepted). 12 requests, greedy, 64 new tokens each; the theory uses each pass's own
-# number of drafts (fewer than k near `max_tokens`).
+# **Tokens per pass against k.** If each draft is accepted with probability $\alpha$ independently,
+# a round with $k$ drafts emits $(1 - \alpha^{k+1}) / (1 - \alpha)$ tokens on average: the accepted
+# prefix plus one. $\alpha$ is estimated from the traces as accepted / reached drafts (a draft is
+# *reached* if every draft before it was accepted). 12 requests, greedy, 64 new tokens each; the
+# theory uses each pass's own number of drafts (fewer than k near `max_tokens`).
 
 # %%
 measure_prompts = [
@@ -520,7 +531,7 @@ print(f"{'drafter':>12} {'k':>2} {'alpha':>6} {'tokens/pass':>11} {'theory':>7}"
 for (name, k), (alpha, measured, theory) in sweep.items():
     print(f"{name:>12} {k:2d} {alpha:6.3f} {measured:11.2f} {theory:7.2f}")
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(6.5, 3.2))
 for color, name in enumerate(["draft model", "n-gram"]):
     ks = range(1, 9)
@@ -546,10 +557,11 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# The red line is the issue's goal for k = 4. The independence assumption is only roughly true — a
+# The red line at 2.5 tokens per pass is the target the project set itself for the draft model at
+# k = 4 (`benchmarks/speculative.py` holds it to it). The independence assumption is only roughly true — a
 # draft that was right on a word tends to be right on its next letter — so the measurement and the
-# curve need not agree exactly; with the draft model they are close. Prompt lookup's α is not a single
-# number at all: it is near 1 inside a repeat and near 0 outside one.
+# curve need not agree exactly; with the draft model they are close. Prompt lookup's α is not a
+# single number at all: it is near 1 inside a repeat and near 0 outside one.
 #
 # **Wall-clock.** Tokens per pass is not speed: every round also pays k draft passes, and the verify
 # pass runs k + 1 tokens. At batch 1 (four requests one after another) and batch 16, k = 4, greedy,
@@ -594,10 +606,10 @@ for (batch_name, name), tps in speeds.items():
 
 # %% [markdown]
 # Why the draft model's speedup is smaller than its tokens per pass: a simple cost model. Measure a
-# round's drafting cost D and its verify pass cost v, both in units of a plain decode step, and its
-# tokens per pass E. One round costs D + v plain steps and emits E tokens, so the speedup is
-# E / (D + v). For a draft model D = k·c, with c the cost of one draft pass. The batch-1 traces give
-# all of them:
+# round's drafting cost $D$ and its verify pass cost $v$, both in units of a plain
+# {term}`decode step`, and its tokens per pass $E$. One round costs $D + v$ plain steps and emits
+# $E$ tokens, so the speedup is $E / (D + v)$. For a draft model $D = k c$, with $c$ the cost of one
+# draft pass. The batch-1 traces give all of them:
 
 
 # %%
@@ -621,12 +633,12 @@ for name in ["draft model", "n-gram"]:
     )
 
 # %% [markdown]
-# With a tiny model on a CPU the draft is not "nearly free": c is set by the number of operations per
-# pass, not by the size of the matrices, and a 2-layer draft runs a third of a 6-layer target's
+# With a tiny model on a CPU the draft is not "nearly free": c is set by the number of operations
+# per pass, not by the size of the matrices, and a 2-layer draft runs a third of a 6-layer target's
 # operations. Prompt lookup has D ≈ 0, so even its lower E turns into speed. At batch 16 the picture
 # changes again: a plain step is no longer latency bound — it already runs 16 tokens — so the verify
-# pass of 16 × (k + 1) tokens costs much more than a plain step, and speculation pays less, or not at
-# all. That is why production engines speculate hardest at low load. `benchmarks/speculative.py`
+# pass of 16 × (k + 1) tokens costs much more than a plain step, and speculation pays less, or not
+# at all. That is why production engines speculate hardest at low load. `benchmarks/speculative.py`
 # measures the same things at more k and more requests.
 #
 # ## Exercises
@@ -636,12 +648,46 @@ for name in ["draft model", "n-gram"]:
 # tests with `pytest tests --exercise ch06.1`.
 #
 # 1. **ch06.1 — the acceptance rule.** In `accept_or_resample`, accept each draft with probability
-#    min(1, p/q) (never when q = 0), and draw each row's replacement from norm(max(0, p − q)), falling
-#    back to p where that residual is empty. The tests include a chi-square test of the output.
-# 2. **ch06.2 — KV rollback.** In `BlockManager.truncate`, keep the blocks that hold the first
-#    `num_tokens` slots, give the others back with `_release` (in table order, so the next round grows
-#    back into the same blocks) and update the table's token count.
+#    min(1, p/q) (never when q = 0), and draw each row's replacement from norm(max(0, p − q)),
+#    falling back to p where that residual is empty. The tests include a chi-square test of the
+#    output.
+#
+#    *Hint:* Test $u\,q < p$ instead of $u < p/q$: no division, but a q of 0 then needs its own
+#    refusal. `sample_from_probs` (ch04.2) already scales u by each row's total, so the residual
+#    need not be normalised; only a row whose residual sums to 0 needs p instead.
+# 2. **ch06.2 — {term}`KV rollback`.** In `BlockManager.truncate`, keep the blocks that hold the
+#    first `num_tokens` slots, give the others back with `_release` (in table order, so the next
+#    round grows back into the same blocks) and update the table's token count.
+#
+#    *Hint:* The blocks to keep are the ch03.1 ceiling for `num_tokens`. Hand the rest to `_release`
+#    in table order (not reversed, as `free` does), then cut them from `table.blocks`; truncating to
+#    0 leaves an empty table that stays registered.
 # 3. *(Explore, no test.)* Make k adaptive: keep a running α per sequence and choose the k that
-#    maximises E / (k·c + v) with the c and v measured above (c = D / k). Where does it beat a fixed k = 4?
+#    maximises $E / (k c + v)$ with the $c$ and $v$ measured above ($c = D / k$). Where does it beat
+#    a fixed k = 4?
+#
+#    *Hint:* For a given α, scanning k = 1..8 with $E = (1 - \alpha^{k+1}) / (1 - \alpha)$ finds the
+#    best k ($E = k + 1$ at α = 1); update α from each round's accepted and reached drafts with a
+#    moving average. The gain shows where α changes along a sequence: try prompt lookup.
 # 4. *(Explore, no test.)* Measure α of the draft model against temperature (0, 0.5, 0.8, 1.2). Does
-#    sampling make the draft better or worse at guessing, and why does top-k on both models change it?
+#    sampling make the draft better or worse at guessing, and why does top-k on both models change
+#    it?
+#
+#    *Hint:* Set `temperature` in the requests' `SamplingParams` and reuse the chapter's
+#    `acceptance(engine.trace)`. Think of α as $\sum_x \min(p(x), q(x))$: at temperature 0 it only
+#    asks whether the two argmaxes agree, and flattening both distributions changes how much their
+#    mass overlaps; top-k cuts both tails first.
+
+# %% [markdown]
+# ## Summary
+#
+# A drafter guesses k tokens; the target checks all of them in one pass and keeps the accepted
+# prefix plus one token of its own. The acceptance rule keeps the output distribution exactly the
+# target's (greedy tokens identical, as checked above), rejected drafts' cache slots are rolled
+# back, and the engine batches speculating sequences like any other. How much it saves depends on
+# the acceptance rate and on how cheap a draft pass is: the tokens-per-pass and speedup measurements
+# above.
+#
+# **The same idea in vLLM.** The acceptance rule: `vllm/v1/sample/rejection_sampler.py`; drafters:
+# `vllm/v1/spec_decode/` (`ngram_proposer.py` for prompt lookup, `eagle.py`, draft models); the
+# lookahead slots are reserved by `KVCacheManager.allocate_slots(num_lookahead_tokens=...)`.

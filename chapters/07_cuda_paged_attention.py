@@ -12,12 +12,12 @@
 # # Chapter 07 — Paged attention as a kernel: on the CPU, then in CUDA
 #
 # Since chapter 03 the engine has read its K/V through block tables, but the reading itself is
-# borrowed: `TorchPagedAttention` turns the tables into slot indices, *gathers* every sequence's keys
-# and values into a fresh dense tensor, and hands that to a library attention. Decode attention is
-# bound by memory traffic — each output token needs every cached byte of its sequence read once, and
-# does almost no arithmetic per byte — so a copy of the whole context per layer per step is the
-# expensive part. This chapter writes the kernel vLLM is named for: attention that reads the cache
-# **through the block table, in place**. Twice.
+# borrowed: `TorchPagedAttention` turns the tables into slot indices, *gathers* every sequence's
+# keys and values into a fresh dense tensor, and hands that to a library attention. Decode attention
+# is bound by memory traffic — each output token needs every cached byte of its sequence read once,
+# and does almost no arithmetic per byte — so a copy of the whole context per layer per step is the
+# expensive part. This chapter writes the kernel vLLM is named for {cite}`kwon2023pagedattention`:
+# attention that reads the cache **through the block table, in place**. Twice.
 #
 # **Part 1** writes it for the CPU you are reading this on, in Python compiled to machine code by
 # numba: the engine's default attention on a CPU from here on. **Part 2** writes the same algorithm
@@ -27,17 +27,25 @@
 # and every thread's every read can be watched.
 
 # %%
+import json
 import math
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+import minivllm
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.attention import backend as attention_backend
 from minivllm.attention.backend import AttentionBackend, resolve_backend_name
 from minivllm.attention.cuda.backend import CudaPagedAttention, KernelDecodeAttention
+from minivllm.attention.cuda.grouped import (
+    default_lanes_per_token,
+    grouped_decode_kernel,
+    shared_words,
+)
 from minivllm.attention.cuda.kernels import (
     attend_range,
     block_reduce,
@@ -47,7 +55,8 @@ from minivllm.attention.cuda.kernels import (
     paged_attention_v2,
     warp_reduce,
 )
-from minivllm.attention.cuda.launch import paged_attention, shared_bytes
+from minivllm.attention.cuda.launch import paged_attention, shared_bytes, split_partition_size
+from minivllm.attention.cuda.occupancy import H100_SXM, occupancy
 from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE
 from minivllm.attention.numba_cpu import (
     _attend,
@@ -95,8 +104,8 @@ show(DecodeAttention)
 # %% [markdown]
 # `read_slots` is an `index_select`: it reads each sequence's K/V from its blocks and *writes* them
 # into a new tensor padded to the longest context in the batch, which attention then reads again.
-# Count the bytes for one decode step of a batch with uneven contexts, the kind continuous batching
-# produces — what attention needs against what the gather path moves:
+# Count the bytes for one decode step of a batch with uneven contexts, the kind
+# {term}`continuous batching` produces — what attention needs against what the gather path moves:
 
 
 # %%
@@ -134,8 +143,8 @@ print(
 
 # %% [markdown]
 # And in time? Fill an engine with 64 requests, step it until every prompt is prefilled, and time
-# decode steps with the attention backend's calls clocked (`book/step_timing.py`): the share of a
-# step spent writing the new K/V and attending, every layer. First the bytes of one such step,
+# decode steps with the {term}`attention backend`'s calls clocked (`book/step_timing.py`): the share
+# of a step spent writing the new K/V and attending, every layer. First the bytes of one such step,
 # which do not depend on the machine:
 
 # %%
@@ -174,9 +183,9 @@ print(
 #
 # A query vector $q$ attends keys $k_1 \dots k_n$ and values $v_1 \dots v_n$ with
 # $o = \sum_j e^{s_j - m} v_j \,/\, \sum_j e^{s_j - m}$, where $s_j = q \cdot k_j / \sqrt{d}$ and
-# $m = \max_j s_j$ keeps the exponentials from overflowing. Read block by block, the max is not known
-# until the end — but it need not be. Keep a running max $m$, a running sum $\ell$ and an accumulator
-# $a$; for each new block of scores,
+# $m = \max_j s_j$ keeps the exponentials from overflowing. Read block by block, the max is not
+# known until the end — but it need not be. Keep a running max $m$, a running sum $\ell$ and an
+# accumulator $a$; for each new block of scores,
 #
 # $$m' = \max\big(m, \max_j s_j\big), \qquad
 # \ell' = \ell\, e^{m - m'} + \sum_j e^{s_j - m'}, \qquad
@@ -184,13 +193,13 @@ print(
 #
 # and at the end $o = a / \ell$. Everything already summed is rescaled to the new max, so each key
 # and value row is read exactly once, and no score outlives its block. This is the *online softmax*
-# of Milakov & Gimelshein (2018), the heart of FlashAttention (Dao et al., 2022) and of vLLM's
-# paged-attention kernels (`csrc/attention/` for CUDA, `csrc/cpu/` for its CPU build).
+# of {cite}`milakov2018online`, the heart of FlashAttention {cite}`dao2022flashattention` and of
+# vLLM's paged-attention kernels (`csrc/attention/` for CUDA, `csrc/cpu/` for its CPU build).
 #
 # `_attend` does it for one unit of work: up to `QUERY_TILE` query rows of one sequence and one K/V
-# head. Grouped-query attention rides along: the model's 8 query heads share 2 K/V heads, so the 4
-# query heads of a group are 4 query vectors per row, and **each K/V row is read once for all of
-# them**. A prefill chunk's row sees the cached prefix and its own chunk up to itself (causal); a
+# head. {term}`Grouped-query attention` rides along: the model's 8 query heads share 2 K/V heads, so
+# the 4 query heads of a group are 4 query vectors per row, and **each K/V row is read once for all
+# of them**. A prefill chunk's row sees the cached prefix and its own chunk up to itself (causal); a
 # decode is a chunk of one row.
 
 # %%
@@ -198,11 +207,12 @@ show(_attend)
 
 # %% [markdown]
 # The scores loop is a dot product per (key, query vector); the values loop adds each value row into
-# every vector's accumulator. Both run along `head_dim`, contiguous in memory, so LLVM turns them into
-# SIMD instructions (8 floats at a time with AVX2) — `fastmath` allows it to reorder the float32 sums
-# for that. numba's `math.exp` is one library call per element, which no compiler vectorises, so the
-# exponentials go through `_exp_in_place`: Cephes' single-precision exp written as plain arithmetic
-# ($x = k \ln 2 + r$, a polynomial for $e^r$, $2^k$ written into the float's exponent bits).
+# every vector's accumulator. Both run along `head_dim`, contiguous in memory, so LLVM turns them
+# into SIMD instructions (8 floats at a time with AVX2) — `fastmath` allows it to reorder the
+# float32 sums for that. numba's `math.exp` is one library call per element, which no compiler
+# vectorises, so the exponentials go through `_exp_in_place`: Cephes' single-precision exp written
+# as plain arithmetic ($x = k \ln 2 + r$, a polynomial for $e^r$, $2^k$ written into the float's
+# exponent bits).
 
 # %%
 show(_exp_in_place)
@@ -211,8 +221,8 @@ show(_exp_in_place)
 # ### The kernel: write, then attend, on every core
 #
 # The compiled entry point takes one layer's whole batch. It first writes the new rows' keys and
-# values to their slots (the slot mapping of chapter 04 — the same call, no separate scatter), then
-# runs the units of work, each thread its own list:
+# values to their slots (the {term}`slot mapping` of chapter 04 — the same call, no separate
+# scatter), then runs the units of work, each thread its own list:
 
 # %%
 show(_paged_attention_kernel)
@@ -232,7 +242,7 @@ show(plan_work)
 # A mixed step — 60 decodes with contexts of 100 to 400 tokens and two prefill chunks of 48 tokens —
 # split both ways. Each bar is one thread, each segment one unit of work, coloured by its sequence:
 
-# %%
+# %% tags=["hide-input"]
 rng = np.random.default_rng(0)
 query_lens = np.array([1] * 60 + [48, 48])
 context_lens = np.concatenate([rng.integers(100, 400, 60), [48, 160]])
@@ -291,9 +301,10 @@ print(f"decodes: max relative error {cpu_error:.1e} (allowed 1e-05)")
 assert cpu_error <= 1e-5
 
 # %% [markdown]
-# Prefill chunks, decodes mixed with them, block sizes 8 to 32, head_dim 32 to 128 and groups of 1 to
-# 4 are in `tests/test_numba_cpu_attention.py`. The check that matters most is the engine's: the same
-# prompts, greedy, on both backends — prefill chunks and decodes both go through the kernel now.
+# Prefill chunks, decodes mixed with them, block sizes 8 to 32, head_dim 32 to 128 and groups of 1
+# to 4 are in `tests/test_numba_cpu_attention.py`. The check that matters most is the engine's: the
+# same prompts, greedy, on both backends — prefill chunks and decodes both go through the kernel
+# now.
 
 # %%
 text = shipped_validation_text()
@@ -313,7 +324,7 @@ assert same == len(prompts)
 # %% [markdown]
 # ### Measure: the decode step on the kernel
 #
-# The 64-request decode step again, both backends, alternating (this machine, now):
+# The 64-request {term}`decode step` again, both backends, alternating (this machine, now):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -336,8 +347,8 @@ print(
 #
 # **Threads.** numba's parallel loops and torch's matmuls take turns, never overlap, so each may use
 # every core torch is allowed (`NumbaPagedAttention` sets numba's thread count to torch's). numba
-# runs on its *workqueue* threading layer, whose threads sleep between kernels; an OpenMP layer would
-# keep spinning after each kernel, on the same cores torch's own OpenMP threads need.
+# runs on its *workqueue* threading layer, whose threads sleep between kernels; an OpenMP layer
+# would keep spinning after each kernel, on the same cores torch's own OpenMP threads need.
 #
 # ## Part 2 — the same algorithm in CUDA's execution model
 #
@@ -347,17 +358,19 @@ print(
 #
 # ### The GPU in one figure
 #
-# A CUDA kernel is one function run by a **grid** of **thread blocks**. Each block runs on one of the
-# GPU's streaming multiprocessors (SMs; an H100 has 132), has its own fast **shared memory**, and its
-# threads can wait for each other at a barrier (`cuda.syncthreads()`). A block's threads are executed
-# in **warps** of 32 that move in lockstep; within a warp, threads exchange registers directly with
-# **shuffles** (`cuda.shfl_xor_sync`), no memory involved. Global memory is fastest when the 32 lanes
-# of a warp read 32 neighbouring elements at once (a *coalesced* read: one transaction).
+# A CUDA kernel is one function run by a **{term}`grid <grid (CUDA)>`** of
+# **{term}`thread blocks <thread block>`**. Each block runs on one of the GPU's
+# {term}`streaming multiprocessors <streaming multiprocessor (SM)>` (SMs; an H100 has 132), has its
+# own fast **shared memory**, and its threads can wait for each other at a barrier
+# (`cuda.syncthreads()`). A block's threads are executed in **warps** of 32 that move in lockstep;
+# within a warp, threads exchange registers directly with **shuffles** (`cuda.shfl_xor_sync`), no
+# memory involved. Global memory is fastest when the 32 lanes of a {term}`warp` read 32 neighbouring
+# elements at once (a *coalesced* read: one transaction).
 #
 # Our kernel maps attention onto that hierarchy: one thread block per (sequence, query head); inside
 # it, warps take the context's tokens in turn; inside a warp, the lanes split a key row's head_dim.
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(10, 3.4))
 draw_execution_model(
     ax, num_seqs=4, num_heads=config.n_heads, threads=128, head_dim=config.head_dim
@@ -367,26 +380,26 @@ plt.show()
 # %% [markdown]
 # ### Build: the CUDA kernel, in pieces
 #
-# **The address.** Where does token `position` of a sequence live? Its block table names the physical
-# block, and the position within the block is the slot — chapter 03's arithmetic, now a *device
-# function* every thread calls (exercise ch07.1):
+# **The address.** Where does token `position` of a sequence live? Its block table names the
+# physical block, and the position within the block is the slot — chapter 03's arithmetic, now a
+# *device function* every thread calls (exercise ch07.1):
 
 # %%
 show(cache_slot)
 
 # %% [markdown]
 # **Reductions without memory.** A dot product split over 32 lanes must be added up. A butterfly of
-# five shuffles does it: at each step every lane adds the value of the lane whose index differs in one
-# bit, so after log₂ 32 = 5 steps every lane holds the total. The same function takes the maximum.
-# (The simulator has no shuffles; `simulator.py` gives it one, built on a block barrier — which is
-# why the kernels always call reductions with the whole block.)
+# five shuffles does it: at each step every lane adds the value of the lane whose index differs in
+# one bit, so after log₂ 32 = 5 steps every lane holds the total. The same function takes the
+# maximum. (The simulator has no shuffles; `simulator.py` gives it one, built on a block barrier —
+# which is why the {term}`kernels <kernel (CUDA)>` always call reductions with the whole block.)
 
 # %%
 show(warp_reduce)
 
 # %% [markdown]
-# A whole block reduces in two levels: each warp with shuffles, then the warps' results through a few
-# words of shared memory.
+# A whole block reduces in two levels: each warp with shuffles, then the warps' results through a
+# few words of {term}`shared memory`.
 
 # %%
 show(block_reduce)
@@ -395,14 +408,16 @@ show(block_reduce)
 # **The attention.** One thread block, one query row, one stretch of context, in three phases:
 #
 # 1. *Scores.* Warps take tokens round-robin; for its token a warp's lanes read the key row (lane ℓ
-#    reads elements ℓ, ℓ + 32, …: coalesced), multiply by the query held in shared memory, and the warp
-#    sums. Lane 0 stores the score in shared memory.
+#    reads elements ℓ, ℓ + 32, …: coalesced), multiply by the query held in shared memory, and the
+#    warp sums. Lane 0 stores the score in shared memory.
 # 2. *Softmax.* A block max, then exp(score − max) in place, then a block sum — the numerically safe
 #    softmax, with the division left for the end.
 # 3. *Values.* Now the threads split head_dim instead: thread d walks the tokens and accumulates
-#    weight × value[d] (neighbouring threads read neighbouring elements of a value row: coalesced again).
+#    weight × value[d] (neighbouring threads read neighbouring elements of a value row: coalesced
+#    again).
 #
-# It returns the max and the sum of exponentials; v1 ignores them, the partitioned kernel below needs them.
+# It returns the max and the sum of exponentials; v1 ignores them, the partitioned kernel below
+# needs them.
 
 # %%
 show(attend_range)
@@ -427,9 +442,10 @@ show(paged_attention, lines=(1, 33))
 #
 # Fresh random inputs (never zeros — a kernel that reads the wrong slot of a zero cache still looks
 # right), physical blocks in shuffled order, an output **poisoned with NaN** before the launch so an
-# element the kernel forgets to write cannot pass. The target model's head_dim and block size, and its
-# grouped-query attention in small: 2 query heads on 1 K/V head (the model has 8 on 2; the simulator
-# pays for every head). The contexts include one token, one ending mid-block and one on a block boundary.
+# element the kernel forgets to write cannot pass. The target model's head_dim and block size, and
+# its grouped-query attention in small: 2 query heads on 1 K/V head (the model has 8 on 2; the
+# simulator pays for every head). The contexts include one token, one ending mid-block and one on a
+# block boundary.
 
 # %%
 show(kernel_check.random_inputs)
@@ -465,9 +481,9 @@ for name, (dtype, tolerance) in checks.items():
 # ### See: which thread reads which block
 #
 # The simulator runs the kernel in Python, so we can watch it. `kernel_trace.recorded` wraps the key
-# and value caches in arrays that note every element a CUDA thread reads, and by whom. One sequence of
-# 40 tokens, its three blocks scattered over a pool of eight, one head, 64 threads (two warps), and the
-# kernel launched by hand — grid, threads per block, stream, shared-memory bytes:
+# and value caches in arrays that note every element a CUDA thread reads, and by whom. One sequence
+# of 40 tokens, its three blocks scattered over a pool of eight, one head, 64 threads (two warps),
+# and the kernel launched by hand — grid, threads per block, stream, shared-memory bytes:
 
 # %%
 q, k_cache, v_cache, _, _ = random_case([40], num_heads=1, num_kv_heads=1, seed=3)
@@ -496,7 +512,7 @@ print(
     f"{len(key_reads)} key reads = 40 tokens x {config.head_dim} elements; {len(value_reads)} value reads"
 )
 
-# %%
+# %% tags=["hide-input"]
 fig, ax = plt.subplots(figsize=(7.5, 4))
 draw_cache_reads(ax, reads_by_thread(key_reads), table[0].tolist(), block_size=16, num_blocks=8)
 ax.set_title("key reads of one thread block: colour = warp, number = the warp's round")
@@ -523,25 +539,26 @@ print(
 )
 
 # %% [markdown]
-# Lane ℓ of a warp reads element ℓ of the row; the 32 lanes read 32 neighbouring floats, one 128-byte
-# transaction. In the value phase only the first 32 threads work (head_dim is 32 here): thread d reads
-# element d of all 40 value rows, in token order.
+# Lane ℓ of a warp reads element ℓ of the row; the 32 lanes read 32 neighbouring floats, one
+# 128-byte transaction. In the value phase only the first 32 threads work (head_dim is 32 here):
+# thread d reads element d of all 40 value rows, in token order.
 #
 # ### Build more: more thread blocks — the partitioned kernel
 #
 # v1 launches one thread block per (sequence, head). A decode batch of one sequence of our model is
 # 8 blocks; a GPU has 132 SMs, each able to host several blocks. Long contexts make it worse, not
 # better: the 8 blocks just take longer, while most of the GPU idles. vLLM's v2 kernel (the idea is
-# also called *flash-decoding*) cuts the context into **partitions**, each its own thread block with
-# its own max and sum, then a second, small kernel merges them.
+# also called *flash-decoding* {cite}`dao2023flashdecoding`) cuts the context into **partitions**,
+# each its own thread block with its own max and sum, then a second, small kernel merges them.
 #
-# The merge is the log-sum-exp identity. Partition p returns its output normalised by its own sum
-# ℓ_p of exp(score − m_p). On a common scale m = max_p m_p its weight is ℓ_p · exp(m_p − m), so
+# The merge is the log-sum-exp identity. Partition $p$ returns its output normalised by its own sum
+# $\ell_p$ of $e^{s - m_p}$ over its scores $s$. On a common scale $m = \max_p m_p$ its weight is
+# $\ell_p e^{m_p - m}$, so
 #
-# out = Σ_p ℓ_p e^{m_p − m} · out_p  /  Σ_p ℓ_p e^{m_p − m}
+# $$o = \frac{\sum_p \ell_p e^{m_p - m}\, o_p}{\sum_p \ell_p e^{m_p - m}}$$
 #
-# (exercise ch07.2). A partition past the end of a short sequence's context writes m = −∞, ℓ = 0 and
-# weighs nothing.
+# (exercise ch07.2). A partition past the end of a short sequence's context writes $m = -\infty$,
+# $\ell = 0$ and weighs nothing.
 
 # %%
 show(paged_attention_v2)
@@ -557,69 +574,167 @@ for partition in (16, 24):
     assert error <= 1e-5
 
 # %% [markdown]
-# How many blocks does that buy? A model of an H100 (132 SMs; a decode kernel is memory-bound, so
-# count thread blocks against SMs). If each SM runs one block at a time, a kernel with B blocks takes
-# ⌈B / 132⌉ waves, and only B / (132 · waves) of the SMs are busy on average. For a Llama-3-8B layer
-# (32 query heads), our model (8 heads), and v2 with 512-token partitions:
+# ### Build more: one pass per K/V head — v3, grouped flash-decoding
+#
+# v1 and v2 are correct, and slow. Read v1's loop the way a GPU runs it. Per token a warp loads the
+# block-table entry, and only then can it load the key row that entry points to; then five shuffles
+# must finish before the next token starts. The value pass walks the tokens one at a time per
+# thread. And the query heads of a GQA group are separate thread blocks that read the same K/V
+# rows, each for itself. Every one of these is a wait with nothing else in flight: the kernel is
+# *latency-bound*, nowhere near the memory bandwidth that should bound decode attention.
+# `attention/cuda/grouped.py` builds v3, the shape of FlashInfer's and vLLM's current decode
+# kernels {cite}`ye2025flashinfer,dao2023flashdecoding`:
+#
+# - **one thread block per (sequence, K/V head)**, serving the whole query-head group: each K/V row
+#   is read once for all the heads that share it;
+# - **the block table staged in shared memory** once, so a token's address is a shared-memory load;
+# - **one pass** with the online softmax of Part 1 — no scores array, no second walk for the values;
+# - **several tokens in flight per warp**: the warp is split into teams of lanes, each team on its
+#   own token, its lanes splitting head_dim; a team's dot product needs log₂(lanes) shuffles;
+# - compiled per (head_dim, group, lanes, block size), as vLLM instantiates a C++ template, so the
+#   per-lane arrays live in registers. Its partitions' partial results have v2's layout, so for
+#   few, long sequences the same kernel runs split-KV and `merge_partitions` combines them.
 
 # %%
-SMS = 132  # H100 SXM
+show(grouped_decode_kernel)
+
+# %% [markdown]
+# The same check as v1 and v2, on a GQA batch (8 query heads sharing 2 K/V heads), whole and split
+# into partitions:
+
+# %%
+case = random_case([1, 24, 40], num_heads=8, num_kv_heads=2, seed=8)
+for partition in (None, 16):
+    error = kernel_error(case, partition_size=partition, threads=WARP_SIZE, grouped=True)
+    print(
+        f"v3, {'one pass' if partition is None else f'partitions of {partition}'}: "
+        f"max relative error {error:.1e}"
+    )
+    assert error <= 1e-5
+
+# %% [markdown]
+# And the reads, recorded as before: one sequence of 40 tokens, four query heads sharing one K/V
+# head. v1 runs four thread blocks, one per head; v3 runs one for the group.
+
+# %%
+group_q, group_k, group_v, _, _ = random_case([40], num_heads=4, num_kv_heads=1, seed=9)
+group_k, group_v = (
+    torch.randn(8, 16, 1, config.head_dim, generator=torch.Generator().manual_seed(s))
+    for s in (10, 11)
+)
+v1_reads, v3_reads, table_reads = [], [], []
+paged_attention_v1[(1, 4), WARP_SIZE, 0, shared_bytes(config.head_dim, WARP_SIZE, 40)](
+    torch.empty_like(group_q).numpy(),
+    group_q.numpy(),
+    recorded(group_k.numpy(), v1_reads),
+    group_v.numpy(),
+    table.numpy(),
+    lens.numpy(),
+    config.head_dim**-0.5,
+    4,
+)
+lanes = default_lanes_per_token(config.head_dim)
+v3 = grouped_decode_kernel(config.head_dim, 4, lanes, 16)
+v3_out = torch.full((1, 4, 1, config.head_dim), float("nan"))
+v3[(1, 1, 1), WARP_SIZE, 0, 4 * shared_words(3, config.head_dim, 4, WARP_SIZE, lanes)](
+    v3_out.numpy(),
+    torch.empty(1, 4, 1).numpy(),
+    torch.empty(1, 4, 1).numpy(),
+    group_q.numpy(),
+    recorded(group_k.view(-1).numpy(), v3_reads),  # v3 takes the caches flattened
+    group_v.view(-1).numpy(),
+    recorded(table.numpy(), table_reads),
+    lens.numpy(),
+    40,
+    config.head_dim**-0.5,
+    48,  # one partition: the whole table
+)
+assert torch.allclose(
+    v3_out[:, :, 0], reference_attention(group_q, group_k, group_v, table, lens), atol=1e-6
+)
+elements = 40 * config.head_dim
+print(f"key elements in the context: {elements}")
+print(f"v1 reads {len(v1_reads)} ({len(v1_reads) / elements:.0f} per element, one per head)")
+print(f"v3 reads {len(v3_reads)} ({len(v3_reads) / elements:.0f} per element, once for the group)")
+print(f"v3 reads the block table {len(table_reads)} times: once per entry, into shared memory")
+
+# %% [markdown]
+# How full do these grids keep a GPU? A decode kernel is memory-bound, and the loads in flight come
+# from resident warps, so the measure is **warp occupancy**: warps resident on the SMs over their
+# warp slots. An SM holds as many blocks at once as its warp slots, registers, shared memory and
+# block slots all allow (`attention/cuda/occupancy.py`, the arithmetic of NVIDIA's occupancy
+# calculator); a grid then takes ⌈blocks / (SMs · blocks per SM)⌉ waves, and a last, partial wave
+# leaves slots empty.
+
+# %%
+show(occupancy)
+
+# %% [markdown]
+# Registers per thread come from the compiler, on a GPU (`benchmarks/paged_attention.py` records
+# them); the curves below *assume* 64 for every version, 128 threads per block, and the shared
+# memory each launcher asks for. For a Llama-3-8B layer (32 query heads over 8 K/V heads) at head
+# dim 128, batch 1 and 64:
+
+# %% tags=["hide-input"]
+ASSUMED_REGISTERS, THREADS = 64, 128
+llama = {"heads": 32, "kv_heads": 8, "head_dim": 128}
 
 
-def busy_share(blocks: int, sms: int = SMS) -> float:
-    """Average share of SMs with a thread block to run, one block per SM at a time."""
-    return blocks / (sms * math.ceil(blocks / sms))
-
-
-def grid_blocks(batch: int, heads: int, context: int, partition: int | None) -> int:
-    return batch * heads * (1 if partition is None else math.ceil(context / partition))
+def grid_and_shared(version: str, batch: int, context: int) -> tuple[int, int]:
+    """Thread blocks of one layer's call, and the shared bytes each asks for."""
+    dim, heads, kv_heads = llama["head_dim"], llama["heads"], llama["kv_heads"]
+    if version == "v1":
+        return batch * heads, shared_bytes(dim, THREADS, context)
+    if version == "v2 (512)":
+        return batch * heads * math.ceil(context / 512), shared_bytes(dim, THREADS, 512)
+    partition = split_partition_size(batch, kv_heads, context, 16, H100_SXM.sms)
+    parts = 1 if partition is None else math.ceil(context / partition)
+    tokens = context if partition is None else partition
+    lanes = default_lanes_per_token(dim)
+    words = shared_words(tokens // 16, dim, heads // kv_heads, THREADS, lanes)
+    return batch * kv_heads * parts, 4 * words
 
 
 contexts_model = [256, 512, 1024, 2048, 4096, 8192]
+versions = {"v1": "#d62728", "v2 (512)": "#2ca02c", "v3": "#1f77b4"}
 fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
-for ax, heads, label in zip(
-    axes, (32, config.n_heads), ("32 heads (Llama-3-8B)", f"{config.n_heads} heads (our model)")
-):
-    for batch, style in ((1, "-"), (16, "--")):
-        ax.plot(
-            contexts_model,
-            [busy_share(grid_blocks(batch, heads, c, None)) for c in contexts_model],
-            style,
-            color="#d62728",
-            label=f"v1, batch {batch}",
-        )
-        ax.plot(
-            contexts_model,
-            [busy_share(grid_blocks(batch, heads, c, 512)) for c in contexts_model],
-            style,
-            color="#2ca02c",
-            label=f"v2 (512), batch {batch}",
-        )
+for ax, batch in zip(axes, (1, 64)):
+    for version, color in versions.items():
+        shares = []
+        for context in contexts_model:
+            blocks, shared = grid_and_shared(version, batch, context)
+            shares.append(occupancy(blocks, THREADS, ASSUMED_REGISTERS, shared).warp_occupancy)
+        ax.plot(contexts_model, shares, color=color, label=version)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length")
-    ax.set_title(label)
-axes[0].set_ylabel("share of SMs busy (model)")
+    ax.set_title(f"batch {batch}, {H100_SXM.name} (model)")
+axes[0].set_ylabel("warp occupancy")
 axes[1].legend(fontsize=8)
 plt.show()
-for batch in (1, 16, 64):
-    v1, v2 = (grid_blocks(batch, 32, 4096, p) for p in (None, 512))
-    print(
-        f"batch {batch:2}, 32 heads, context 4096: v1 {v1:5} blocks ({busy_share(v1):.0%} of SMs busy), "
-        f"v2 {v2:5} blocks ({busy_share(v2):.0%})"
-    )
+for batch in (1, 64):
+    for version in versions:
+        blocks, shared = grid_and_shared(version, batch, 4096)
+        fit = occupancy(blocks, THREADS, ASSUMED_REGISTERS, shared)
+        print(
+            f"batch {batch:2}, context 4096, {version:8}: {blocks:5} blocks, {fit.blocks_per_sm} "
+            f"per SM ({fit.limiter}), {fit.waves} wave(s), warp occupancy {fit.warp_occupancy:.0%}"
+        )
 
 # %% [markdown]
-# At batch 1, v1 keeps a quarter of an H100 busy whatever the context; v2 fills it once the context
-# reaches a few partitions. At batch 64 v1 already has 2,048 blocks and partitioning buys little
-# but the merge's cost — which is why vLLM picks v1 or v2 per call from the number of sequences and
-# the context length. (This is a model: real occupancy also depends on registers, shared memory
-# and how many blocks share an SM. On a GPU, `benchmarks/paged_attention.py` measures it.)
+# At batch 1 every grid is small next to 132 SMs: v1 has one block per query head and leaves almost
+# every warp slot empty; v2 and v3 split the context into partitions and fill several times more
+# (v3 picks its partition size from the grid, `split_partition_size`). At batch 64 v1 and v2 have
+# blocks to spare, while v3 — one block per K/V head, a quarter of v1's blocks, each reading for the
+# whole group — fills fewer warp slots; it keeps loads in flight *inside* each warp instead (several
+# tokens per warp), the bet a GPU run has to settle. With the assumed register count, registers are
+# what limit the blocks per SM — the printout names the limiter. This is a model with
+# an assumed register count; on a GPU, `benchmarks/paged_attention.py` measures the kernels.
 #
 # ### The engine on the kernel
 #
 # What does the engine need of an attention backend? Very little: the runner builds one per forward
-# pass from the K/V storage and the pass's `VarlenBatch`, and the model calls it once per layer. That
-# is the `AttentionBackend` protocol in `attention/backend.py`:
+# pass from the K/V storage and the pass's `VarlenBatch`, and the model calls it once per layer.
+# That is the `AttentionBackend` protocol in `attention/backend.py`:
 
 # %%
 show(AttentionBackend)
@@ -641,7 +756,7 @@ print({device: resolve_backend_name("auto", device) for device in ("cpu", "cuda"
 # %% [markdown]
 # The backend copies nothing of the reference. `TorchPagedAttention` takes its decode piece as a
 # parameter, so `CudaPagedAttention` is the reference with `KernelDecodeAttention` where
-# `DecodeAttention` was: the K/V write and the prefill chunks (`PrefillAttention`) stay the
+# `DecodeAttention` was: the K/V write and the {term}`prefill` chunks (`PrefillAttention`) stay the
 # reference's — the kernel is a decode kernel, one query per sequence.
 
 # %%
@@ -652,8 +767,8 @@ show(CudaPagedAttention)
 
 # %% [markdown]
 # The real model, greedy, both backends. The prompt's prefill runs on torch either way; the decode
-# step that makes the second token runs each layer's attention on the kernel — in the simulator here,
-# which is why this run is so short:
+# step that makes the second token runs each layer's attention on the kernel — in the simulator
+# here, which is why this run is so short:
 
 # %%
 params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -666,8 +781,8 @@ for backend in ("torch", "cuda"):
     print(f"{backend:>5} backend ({engine.runner.backend.__name__}): {outputs[backend].text!r}")
 decodes = sum(len(record.decoded) for record in engine.trace)
 print(
-    f"{decodes} decode step(s) on the kernel: {config.n_layers} layers x {config.n_heads} heads = "
-    f"{decodes * config.n_layers * config.n_heads} thread blocks"
+    f"{decodes} decode step(s) on the kernel (v3): {config.n_layers} layers x "
+    f"{config.n_kv_heads} K/V heads = {decodes * config.n_layers * config.n_kv_heads} thread blocks"
 )
 assert outputs["cuda"].token_ids == outputs["torch"].token_ids
 
@@ -689,25 +804,48 @@ print(
 )
 
 # %% [markdown]
-# On a GPU, `benchmarks/paged_attention.py` times v1, v2, the torch reference and
-# `scaled_dot_product_attention` over pre-gathered K/V, with device events, for batch × context ∈
-# {1, 16, 64} × {512, 1k, 4k}, head_dim 128, block size 16 and float16, and compares the achieved
-# bandwidth with the device's copy bandwidth measured in the same run (the goal: ≥ 80 % at batch 64 ×
-# context 1k). How much K/V one call must read at those shapes, for 8 K/V heads:
+# On a GPU, `benchmarks/paged_attention.py` times every version — v1, v2, v3 and its split form —
+# against the torch reference and `scaled_dot_product_attention` over pre-gathered K/V, with CUDA
+# events, at batch × context 1 × 4096, 64 × 1024 and 64 × 4096 (float16, 32 query and 8 K/V heads,
+# head_dim 128, block size 16), and compares the achieved bandwidth with the device's copy bandwidth
+# measured in the same run. It writes `benchmarks/results/paged_attention.json`, with the device,
+# driver and versions; this cell reads that record when one exists — a GPU number in this book
+# comes from such a run, never from the prose:
+
+# %%
+ROOT = Path(minivllm.__file__).resolve().parents[2]  # the repository (an editable install)
+record_path = ROOT / "benchmarks" / "results" / "paged_attention.json"
+if record_path.exists():
+    record = json.loads(record_path.read_text())
+    machine = record["machine"]
+    print(f"recorded on {machine['device']}, driver {machine['driver']}, {machine['date']}:")
+    for row in record["rows"]:
+        for system, measured in row["systems"].items():
+            share = measured["share_of_copy_bandwidth"]
+            print(
+                f"  {row['batch']:3} x {row['context']:5}  {system:>22}: {share:6.1%} of copy bandwidth"
+            )
+else:
+    print(f"no recorded GPU run yet ({record_path.relative_to(ROOT)} is absent): nothing to show")
+
+# %% [markdown]
+# How much K/V one call must read at those shapes, and how long that takes at the H100 SXM's
+# specified memory bandwidth (3.35 TB/s, NVIDIA's datasheet) — the floor any kernel is measured
+# against:
 
 # %%
 benchmark_config = {"n_kv_heads": 8, "head_dim": 128}
-print(f"{'batch':>5} {'context':>7} {'K/V read per call':>18}")
-for batch in (1, 16, 64):
-    for context in (512, 1024, 4096):
-        read = (
-            batch * 2 * context * benchmark_config["n_kv_heads"] * benchmark_config["head_dim"] * 2
-        )
-        print(f"{batch:5} {context:7} {read / 2**20:15.1f} MiB")
+H100_BYTES_PER_SECOND = 3.35e12
+print(f"{'batch':>5} {'context':>7} {'K/V read per call':>18} {'at 3.35 TB/s':>13}")
+for batch, context in ((1, 4096), (64, 1024), (64, 4096)):
+    read = batch * 2 * context * benchmark_config["n_kv_heads"] * benchmark_config["head_dim"] * 2
+    floor = read / H100_BYTES_PER_SECOND
+    print(f"{batch:5} {context:7} {read / 2**20:15.1f} MiB {floor * 1e6:10.1f} µs")
 
 # %% [markdown]
-# At a few TB/s of memory bandwidth, even the largest of these reads takes well under a millisecond:
-# decode attention is a bandwidth problem, and reading the cache once, in place, is the whole game.
+# Even the largest read is a fraction of a millisecond at full bandwidth: decode attention is a
+# bandwidth problem, and reading the cache once, in place, with enough loads in flight to keep the
+# memory busy, is the whole game.
 #
 # ## Exercises
 #
@@ -717,22 +855,39 @@ for batch in (1, 16, 64):
 # They run in the simulator, so no GPU is needed.
 #
 # 1. **ch07.1 — the block-table address.** In `cache_slot`, return the physical block that holds
-#    token `position` (from the sequence's block table) and the slot within it.
-# 2. **ch07.2 — the log-sum-exp merge.** In `merge_partitions`, combine the partitions' normalised
-#    outputs with weights ℓ_p · exp(m_p − m), skipping empty partitions (ℓ_p = 0).
+#    token `position` (from the sequence's {term}`block table`) and the slot within it.
+#
+#    *Hint:* It is `BlockManager.slot_mapping`'s arithmetic (chapter 03) stopped one step early: the
+#    logical block index picks the table entry and the remainder is the offset. Return the two; do
+#    not fold them into one slot.
+# 2. **ch07.2 — the {term}`log-sum-exp merge`.** In `merge_partitions`, combine the partitions'
+#    normalised outputs with weights $\ell_p e^{m_p - m}$, skipping empty partitions ($\ell_p = 0$).
+#
+#    *Hint:* Each partial output is already divided by its own $\ell_p$, so the merge is a weighted
+#    average: accumulate the weighted outputs and the weights, and divide once at the end. Skip an
+#    empty partition rather than trust its zero weight: its `partial_out` row was never written.
 # 3. *(Explore, no test.)* v1 keeps one score per token in shared memory. How long a context fits in
-#    an H100 block's 48 KiB of default dynamic shared memory? Rewrite `attend_range` with an *online*
-#    softmax (a running max and sum, rescaling the accumulator when the max grows) so its shared
-#    memory no longer grows with the context.
-# 4. *(Explore, no test.)* Every lane calls `cache_slot` for every token, reading the block table over
-#    and over. Change the score loop so a warp takes a whole block of 16 tokens at a time and looks the
-#    block up once; use `kernel_trace.recorded` on the block table to count the reads before and after.
+#    an H100 block's 48 KiB of default dynamic shared memory? Rewrite `attend_range` with an
+#    *online* softmax (a running max and sum, rescaling the accumulator when the max grows) so its
+#    shared memory no longer grows with the context.
+#
+#    *Hint:* `shared_bytes(head_dim, threads, tokens)` gives the bytes; solve it for `tokens`. For
+#    the rewrite, apply Part 1's $m'$, $\ell'$, $a'$ update after each round of `num_warps` scores,
+#    so only one round's scores ever sit in shared memory.
+# 4. *(Explore, no test.)* Every lane calls `cache_slot` for every token, reading the block table
+#    over and over. Change the score loop so a warp takes a whole block of 16 tokens at a time and
+#    looks the block up once; use `kernel_trace.recorded` on the block table to count the reads
+#    before and after.
+#
+#    *Hint:* Deal *blocks* to the warps round-robin instead of tokens and loop over the offsets
+#    inside; the range may start or end mid-block. Keep every warp running the same number of
+#    rounds, as `attend_range` does, so the shuffles stay uniform.
 # 5. *(Explore, no test.)* Part 1's kernel computes each score as a dot product along `head_dim`,
 #    which ends in a sum across SIMD lanes for every (key, query vector). For a prefill tile, copy a
-#    block's keys transposed into a `[head_dim, block_size]` scratch once and compute a query's scores
-#    8 keys per lane instead. Time `paged_attention_cpu` on a 4 × 128-token prefill before and after
-#    (alternate the two, take medians). Hint: the transpose costs one pass over the block; the win
-#    needs many query vectors to share it — does a decode's group of 4 pay?
+#    block's keys transposed into a `[head_dim, block_size]` scratch once and compute a query's
+#    scores 8 keys per lane instead. Time `paged_attention_cpu` on a 4 × 128-token prefill before
+#    and after (alternate the two, take medians). Hint: the transpose costs one pass over the block;
+#    the win needs many query vectors to share it — does a decode's group of 4 pay?
 # 6. *(Explore, no test.)* Replace `plan_work`'s deal by cost with an even split by count (the
 #    figure's first bar) and time a decode step with two 128-token prefill chunks in it, both ways.
 #    Hint: `book/step_timing.time_decode_steps` alternates engines for you.
@@ -743,7 +898,14 @@ for batch in (1, 16, 64):
 # numba kernel writes each layer's new K/V to their slots and attends every decode and prefill chunk
 # of the step in one call: an online softmax, each K/V row read once for its whole query-head group,
 # the work dealt to the cores by cost — and the greedy tokens are the reference's, token for token.
-# On a GPU the same algorithm becomes thread blocks, warps and shuffles, checked in the simulator
-# against the same reference. The number that says why it matters is the one measured above: the
-# bytes the gather path moves per layer against the bytes attention needs, and the attention share
-# of a decode step before and after.
+# On a GPU the same algorithm becomes thread blocks, warps and shuffles: v1 and v2 as vLLM first
+# wrote them, then v3, one block per K/V head reading each row once for its group in one pass with
+# several tokens in flight — all checked in the simulator against the same reference, and ready to
+# be measured by `benchmarks/paged_attention.py` on a GPU. The number that says why it matters is
+# the one measured above: the bytes the gather path moves per layer against the bytes attention
+# needs, and the attention share of a decode step before and after.
+#
+# **The same idea in vLLM.** The CPU build's attention: `csrc/cpu/attention.cpp`; the CUDA kernels
+# v1 and v2: `csrc/attention/paged_attention_v1.cu`, `paged_attention_v2.cu` and
+# `attention_kernels.cuh`; the decode attention V1 runs on GPUs today comes from FlashAttention and
+# FlashInfer (`vllm/v1/attention/backends/flash_attn.py`, `flashinfer.py`).

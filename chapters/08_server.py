@@ -12,11 +12,12 @@
 # # Chapter 08 — Serving: an OpenAI-compatible HTTP server
 #
 # The engine of chapters 04–06 batches whatever requests it holds, but only a Python program in the
-# same process can hand it any. Real clients arrive over HTTP, one connection each, at moments of their
-# own choosing, and most of them speak one dialect: OpenAI's API. This chapter puts the engine behind
-# that API — `POST /v1/completions`, `POST /v1/chat/completions`, streaming as Server-Sent Events —
-# so that the official `openai` client works against it unchanged, and so that a thousand clients
-# share one continuously batched engine instead of queueing for it.
+# same process can hand it any. Real clients arrive over HTTP, one connection each, at moments of
+# their own choosing, and most of them speak one dialect: OpenAI's API. This chapter puts the engine
+# behind that API — `POST /v1/completions`, `POST /v1/chat/completions`, streaming as
+# {term}`Server-Sent Events <Server-Sent Events (SSE)>` — so that the official `openai` client works
+# against it unchanged, and so that a thousand clients share one continuously batched engine
+# {cite}`yu2022orca,kwon2023pagedattention` instead of queueing for it.
 
 # %%
 import asyncio
@@ -25,17 +26,20 @@ import random
 import threading
 import time
 
+import anthropic
 import httpx
 import matplotlib.pyplot as plt
 import numpy as np
 import openai
 import torch
 
-from minivllm import LLMEngine, SamplingParams
+from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.book import show, use_book_style
+from minivllm.book.figures.blocks import block_owners, draw_block_pool, draw_block_tables
 from minivllm.book.figures.timelines import draw_gantt
 from minivllm.engine import processing
 from minivllm.model.checkpoint import load_model
+from minivllm.runner.sampler import derive_seed
 from minivllm.serving import async_engine, openai_protocol
 from minivllm.serving import server as server_module
 from minivllm.serving.client import StreamedCompletion, run_clients, stream_completion
@@ -54,46 +58,66 @@ print(f"{len(speeches)} speeches from the held-out plays to use as prompts")
 # ## Why: one engine, reached one request at a time
 #
 # The simplest server is a handler that calls the engine: `engine.generate([prompt])`, return the
-# text. But `generate` runs until that request is done, so the handler serves one client at a time, and
-# the engine — built to batch — never sees more than one sequence. Eight clients that arrive together,
-# served that way, against the same eight handed to the engine at once. Latency is counted in engine
-# steps (each step is one forward pass), which is what wall-clock time follows:
+# text. But `generate` runs until that request is done, so the handler serves one client at a time,
+# and the engine — built to batch — never sees more than one sequence. Eight clients that arrive
+# together, served that way, against the same eight handed to the engine at once. Latency is counted
+# two ways: in engine steps (each step is one forward pass; deterministic) and in seconds on this
+# machine's clock (they vary from run to run, so the stored outputs hide them):
 
 # %%
 prompts = [s[: 40 + 20 * i] for i, s in enumerate(speeches[:8])]
 params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
-one_at_a_time, steps_so_far = [], 0
-for prompt in prompts:
-    engine = LLMEngine(target)
-    engine.generate([prompt], params)
-    steps_so_far += len(engine.trace)
-    one_at_a_time.append(steps_so_far)  # this client waited for every client before it
+
+def serve_all(engine: LLMEngine) -> tuple[dict, dict]:
+    """Run the engine until every request is done: each request's finishing step and second."""
+    started, steps, seconds = time.perf_counter(), {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                steps[out.request_id] = len(engine.trace)
+                seconds[out.request_id] = time.perf_counter() - started
+    return steps, seconds
+
+
+alone = LLMEngine(target)
+one_at_a_time, waited, clock = [], [], 0.0
+for prompt in prompts:  # a handler that serves one client, then the next
+    request = alone.add_request(prompt, params)
+    steps, seconds = serve_all(alone)
+    clock += seconds[request]
+    one_at_a_time.append(steps[request])  # this client waited for every client before it
+    waited.append(clock)
 
 engine = LLMEngine(target)
-together = engine.generate(prompts, params)
-finished_at = {seq: record.step for record in engine.trace for seq, _ in record.finished}
-batched = [finished_at[o.request_id] for o in together]
-print(
-    f"{'client':>6} {'one at a time':>14} {'batched':>8}   (engine steps until its answer is complete)"
-)
-for i, (alone, shared) in enumerate(zip(one_at_a_time, batched)):
-    print(f"{i:6} {alone:14} {shared:8}")
+ids = [engine.add_request(prompt, params) for prompt in prompts]
+steps, seconds = serve_all(engine)
+batched = [steps[i] for i in ids]
+print(f"{'client':>6} {'one at a time':>22} {'batched':>22}   (until its answer is complete)")
+for i, request in enumerate(ids):
+    print(
+        f"{i:6} {one_at_a_time[i]:7} steps {waited[i]:6.2f} s {batched[i]:7} steps "
+        f"{seconds[request]:6.2f} s"
+    )
 print(f"total forward passes: {one_at_a_time[-1]} one at a time, {len(engine.trace)} batched")
+last_done = max(seconds.values())
+print(f"last answer complete after {waited[-1]:.2f} s one at a time, {last_done:.2f} s batched")
 
 # %% [markdown]
 # Served one at a time, the last client waits for everyone before it; batched, everyone is done in
-# roughly the time of the longest request. So the server's whole job is to get concurrent requests
+# roughly the time of the longest request. A batched step costs somewhat more than a one-sequence
+# step, so the seconds fall less steeply than the steps — run the cell and compare the two columns. So the server's whole job is to get concurrent requests
 # *into one engine while it runs*, and their tokens back out as they appear — without ever blocking
 # the code that talks to the network.
 #
 # ## Build 1: the engine on a thread of its own
 #
-# A web server (FastAPI on uvicorn here) answers every client from one asyncio event loop. The engine's
-# `step()` is synchronous, computes for milliseconds, and is not thread-safe. `AsyncEngine`
-# (`serving/async_engine.py`; the whole server lives in `src/minivllm/serving/`) keeps the two apart:
-# one **engine thread** owns the engine; the event loop only sends it functions through an
-# **inbox**, and gets text back through one queue per request.
+# A web server (FastAPI on uvicorn here) answers every client from one asyncio
+# {term}`event loop <event loop (asyncio)>`. The engine's `step()` is synchronous, computes for
+# milliseconds, and is not thread-safe. `AsyncEngine` (`serving/async_engine.py`; the whole server
+# lives in `src/minivllm/serving/`) keeps the two apart: one **engine thread** owns the engine; the
+# event loop only sends it functions through an **inbox**, and gets text back through one queue per
+# request.
 
 # %%
 show(async_engine.AsyncEngine._run)
@@ -104,18 +128,18 @@ show(async_engine.AsyncEngine._run)
 # steps while anything is unfinished. The engine thread never reads the engine's sequences: each
 # `RequestOutput` a step returns already carries what is new since that request's last output, and
 # `out.delta()` packs it into a `TextDelta`. A step's deltas go back to the event loop in one
-# hand-over, not one per token: a single `call_soon_threadsafe` wakes the loop, which puts each delta
-# on the queue of the request that waits for it.
+# hand-over, not one per token: a single `call_soon_threadsafe` wakes the loop, which puts each
+# delta on the queue of the request that waits for it.
 
 # %%
 show(async_engine.AsyncEngine._deliver)
 
 # %% [markdown]
 # The new text comes from the engine's `OutputProcessor` (`engine/processing.py`), which keeps a
-# stream cursor per request — the same one `LLMEngine.stream` uses. It is chapter 01's streaming
-# decoder at work (whole UTF-8 characters only), and while the request runs the cursor holds back a
-# tail that might still turn out to be the start of a stop string, so streamed text never has to be
-# taken back:
+# {term}`stream cursor` per request — the same one `LLMEngine.stream` uses. It is chapter 01's
+# streaming decoder at work (whole UTF-8 characters only), and while the request runs the cursor
+# holds back a tail that might still turn out to be the start of a stop string, so streamed text
+# never has to be taken back:
 
 # %%
 show(processing._take_text)
@@ -131,20 +155,20 @@ show(async_engine.RequestStream.__aexit__)
 # %% [markdown]
 # ## Build 2: the wire format
 #
-# `serving/openai_protocol.py` knows no engine and imports no torch: it is OpenAI's API as plain data. Request
-# bodies are pydantic models, checked field by field (strictly: `"5"` is not an integer), and turned
-# into the engine's `SamplingParams`:
+# `serving/openai_protocol.py` knows no engine and imports no torch: it is OpenAI's API as plain
+# data. Request bodies are pydantic models, checked field by field (strictly: `"5"` is not an
+# integer), and turned into the engine's `SamplingParams`:
 
 # %%
 show(openai_protocol.CompletionRequest.sampling_params)
 
 # %% [markdown]
-# A chat model is trained on conversations; ours was trained on plays. So a chat *is* a play:
-# each message a turn, `SPEAKER:` on its own line, the speech, a blank line — the only format the
-# model has ever read. A message's `name` is its speaker; without one, the user is ROMEO and the
-# assistant JULIET, and a system message is spoken by the Chorus, who sets the scene. The prompt ends
-# with the header of the speaker who answers, and the answer ends at the blank line that closes that
-# speech (exercise ch08.2):
+# A chat model is trained on conversations; ours was trained on plays. So a chat *is* a play: each
+# message a turn, `SPEAKER:` on its own line, the speech, a blank line — the only format the model
+# has ever read. A message's `name` is its speaker; without one, the user is ROMEO and the assistant
+# JULIET, and a system message is spoken by the Chorus, who sets the scene. The prompt ends with the
+# header of the speaker who answers, and the answer ends at the blank line that closes that speech
+# (exercise ch08.2):
 
 # %%
 show(render_chat)
@@ -159,8 +183,8 @@ chat = [
 print(render_chat(chat))
 
 # %% [markdown]
-# Streaming uses **Server-Sent Events**: the response stays open, each chunk is one `data: <json>` line
-# followed by a blank line, and the stream ends with `data: [DONE]` (exercise ch08.1):
+# Streaming uses **Server-Sent Events**: the response stays open, each chunk is one `data: <json>`
+# line followed by a blank line, and the stream ends with `data: [DONE]` (exercise ch08.1):
 
 # %%
 show(sse_event)
@@ -175,10 +199,10 @@ print(
 # %% [markdown]
 # ## Build 3: the endpoints
 #
-# `server.py` joins the two. A handler validates the body, puts the request in the engine's inbox and
-# awaits the verdict — a prompt that can never fit the cache fails right there, in the engine's
-# `InputProcessor` (the checks `LLMEngine.add_request` makes), while the server can still answer
-# 400 — then either collects the whole answer or streams it:
+# `server.py` joins the two. A handler validates the body, puts the request in the engine's inbox
+# and awaits the verdict — a prompt that can never fit the cache fails right there, in the engine's
+# `InputProcessor` (the checks `LLMEngine.add_request` makes), while the server can still answer 400
+# — then either collects the whole answer or streams it:
 
 # %%
 show(server_module.OpenAIServer.completions)
@@ -189,9 +213,9 @@ show(server_module.sse_stream)
 # %% [markdown]
 # ## Run it
 #
-# `ServerThread` runs uvicorn in a background thread on a free loopback port (the OS picks it), and on
-# exit shuts it down and stops the engine thread. First, plain HTTP with `httpx`. Ids and timestamps
-# differ on every run, so the cells print them masked:
+# `ServerThread` runs uvicorn in a background thread on a free loopback port (the OS picks it), and
+# on exit shuts it down and stops the engine thread. First, plain HTTP with `httpx`. Ids and
+# timestamps differ on every run, so the cells print them masked:
 
 
 # %%
@@ -212,8 +236,8 @@ print(response.status_code)
 print(json.dumps(masked(response.json()), indent=1))
 
 # %% [markdown]
-# The same request, streamed: each event is a chunk with the same id, carrying the text of one engine
-# step; the last names the finish reason; `[DONE]` closes the stream.
+# The same request, streamed: each event is a chunk with the same id, carrying the text of one
+# engine step; the last names the finish reason; `[DONE]` closes the stream.
 
 # %%
 request = {
@@ -240,8 +264,9 @@ assert streamed == response.json()["choices"][0]["text"]
 
 # %% [markdown]
 # Now the official client, pointed at our server with `base_url` and nothing else changed — a chat,
-# whole and streamed, sampled with a seed. The seed makes the sampled answer reproducible (chapter 04's
-# randomness is a pure function of seed and position), so the streamed text must equal the whole one:
+# whole and streamed, sampled with a seed. The seed makes the sampled answer reproducible (chapter
+# 04's randomness is a pure function of seed and position), so the streamed text must equal the
+# whole one:
 
 # %%
 client = openai.OpenAI(base_url=server.base_url, api_key="not needed", max_retries=0)
@@ -273,18 +298,26 @@ assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choice
 # %%
 print([m.id for m in client.models.list().data], httpx.get(f"{server.url}/health").json())
 metrics_text = httpx.get(f"{server.url}/metrics").text
-wanted = (
-    "minivllm:num_requests_running ",
-    "minivllm:generation_tokens_total ",
-    "minivllm:request_success_total{",
-)
-print("\n".join(line for line in metrics_text.splitlines() if line.startswith(wanted)))
+wanted = {
+    "minivllm:engine_alive",
+    "minivllm:num_requests_running",
+    "minivllm:generation_tokens_total",
+    "minivllm:request_success_total",
+}
+
+
+def metric_name(line: str) -> str:
+    """The series' name: what comes before its labels (`{...}`) or its value."""
+    return line.split("{")[0].split(" ")[0]
+
+
+print("\n".join(line for line in metrics_text.splitlines() if metric_name(line) in wanted))
 
 # %% [markdown]
 # ## Check: bad requests, and clients that leave
 #
-# Every mistake gets a 4xx with OpenAI's error body — the official client raises its usual exceptions
-# from it — and leaves the engine exactly as it was:
+# Every mistake gets a 4xx with OpenAI's error body — the official client raises its usual
+# exceptions from it — and leaves the engine exactly as it was:
 
 # %%
 blocks_before = server.engine.blocks_in_use()
@@ -294,7 +327,9 @@ bad_requests = {
     "max_tokens a string": {"model": "target", "prompt": "ROMEO:", "max_tokens": "20"},
     "unknown model": {"model": "gpt-4", "prompt": "ROMEO:"},
     "no prompt": {"model": "target"},
-    "n = 2": {"model": "target", "prompt": "ROMEO:", "n": 2},
+    "top_k past int64": {"model": "target", "prompt": "ROMEO:", "top_k": 2**63},
+    "a misspelt field": {"model": "target", "prompt": "ROMEO:", "temprature": 0.5},
+    "response_format": {"model": "target", "prompt": "ROMEO:", "response_format": {"type": "x"}},
     "a prompt that can never fit": {"model": "target", "prompt": "O" * 2000},
 }
 for name, body in bad_requests.items():
@@ -313,7 +348,7 @@ assert server.engine.blocks_in_use() == blocks_before
 # %% [markdown]
 # A client that disconnects mid-stream must not keep a sequence — and its blocks — alive. Starlette
 # cancels a streaming response when its connection drops; leaving the `async with stream` aborts the
-# request; the engine thread frees its blocks before its next step:
+# request; the {term}`engine thread` frees its blocks before its next step:
 
 # %%
 request = {
@@ -339,16 +374,160 @@ print(
 aborted = [
     line
     for line in httpx.get(f"{server.url}/metrics").text.splitlines()
-    if line.startswith('minivllm:request_success_total{finished_reason="abort"}')
+    if metric_name(line) == "minivllm:request_success_total" and '"abort"' in line
 ]
 print(aborted[0])
+
+# %% [markdown]
+# ## Isolation: no request can hurt another
+#
+# A server is shared: one client's mistake must never cost another client anything. Before this
+# chapter's checks, `{"top_k": 9223372036854775808}` (2⁶³) went past the edge and into the engine
+# thread, where packing it into an int64 tensor raised — and killed the engine for everyone: every
+# later request got 503 until a restart. Now every field is checked with bounds at the edge
+# (`serving/openai_protocol.py`), sizes are capped (`serving/limits.py`: body size, prompts per
+# request, stop strings, messages, prompt length — each a `minivllm serve` option), and the request
+# that used to kill the server is one more 400, with the server still serving:
+
+# %%
+killer = {"model": "target", "prompt": "x", "max_tokens": 4, "top_k": 2**63}
+reply = httpx.post(f"{server.url}/v1/completions", json=killer)
+print(reply.status_code, reply.json()["error"]["message"][:90])
+after = httpx.post(
+    f"{server.url}/v1/completions",
+    json={"model": "target", "prompt": "ROMEO:\n", "max_tokens": 8, "temperature": 0},
+)
+print(
+    after.status_code, repr(after.json()["choices"][0]["text"]), httpx.get(f"{server.url}/health")
+)
+huge = httpx.post(
+    f"{server.url}/v1/completions",
+    content=b'{"model": "target", "prompt": "' + b"O" * 2_000_000 + b'"}',
+    headers={"content-type": "application/json"},
+)
+print(huge.status_code, huge.json()["error"]["message"][:90])
+
+# %% [markdown]
+# And if the engine thread itself fails — a bug, not a request — the server says so instead of
+# pretending: the cause goes to the log, `/health` answers 503, the gauge
+# `minivllm:engine_alive` drops to 0, and `minivllm serve` exits non-zero so a supervisor restarts
+# it, as vLLM's V1 server does (`tests/test_cli.py` kills one on purpose).
+#
+# ## Parallel sampling: n answers from one prompt's blocks
+#
+# `n` asks for several samples of one prompt. Sent as n separate requests, the prompt would be
+# prefilled n times and its K/V stored n times. The engine prefills it once; then the samples
+# **fork** the parent's block table — chapter 03's reference counts — and share every prompt block;
+# the last, partly filled block is copied on the first write ({term}`copy-on-write`), and from there
+# each sample grows blocks of its own. Four samples of one prompt, seeded, through the official
+# client:
+
+# %%
+poem = client.completions.create(
+    model="target", prompt=speeches[3][:120], n=4, max_tokens=24, temperature=0.9, seed=5
+)
+for choice in poem.choices:
+    print(choice.index, repr(choice.text))
+
+# %% [markdown]
+# Inside the engine, two steps after the prompt was prefilled: the pool and the four samples' block
+# tables. Hatched blocks are shared, labelled with how many tables hold them.
+
+# %% tags=["hide-input"]
+forked = LLMEngine(target, EngineConfig(num_blocks=48, block_size=16))
+forked.add_request(speeches[3][:120], SamplingParams(n=4, max_tokens=40, temperature=0.9, seed=5))
+for _ in range(3):
+    forked.step()
+fig, (pool_ax, table_ax) = plt.subplots(1, 2, figsize=(9, 3.4), width_ratios=[1, 1.2])
+centres = draw_block_pool(pool_ax, forked.manager, columns=8)
+draw_block_tables(table_ax, forked.manager, pool_ax, centres)
+plt.show()
+shared = sum(1 for block, owners in block_owners(forked.manager).items() if len(owners) > 1)
+print(f"{len(forked.manager.tables)} samples, {shared} blocks shared by all of them")
+
+# %% [markdown]
+# What that saves, counted in blocks (deterministic: the peak number of blocks in use while the
+# requests run), for prompts of several lengths and n = 4 — forked samples against n independent
+# requests with the same seeds, whose tokens must be the same:
+
+
+# %%
+def peak_blocks(prompt: str, n: int, forked: bool) -> tuple[int, list[list[int]]]:
+    """The peak KV blocks in use, and every sample's tokens: n samples of one request, or n
+    independent requests seeded as the samples are."""
+    engine = LLMEngine(target, EngineConfig(num_blocks=256, block_size=16))
+    if forked:
+        samples = engine.generate([prompt], SamplingParams(n=n, max_tokens=32, seed=11))[0].samples
+    else:  # sample i of a request with seed s draws with derive_seed(s, i); sample 0 with s
+        seeds = [11] + [derive_seed(11, i) for i in range(1, n)]
+        params = [SamplingParams(max_tokens=32, seed=seed) for seed in seeds]
+        samples = engine.generate([prompt] * n, params)
+    return engine.peak_blocks_used, [list(s.token_ids) for s in samples]
+
+
+plays = shipped_validation_text()
+print(f"{'prompt chars':>12} {'forked':>7} {'independent':>12} {'saved':>6}")
+for length in (64, 256, 448):
+    prompt = plays[5000 : 5000 + length]
+    (shared_peak, shared_tokens), (alone_peak, alone_tokens) = (
+        peak_blocks(prompt, 4, forked) for forked in (True, False)
+    )
+    assert shared_tokens == alone_tokens
+    print(f"{length:12} {shared_peak:7} {alone_peak:12} {1 - shared_peak / alone_peak:6.0%}")
+
+# %% [markdown]
+# The longer the prompt next to the answers, the larger the share of memory the samples share —
+# the saving vLLM's paper measures for parallel sampling (and, larger still, for beam search, whose
+# candidates share more than the prompt) {cite}`kwon2023pagedattention`;
+# `benchmarks/parallel_sampling.py` runs the sweep. And the tokens are the same either way: sample
+# i's randomness is a pure function of its seed and position, whoever it shares blocks with.
+#
+# ## A second protocol: Anthropic's Messages API
+#
+# The engine does not know which API a request came through. The server also speaks Anthropic's
+# Messages API (`POST /v1/messages`, `serving/anthropic_protocol.py`): the same chat rendered as the
+# same play, Anthropic's request and response shapes, and its own event sequence when streamed. The
+# official `anthropic` client, pointed at our server:
+
+# %%
+anthropic_client = anthropic.Anthropic(base_url=server.url, api_key="not needed", max_retries=0)
+turns = [{"role": m.role, "content": m.content} for m in chat[1:]]  # Anthropic's have no names
+message = anthropic_client.messages.create(
+    model="target",
+    system=chat[0].content,
+    messages=turns,
+    max_tokens=60,
+    extra_body={"temperature": 0},  # the 2.x client takes sampling fields through extra_body
+)
+print(message.type, message.role, message.stop_reason, message.usage.input_tokens)
+greedy_openai = client.chat.completions.create(
+    model="target",
+    messages=[{"role": "system", "content": chat[0].content}, *turns],
+    temperature=0,
+    max_tokens=60,
+)
+print(repr(message.content[0].text[:80]))
+assert message.content[0].text == greedy_openai.choices[0].message.content
+events = anthropic_client.messages.create(  # the raw server-sent events, in order
+    model="target",
+    system=chat[0].content,
+    messages=turns,
+    max_tokens=60,
+    stream=True,
+    extra_body={"temperature": 0},
+)
+kinds = [event.type for event in events]
+print(kinds[:3], f"... {kinds.count('content_block_delta')} deltas ...", kinds[-3:])
+
+# %% [markdown]
+# Two wire formats, one engine: the greedy answer is the same text either way.
 
 # %% [markdown]
 # ## See: many clients, one batch
 #
 # Now 32 clients, each streaming its own request, arriving over about a second (seeded random gaps),
-# with prompts and answer lengths of all sizes. `minivllm.serving.client.stream_completion` is one such client:
-# it sends a streaming request with `httpx` and notes when each piece of text arrives.
+# with prompts and answer lengths of all sizes. `minivllm.serving.client.stream_completion` is one
+# such client: it sends a streaming request with `httpx` and notes when each piece of text arrives.
 
 # %%
 show(stream_completion)
@@ -420,9 +599,9 @@ bottom.set_xlabel("engine step")
 plt.show()
 
 # %% [markdown]
-# What the clients felt: **time to first token** (TTFT: queueing, then the prefill) and **inter-token
-# latency** (ITL: the gaps between streamed pieces, one engine step each while the batch runs). Wall
-# clock, so these vary from run to run:
+# What the clients felt: **{term}`time to first token <time to first token (TTFT)>`** (TTFT:
+# queueing, then the prefill) and **inter-token latency** (ITL: the gaps between streamed pieces,
+# one engine step each while the batch runs). Wall clock, so these vary from run to run:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -468,14 +647,27 @@ print(
 
 # %%
 client.close()
+anthropic_client.close()
 server.stop()
-left_behind = {t.name for t in threading.enumerate()} - threads_before
-print(f"threads left behind: {sorted(left_behind) or 'none'}")
-assert not left_behind
+
+
+def ours(thread: threading.Thread) -> bool:
+    """A thread this notebook's code started (Jupyter's messaging library starts its own
+    garbage-collector thread the first time a large output goes out)."""
+    return thread.name not in threads_before and not type(thread).__module__.startswith("zmq")
+
+
+deadline = time.monotonic() + 10  # a worker finishing its last task may take a moment to exit
+while (
+    left_behind := [t for t in threading.enumerate() if ours(t)]
+) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(f"threads left behind: {sorted(t.name for t in left_behind) or 'none'}")
+assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_behind]
 
 # %% [markdown]
-# From a shell the same server is `minivllm serve --model target --port 8000` (with `--speculative draft`
-# for chapter 06's speculative decoding).
+# From a shell the same server is `minivllm serve --model target --port 8000` (with
+# `--speculative draft` for chapter 06's {term}`speculative decoding`).
 #
 # ## Exercises
 #
@@ -483,14 +675,49 @@ assert not left_behind
 # `src/minivllm/serving/openai_protocol.py`; run one exercise's tests with
 # `pytest tests --exercise ch08.1`.
 #
-# 1. **ch08.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `, the
-#    payload as compact JSON (a string such as `[DONE]` as it is), and the blank line that ends the event.
-# 2. **ch08.2 — a chat as a play.** In `render_chat`, render each message as `SPEAKER:` (its name, or
-#    the default for its role), a newline, its speech with blank lines squeezed out, and a blank line;
-#    end with the header of the speaker who answers.
+# 1. **ch08.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `,
+#    the payload as compact JSON (a string such as `[DONE]` as it is), and the blank line that ends
+#    the event.
+#
+#    *Hint:* `json.dumps` needs two non-default arguments: `separators` without spaces, and
+#    `ensure_ascii=False`, since the tests want non-ASCII text as it is, not `\u` escapes. JSON
+#    already escapes newlines, so the event stays one `data:` line.
+# 2. **ch08.2 — a chat as a play.** In `render_chat`, render each message as `SPEAKER:` (its name,
+#    or the default for its role), a newline, its speech with blank lines squeezed out, and a blank
+#    line; end with the header of the speaker who answers.
+#
+#    *Hint:* The module has the pieces: `SPEAKERS`, `END_OF_TURN` and `reply_speaker`;
+#    `message.text` joins content parts. Strip the speech, then turn every run of newlines that
+#    holds a blank line (whitespace-only lines too) into one newline: a single `re.sub`.
 # 3. *(Explore, no test.)* Back-pressure: make the server answer 429 (OpenAI's "rate limit" status,
 #    with a `retry-after` header) when the engine already has more than N requests waiting. Where
 #    should the check live so that it never races with the engine thread?
-# 4. *(Explore, no test.)* Re-run the "many clients" cell with a long prompt (400 tokens) arriving in
-#    the middle. What happens to the other clients' inter-token latency during its prefill, and how
-#    does `SchedulerConfig.max_num_batched_tokens` (chunked prefill, chapter 04) change it?
+#
+#    *Hint:* Look at how `AsyncEngine.add_request` reaches the engine: what it submits runs on the
+#    engine thread, between two steps. A count read anywhere else can be stale by the time the
+#    request is added.
+# 4. *(Explore, no test.)* Re-run the "many clients" cell with a long prompt (400 tokens) arriving
+#    in the middle. What happens to the other clients'
+#    {term}`inter-token latency <inter-token latency (ITL)>` during its prefill, and how does
+#    `SchedulerConfig.max_num_batched_tokens` ({term}`chunked prefill`, chapter 04) change it?
+#
+#    *Hint:* Compare the prompt with the token budget: at the default of 512 the whole 400-token
+#    prefill fits in one step, which every running decode waits for. Record each client's gaps
+#    between tokens over time, and watch the long request's TTFT as you lower the budget.
+
+# %% [markdown]
+# ## Summary
+#
+# The engine is behind OpenAI's API — and Anthropic's, a second view of the same engine: an engine
+# thread owns the engine, the asyncio event loop owns the sockets, and an inbox and one queue per
+# request connect them, so a thousand clients share one continuously batched engine and none of
+# them blocks another. Every field is checked with bounds at the edge and every size is capped, so
+# a bad request is a 4xx and never reaches the engine; a client that leaves frees its blocks at the
+# next step; a dead engine is reported and the process exits for a supervisor. `n` samples share
+# their prompt's blocks by forking. Measured above: the blocks parallel sampling saves, and what the
+# HTTP layer costs against the engine alone.
+#
+# **The same idea in vLLM.** The HTTP front: `vllm/entrypoints/openai/api_server.py` with
+# `serving_completion.py` and `serving_chat.py` beside it; the engine on its own loop:
+# `vllm/v1/engine/async_llm.py` (`AsyncLLM`) over `vllm/v1/engine/core.py` (in a separate process,
+# where minivllm uses a thread); streamed deltas: `vllm/v1/engine/output_processor.py`.

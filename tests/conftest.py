@@ -7,7 +7,26 @@ the shipped model once per module.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse to test a `minivllm` other than this project's own: in a student copy, a reference
+    package found first on the import path would be graded instead of the student's code."""
+    own = Path(__file__).resolve().parents[1] / "src" / "minivllm"
+    if not own.is_dir():  # a project without the package (test_student_mode's toy project)
+        return
+    spec = importlib.util.find_spec("minivllm")
+    found = Path(spec.origin).parent.resolve() if spec and spec.origin else None
+    if found != own:
+        raise pytest.UsageError(
+            f"these tests belong to the package in {own}, but `import minivllm` finds {found}. "
+            f"Install this copy (`pip install -e .` here, in its own virtualenv) or run with "
+            f"PYTHONPATH={own.parent}."
+        )
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

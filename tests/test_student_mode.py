@@ -7,9 +7,11 @@ project; and the real book in two subprocesses (reference and student copy), so 
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +84,31 @@ def test_source_without_regions_is_unchanged() -> None:
 EX, BEGIN, END = "# EXERCISE ch09.1: do it", "### BEGIN SOLUTION", "### END SOLUTION"
 
 
+def test_only_the_chosen_exercises_are_stubbed_the_rest_kept_unmarked() -> None:
+    text, found = student.stub_source(MODULE, "toy.py", only={"ch09.2"})
+    assert [e.id for e in found] == ["ch09.1", "ch09.2"]
+    assert "return 42" in text and "side * side" not in text
+    assert 'raise NotImplementedError("exercise ch09.2: ' in text
+    assert student.BEGIN not in text and student.END not in text
+    assert compile(text, "toy.py", "exec")
+
+
+def test_a_shown_solution_is_folded_under_its_exercise() -> None:
+    from minivllm.book import SourceView
+
+    view = SourceView(MODULE)
+    assert repr(view) == MODULE.rstrip("\n")  # the plain text is the source, for nbval and scrub
+    page = view._repr_html_()
+    folds = re.findall(r'<details class="minivllm-solution"><summary>(.*?)</summary>', page)
+    assert folds == [
+        "Solution to exercise ch09.1 (open it once you have tried)",
+        "Solution to exercise ch09.2 (open it once you have tried)",
+    ]
+    outside = re.sub(r"<details.*?</details>", "", page, flags=re.S)
+    assert "42" not in outside and "side" not in outside and "kept" in outside
+    assert "SOLUTION" not in page
+
+
 @pytest.mark.parametrize(
     "lines, error",
     [
@@ -115,9 +142,10 @@ def test_refuses_unsafe_destinations(tmp_path: Path) -> None:
 def test_scrub_notebook_stubs_displayed_solutions(tmp_path: Path) -> None:
     nbformat = pytest.importorskip("nbformat")
     from IPython.core.formatters import DisplayFormatter
-    from IPython.display import Code
 
-    shown = DisplayFormatter().format(Code(MODULE.rstrip("\n"), language="python"))[0]
+    from minivllm.book import SourceView
+
+    shown = DisplayFormatter().format(SourceView(MODULE))[0]
     cell = nbformat.v4.new_code_cell(
         "show(top)",
         execution_count=1,
@@ -134,9 +162,7 @@ def test_scrub_notebook_stubs_displayed_solutions(tmp_path: Path) -> None:
     # Exactly what show() renders for the stubbed source, so nbval in the student copy agrees with
     # the stored output.
     stubbed = student.stub_source(MODULE)[0]
-    assert (
-        data["data"] == DisplayFormatter().format(Code(stubbed.rstrip("\n"), language="python"))[0]
-    )
+    assert data["data"] == DisplayFormatter().format(SourceView(stubbed))[0]
     assert stream["text"] == stubbed
     assert not student.scrub_notebook(path)  # nothing left to scrub
 
@@ -222,6 +248,26 @@ def test_exercise_option_selects_by_marker(tmp_path: Path) -> None:
         ["-m", "pytest", "tests", "--exercise", "ch9.2", "-q"], toy, timeout=120, plugins=False
     )
     assert typo.returncode == pytest.ExitCode.USAGE_ERROR and "exercise(ch9.2)" in typo.stderr
+
+
+def test_a_copy_refuses_to_grade_a_package_found_elsewhere(tmp_path: Path) -> None:
+    """With the reference first on the import path, a student copy's tests would grade the
+    reference: the shared conftest refuses, naming both packages."""
+    copy = tmp_path / "copy"
+    (copy / "src" / "minivllm").mkdir(parents=True)
+    (copy / "src" / "minivllm" / "__init__.py").write_text("")
+    (copy / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "conftest.py", copy / "tests" / "conftest.py")
+    (copy / "tests" / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+    wrong = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+    assert wrong.returncode == pytest.ExitCode.USAGE_ERROR, wrong.stdout + wrong.stderr
+    assert str(copy / "src" / "minivllm") in wrong.stderr
+    assert str(ROOT / "src" / "minivllm") in wrong.stderr
+    env["PYTHONPATH"] = str(copy / "src")
+    right = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+    assert right.returncode == 0, right.stdout + right.stderr
 
 
 # -- the real book: reference passes, student copy fails with the stubs ----------------------------
@@ -312,3 +358,25 @@ def test_student_copy_is_complete_and_free_of_solutions(exercises: list, reports
     assert not leaks, f"solutions left in the student copy: {leaks}"
     listing = (copy / "STUDENT.md").read_text()
     assert all(f"`{e.id}`" in listing for e in exercises)
+
+
+def test_student_book_shows_no_solution(exercises: list, reports: tuple) -> None:
+    """The copy builds its own HTML book from its scrubbed notebooks: no solution code in it."""
+    pytest.importorskip("jupyter_book", reason="the book extra is not installed")
+    copy = reports[2]
+    assert student.build_student_book(copy) == 0
+    pages = sorted((copy / "book" / "_build" / "html" / "chapters").glob("*.html"))
+    assert len(pages) >= 9
+    text = "\n".join(html.unescape(re.sub(r"<[^>]+>", "", p.read_text())) for p in pages)
+    assert "minivllm-solution" not in "".join(p.read_text() for p in pages)
+    reference = {p: p.read_text() for p in (ROOT / "src").rglob("*.py")}
+    bodies = [
+        line.strip()
+        for source in reference.values()
+        for region in re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", source, re.S)
+        for line in region.splitlines()
+        if len(line.strip()) > 24  # a distinctive line, not `return x`
+    ]
+    assert bodies
+    leaked = [line for line in bodies if line in text]
+    assert not leaked, f"solution lines in the student book: {leaked[:5]}"

@@ -2,6 +2,7 @@
 
     python tools/build_book.py            build from the committed notebooks (what CI does)
     python tools/build_book.py --strict   ... with Sphinx warnings as errors
+    python tools/build_book.py --path-output DIR   ... into DIR/_build (the tests build elsewhere)
 
 The notebooks are copied into book/chapters/ (ignored by git) so the book's source folder is
 self-contained; nothing is re-executed here (`make notebooks` executes).
@@ -38,22 +39,25 @@ def main() -> int:
     parser.add_argument(
         "--no-execute", action="store_true", help="accepted for clarity: the build never executes"
     )
+    parser.add_argument(
+        "--path-output", type=Path, default=BOOK, help="the build goes to PATH_OUTPUT/_build"
+    )
     args = parser.parse_args()
     copy_chapters()
-    shutil.rmtree(BOOK / "_build", ignore_errors=True)
+    shutil.rmtree(args.path_output / "_build", ignore_errors=True)
     command = [
         str(Path(sys.executable).parent / "jupyter-book"),
         "build",
         str(BOOK),
         "--path-output",
-        str(BOOK),
+        str(args.path_output),
     ]
     if args.strict:
         command += ["--warningiserror", "--keep-going"]
     result = subprocess.run(command)
     if result.returncode != 0:
         return result.returncode
-    index = BOOK / "_build" / "html" / "index.html"
+    index = args.path_output / "_build" / "html" / "index.html"
     print(f"\nThe book is ready: {index}")
     return 0
 

@@ -23,6 +23,7 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -71,8 +72,12 @@ class MarkerError(ValueError):
     """A malformed solution region; the message starts with `file:line:`."""
 
 
-def stub_source(text: str, where: str = "<string>") -> tuple[str, list[Exercise]]:
-    """`text` with every solution region replaced by its stub, and the exercises it held.
+def stub_source(
+    text: str, where: str = "<string>", only: set[str] | None = None
+) -> tuple[str, list[Exercise]]:
+    """`text` with every solution region replaced by its stub, and the exercises it held. With
+    `only`, just those exercises are stubbed; the other regions keep their code, unmarked (they are
+    the reference the assigned exercises build on).
 
     An EXERCISE comment alone is fine (a student copy keeps them above the stubs); a region is not.
     """
@@ -80,6 +85,7 @@ def stub_source(text: str, where: str = "<string>") -> tuple[str, list[Exercise]
     found: list[Exercise] = []
     above: Exercise | None = None  # the EXERCISE comment on the line just above, if any
     opened = 0  # line of the open region's BEGIN, 0 when outside a region
+    kept = False  # the open region is not assigned: its lines stay
     for number, line in enumerate(text.splitlines(keepends=True), start=1):
         marker, comment, above = line.strip(), above, None
         if marker == BEGIN:
@@ -91,19 +97,23 @@ def stub_source(text: str, where: str = "<string>") -> tuple[str, list[Exercise]
                 raise MarkerError(
                     f"{where}:{number}: {BEGIN} without an '# EXERCISE <id>: <what>' line above it"
                 )
+            opened, kept = number, only is not None and comment.id not in only
+            found.append(comment)
+            if kept:
+                continue
             indent = line[: len(line) - len(line.lstrip())]
             message = json.dumps(
                 f"exercise {comment.id}: {comment.description}", ensure_ascii=False
             )
             out.append(f"{indent}raise NotImplementedError({message})\n")
-            found.append(comment)
-            opened = number
         elif marker == END:
             if not opened:
                 raise MarkerError(f"{where}:{number}: {END} without {BEGIN}")
             opened = 0
         elif opened:
-            continue  # solution lines are dropped
+            if kept:
+                out.append(line)
+            continue  # an assigned exercise's solution lines are dropped
         else:
             if NEAR_MISS.match(marker):
                 above = _exercise_comment(line, where, number)
@@ -160,41 +170,43 @@ def _ignore(root: Path):
     return ignore
 
 
-def stub_package(dest: Path) -> list[Exercise]:
-    """Replace the solution regions of the copied package, in place; each stubbed file must still
-    compile."""
+def stub_package(dest: Path, only: set[str] | None = None) -> list[Exercise]:
+    """Replace the solution regions of the copied package (those of `only`, if given), in place;
+    each stubbed file must still compile. Returns the exercises stubbed."""
     found: list[Exercise] = []
     for path in package_sources(dest):
         where = str(path.relative_to(dest))
-        text, exercises = stub_source(path.read_text(encoding="utf-8"), where)
-        if exercises:
+        text, exercises = stub_source(path.read_text(encoding="utf-8"), where, only)
+        exercises = [e for e in exercises if only is None or e.id in only]
+        if exercises or only is not None:
             compile(text, where, "exec")  # a SyntaxError here names the file and line
             path.write_text(text, encoding="utf-8")
             found += exercises
     return found
 
 
-def scrub_notebook(path: Path) -> bool:
-    """Stub the solutions that executed cells displayed (`minivllm.book.show`); True if anything
-    changed."""
+def scrub_notebook(path: Path, only: set[str] | None = None) -> bool:
+    """Stub the solutions that executed cells displayed (`minivllm.book.show`; those of `only`, if
+    given, the others unmarked); True if anything changed."""
     import nbformat
     from IPython.core.formatters import DisplayFormatter
-    from IPython.display import Code
+
+    from minivllm.book import SourceView
 
     nb, changed = nbformat.read(path, as_version=4), False
     for index, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []):
             where = f"{path.name} cell {index}"
             if output.output_type == "stream" and BEGIN in output.text:
-                output.text, changed = stub_source(output.text, where)[0], True
+                output.text, changed = stub_source(output.text, where, only)[0], True
             elif BEGIN in output.get("data", {}).get("text/plain", ""):
                 # The displayed text has no final newline; the stub line brings one, so add and drop
                 # one.
-                stubbed = stub_source(output.data["text/plain"] + "\n", where)[0][:-1]
+                stubbed = stub_source(output.data["text/plain"] + "\n", where, only)[0][:-1]
                 # Rebuild every format (html, latex) the way show() renders it, from the stubbed
                 # text.
                 output.data, changed = (
-                    DisplayFormatter().format(Code(stubbed, language="python"))[0],
+                    DisplayFormatter().format(SourceView(stubbed))[0],
                     True,
                 )
     if changed:
@@ -202,11 +214,20 @@ def scrub_notebook(path: Path) -> bool:
     return changed
 
 
-def make_student_copy(src_root: Path, dest: Path, force: bool = False) -> list[Exercise]:
-    """Write the student copy of the project at `src_root` to `dest`; return the exercises
-    stubbed."""
+def make_student_copy(
+    src_root: Path, dest: Path, force: bool = False, only: set[str] | None = None
+) -> list[Exercise]:
+    """Write the student copy of the project at `src_root` to `dest` with every exercise stubbed, or
+    those of `only`; return the exercises stubbed."""
     src_root, dest = src_root.resolve(), dest.resolve()
     check_destination(src_root, dest, force)
+    if only is not None:
+        known = {e.id for e in find_exercises(src_root)}
+        if unknown := sorted(only - known):
+            raise SystemExit(
+                f"unknown exercise(s) {', '.join(unknown)}; the exercises are "
+                f"{', '.join(sorted(known, key=_exercise_order))}"
+            )
     dest.mkdir(parents=True, exist_ok=True)
     for name in COPIED:
         source = src_root / name
@@ -214,21 +235,42 @@ def make_student_copy(src_root: Path, dest: Path, force: bool = False) -> list[E
             shutil.copytree(source, dest / name, ignore=_ignore(src_root), dirs_exist_ok=True)
         elif source.is_file():
             shutil.copy2(source, dest / name)
-    exercises = stub_package(dest)
+    exercises = stub_package(dest, only)
     for notebook in sorted((dest / "chapters").glob("*.ipynb")):
-        scrub_notebook(notebook)
+        scrub_notebook(notebook, only)
     (dest / "STUDENT.md").write_text(student_readme(exercises), encoding="utf-8")
     return exercises
 
 
+def _exercise_order(exercise_id: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", exercise_id)]  # ch01.2 < ch01.10
+
+
+def build_student_book(dest: Path) -> int:
+    """Build the copy's own HTML book (DEST/book/_build/html) from its scrubbed notebooks."""
+    return subprocess.run([sys.executable, str(dest / "tools" / "build_book.py")]).returncode
+
+
 def student_readme(exercises: list[Exercise]) -> str:
-    # ch01.2 < ch01.10
-    ordered = sorted(exercises, key=lambda e: [int(n) for n in re.findall(r"\d+", e.id)])
+    ordered = sorted(exercises, key=lambda e: _exercise_order(e.id))
     rows = [f"| `{e.id}` | `{e.path.as_posix()}:{e.line}` | {e.description} |" for e in ordered]
     first = ordered[0].id if ordered else "ch00.1"
     return "\n".join(
         [
             "# Student copy",
+            "",
+            "## Install (once)",
+            "",
+            "```bash",
+            "python3.11 -m venv .venv && . .venv/bin/activate",
+            'pip install -e ".[dev]"   # this copy, editable: your edits are what the tests grade',
+            "```",
+            "",
+            "The tests refuse to run if `import minivllm` finds another copy of the package (the "
+            "reference, say)",
+            "first on the import path; the error names both.",
+            "",
+            "## Work and grade",
             "",
             "Each exercise below is a `raise NotImplementedError(...)` in the package source, "
             "right under its",
@@ -239,11 +281,13 @@ def student_readme(exercises: list[Exercise]) -> str:
             f"{'pytest --exercise ' + first:<34}# one exercise (repeat --exercise for more)",
             f"{'pytest -m exercise':<34}# every exercise's tests",
             f"{'python tools/student.py --grade':<34}# a pass/fail table per exercise",
+            f"{'python tools/build_book.py':<34}# this copy's HTML book, book/_build/html",
             "```",
             "",
-            "The chapters (`chapters/*.ipynb`) call the package, so cells that need an unsolved "
-            "exercise fail",
-            "until you solve it.",
+            "The chapters (`chapters/*.ipynb`) call the package, so a cell that needs an unsolved "
+            "exercise stops",
+            "with `NotImplementedError: exercise <id>: ...` until you solve it; the book shows the "
+            "stored outputs.",
             "",
             "| exercise | where | what to implement |",
             "|---|---|---|",
@@ -320,6 +364,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dest", nargs="?", type=Path, help="where to write the student copy")
     parser.add_argument("--force", action="store_true", help="write into a non-empty DEST")
     parser.add_argument(
+        "--exercises",
+        help="comma-separated ids (e.g. ch03.1,ch05.2) to stub; the default is every exercise",
+    )
+    parser.add_argument(
+        "--book", action="store_true", help="also build the copy's HTML book, without solutions"
+    )
+    parser.add_argument(
         "--grade", action="store_true", help="run the exercise tests here and report per exercise"
     )
     parser.add_argument(
@@ -335,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dest is None or extra:
         parser.error("give DEST (and nothing else), or --grade")
     try:
-        exercises = make_student_copy(ROOT, args.dest, args.force)
+        only = set(filter(None, args.exercises.split(","))) if args.exercises else None
+        exercises = make_student_copy(ROOT, args.dest, args.force, only)
     except MarkerError as error:
         raise SystemExit(f"error: {error}") from None
     print(
@@ -346,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  {exercise.id:<8} {exercise.path.as_posix()}:{exercise.line}  {exercise.description}"
         )
     print(f"see {args.dest / 'STUDENT.md'}")
-    return 0
+    return build_student_book(args.dest.resolve()) if args.book else 0
 
 
 if __name__ == "__main__":

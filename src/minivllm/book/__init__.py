@@ -6,11 +6,13 @@ Chapters explain the package's code by displaying it with `show(obj)`, never by 
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
 from typing import Any
 
-# One colour per sequence id, the same in every chapter (matplotlib's tab10, then tab20's pale
-# half).
+# One colour per sequence id, the same in every chapter: matplotlib's tab10, then tab20's pale
+# half -- with tab10's grey (and its pale twin) swapped for tab20b's indigo, since grey means "free"
+# or "waiting" in the book's figures.
 SEQUENCE_COLORS = (
     "#1f77b4",
     "#ff7f0e",
@@ -19,7 +21,7 @@ SEQUENCE_COLORS = (
     "#9467bd",
     "#8c564b",
     "#e377c2",
-    "#7f7f7f",
+    "#393b79",
     "#bcbd22",
     "#17becf",
     "#aec7e8",
@@ -29,7 +31,7 @@ SEQUENCE_COLORS = (
     "#c5b0d5",
     "#c49c94",
     "#f7b6d2",
-    "#c7c7c7",
+    "#9c9ede",
     "#dbdb8d",
     "#9edae5",
 )
@@ -49,12 +51,54 @@ def source(obj: Any, lines: tuple[int, int] | None = None) -> str:
     return text
 
 
-def show(obj: Any, lines: tuple[int, int] | None = None):
+def show(obj: Any, lines: tuple[int, int] | None = None) -> SourceView:
     """Display the package's own source for `obj`, highlighted; `lines` picks a 1-based inclusive
-    range."""
-    from IPython.display import Code
+    range. An exercise's solution is folded: the reader opens it on purpose."""
+    return SourceView(source(obj, lines))
 
-    return Code(source(obj, lines), language="python")
+
+SOLUTION = re.compile(
+    r"^(?P<indent>[ \t]*)### BEGIN SOLUTION\n(?P<body>.*?)^[ \t]*### END SOLUTION\n?", re.M | re.S
+)
+EXERCISE_ID = re.compile(r"# EXERCISE (?P<id>[\w.-]+):")
+
+
+class SourceView:
+    """Source text shown in a chapter: plain text is the source as it is (what nbval compares and
+    the student copy stubs); the HTML highlights it, with each `### BEGIN/END SOLUTION` region
+    folded into a `<details>` element naming its exercise."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text.rstrip("\n")
+
+    def _repr_html_(self) -> str:
+        from pygments import highlight
+        from pygments.formatters import HtmlFormatter
+        from pygments.lexers import PythonLexer
+
+        formatter = HtmlFormatter()
+
+        def code(piece: str) -> str:
+            return highlight(piece, PythonLexer(), formatter) if piece else ""
+
+        parts, start = [], 0
+        for region in SOLUTION.finditer(self.text):
+            before = self.text[start : region.start()]
+            exercises = EXERCISE_ID.findall(before)
+            label = f"exercise {exercises[-1]}" if exercises else "the exercise"
+            parts += [
+                code(before),
+                f'<details class="minivllm-solution"><summary>Solution to {label} '
+                f"(open it once you have tried)</summary>\n{code(region['body'])}</details>",
+            ]
+            start = region.end()
+        parts.append(code(self.text[start:]))
+        # The same style block IPython's Code display carries, so Jupyter colours it as before.
+        style = f"<style>{formatter.get_style_defs('.output_html')}</style>"
+        return f'{style}<div class="minivllm-source">{"".join(parts)}</div>'
 
 
 def use_book_style() -> None:

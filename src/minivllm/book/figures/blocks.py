@@ -28,7 +28,17 @@ def _cell(ax: Axes, x: float, y: float, color: str, label: str, shared: bool = F
             (x, y), 0.92, 0.92, facecolor=color, edgecolor="white", hatch="///" if shared else None
         )
     )
-    ax.text(x + 0.46, y + 0.46, label, ha="center", va="center", fontsize=7)
+    # A shared cell's hatching runs through its label: give the label a pale plate to sit on.
+    plate = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85)
+    ax.text(
+        x + 0.46,
+        y + 0.46,
+        label,
+        ha="center",
+        va="center",
+        fontsize=7,
+        bbox=plate if shared else None,
+    )
 
 
 def draw_block_pool(

@@ -51,7 +51,11 @@ def draw_gantt(ax: Axes, records, title: str = "requests over steps", label_ever
                     lw=0,
                 )
             )
-    ax.set_xlim(0.5, max((max(t) for t in timeline.values()), default=1) + 0.5)
+    ax.gantt_steps = max((max(t) for t in timeline.values()), default=1)
+    # Axes sharing x (`sharex=True`) share one limit: fit the longest run drawn on any of them, or a
+    # shorter run drawn second would clip the longer one above it.
+    siblings = ax.get_shared_x_axes().get_siblings(ax)
+    ax.set_xlim(0.5, max(getattr(a, "gantt_steps", 0) for a in siblings) + 0.5)
     ax.set_ylim(-0.2, len(seq_ids))
     ticks = [y for y in range(len(seq_ids)) if (len(seq_ids) - 1 - y) % label_every == 0]
     ax.set_yticks(
