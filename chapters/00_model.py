@@ -11,6 +11,13 @@
 # %% [markdown]
 # # Chapter 00 — The model an engine serves
 #
+# :::{admonition} At a glance
+# - **Builds:** a Llama-architecture transformer read line by line, its weights loaded, text
+#   sampled, and naive generation timed.
+# - **Needs:** Python and a first look at PyTorch tensors; what a transformer layer does, roughly.
+# - **Runs in:** about 30 s on a 2-core laptop CPU, start to end.
+# :::
+#
 # An inference engine is everything that stands between a trained model and the people asking it for
 # text: memory for keys and values, a {term}`scheduler` that batches requests, a sampler, a server.
 # This book builds one, layer by layer. Before any of that, you need the thing being served.
@@ -193,7 +200,7 @@ for part, n in counts.items():
     print(f"{part:16s} {n:>10,d}  {n / total:6.1%}")
 print(f"{'total':16s} {total:>10,d}")
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Where the target model's parameters sit, by component: one bar per part of the model, its length in millions of parameters.", "name": "fig-00-parameters"}}
 fig, ax = plt.subplots(figsize=(7.5, 2.8))
 parts = sorted(counts, key=counts.get)
 ax.barh(
@@ -274,7 +281,7 @@ for name, info in [("target", card), ("draft", draft_card)]:
     )
 print(f"held out: {card['validation_bytes']:,} bytes of Macbeth and Twelfth Night")
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Held-out bits per byte of the target and the draft model while training, scored on a sample of the validation text at each checkpoint; lower is better.", "name": "fig-00-training"}}
 fig, ax = plt.subplots()
 for name, info, color in [
     ("target", card, sequence_color(0)),
@@ -386,7 +393,7 @@ print(
     f"last 10 steps: {1000 * sum(step_seconds[-10:]) / 10:.1f} ms per token"
 )
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Naive generation: the time to produce each token against its position; every step reruns the model over the whole prefix, so each token costs more than the last.", "name": "fig-00-naive-step-time"}}
 fig, ax = plt.subplots()
 positions = range(len(tokenizer.encode("ROMEO:\n", add_bos=True)), len(ids))
 ax.plot(

@@ -11,6 +11,12 @@
 # %% [markdown]
 # # Chapter 01 — Bytes as tokens
 #
+# :::{admonition} At a glance
+# - **Builds:** a byte-level tokenizer and a streaming decoder that never splits a character.
+# - **Needs:** chapter 00; UTF-8 in outline (the chapter explains what it needs).
+# - **Runs in:** a few seconds on a 2-core laptop CPU, start to end.
+# :::
+#
 # A model reads and writes token ids, not text. Something has to turn your prompt into ids and the
 # ids the model produces back into text — and, in a server, back into text *one token at a time*,
 # while the client watches the answer appear.
@@ -180,7 +186,7 @@ show(utf8_length)
 # characters are one cell each, the emoji four.
 
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The UTF-8 bytes of two short strings, one cell per byte (one byte is one token), coloured by the character it encodes and labelled with its hex value: ASCII characters take one cell, emoji and joined sequences several.", "name": "fig-01-utf8-bytes"}}
 def byte_map(ax, text: str) -> None:
     """One cell per byte, coloured by the character it belongs to, labelled with its hex value."""
     x = 0
@@ -244,7 +250,7 @@ bytes_per_char = {name: len(tok.encode(text)) / len(text) for name, text in phra
 for name, ratio in bytes_per_char.items():
     print(f"{name:9} {ratio:.2f} tokens per code point")
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "What one character costs a byte tokenizer: the average number of tokens (bytes) per code point of a short greeting, by script.", "name": "fig-01-bytes-per-char"}}
 fig, ax = plt.subplots()
 ax.bar(list(bytes_per_char), list(bytes_per_char.values()), color=sequence_color(0))
 ax.set_ylabel("tokens (bytes) per code point")
@@ -402,7 +408,7 @@ print(f"naive generation (cost grows with length squared): {ratio**2:.0f}x the w
 # below counts the distinct words seen so far while reading through *Macbeth* and then *Twelfth
 # Night*. The byte vocabulary is the flat line — it was complete before you read anything.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Distinct tokens seen while reading Macbeth and then Twelfth Night (dotted line: where Twelfth Night begins): the word-level vocabulary keeps growing, while the byte vocabulary is a flat line, complete from the start.", "name": "fig-01-vocab-growth"}}
 seen: set[str] = set()
 growth = []
 for word in words(validation):

@@ -11,6 +11,13 @@
 # %% [markdown]
 # # Chapter 02 — Keep the keys and values: the contiguous KV cache
 #
+# :::{admonition} At a glance
+# - **Builds:** a KV cache, checked against naive generation, and a memory arena that shows why one
+#   contiguous cache per sequence fails a server.
+# - **Needs:** chapters 00 and 01.
+# - **Runs in:** about 30 s on a 2-core laptop CPU, start to end.
+# :::
+#
 # Chapter 00 ended with a plot that climbed: {term}`naive generation` re-runs the model over the
 # whole sequence for every new token, so each token costs more than the last. Yet most of that work
 # computes the same numbers again. This chapter keeps them — a *{term}`KV cache`*
@@ -200,7 +207,7 @@ for name, times in [("naive", naive_times), ("cached", cached_times)]:
         f"last 10 steps {1000 * sum(times[-10:]) / 10:5.1f} ms/token, total {sum(times):5.2f} s"
     )
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Time per generated token against its position: chapter 00's naive recompute against the KV cache; with the cache the time per token stops growing.", "name": "fig-02-step-time"}}
 fig, ax = plt.subplots()
 positions = range(len(start_ids), len(start_ids) + 300)
 ax.plot(
@@ -256,7 +263,7 @@ for name, rows in [("concat", concat_rows), ("preallocate", prealloc_rows)]:
         f"{reserved / 1024:6.0f} KiB reserved, {copied / 2**20:6.1f} MiB copied"
     )
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The two contiguous strategies through one 300-token generation. Left: bytes copied so far by concatenation and by preallocation; right: what preallocation reserves against what the cache actually holds.", "name": "fig-02-concat-prealloc"}}
 fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
 lengths = [r[0] for r in concat_rows]
 left.plot(
@@ -349,7 +356,7 @@ print(f"running sequences: mean {contiguous.mean_running:.1f}, peak {contiguous.
 # See both in the arena's memory map: time runs left to right, the arena's slots bottom to top, one
 # colour per request. The solid part of each band holds tokens; the pale part is reserved and empty.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Memory map of the contiguous arena: decode steps left to right, arena slots bottom to top, one colour per request. Solid: slots holding tokens; pale: reserved but empty (internal waste); grey: free, often in gaps too small for the next request (external fragmentation).", "name": "fig-02-arena-map"}}
 import numpy as np
 from matplotlib.colors import to_rgb
 
@@ -391,7 +398,7 @@ plt.show()
 # The pale bands are internal waste; the grey gaps between bands, too small for the next request,
 # are external fragmentation. Most of the arena holds nothing at any moment — yet requests wait.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Share of the contiguous arena reserved by requests and share actually holding tokens, step by step: the gap between the two lines is memory reserved for keys and values that never come.", "name": "fig-02-arena-share"}}
 fig, ax = plt.subplots()
 steps = [r.step for r in contiguous.steps]
 ax.plot(

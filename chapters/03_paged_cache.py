@@ -11,6 +11,13 @@
 # %% [markdown]
 # # Chapter 03 — Pages for keys and values: the paged KV cache
 #
+# :::{admonition} At a glance
+# - **Builds:** a block manager (block tables, reference counts, prefix caching, copy-on-write) and
+#   a paged K/V storage.
+# - **Needs:** chapter 02.
+# - **Runs in:** about 20 s on a 2-core laptop CPU, start to end.
+# :::
+#
 # Chapter 02's arena was mostly empty and still turned requests away: every sequence reserved its
 # maximum length up front (internal waste), and the holes finished sequences left behind were too
 # small for the next one (external fragmentation). Operating systems met the same problem with
@@ -129,7 +136,7 @@ show(BlockPool.decref)
 # other, which is exactly why there is no external fragmentation: any free block will do.
 
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Block tables (left) and the block pool (right), an arrow from each logical block to its physical block: sequence 1 has finished, and sequence 3 took its freed blocks first, from the front of the free queue.", "name": "fig-03-free-queue"}}
 def show_state(manager: BlockManager, title: str) -> None:
     fig, (tables_ax, pool_ax) = plt.subplots(
         1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [1, 1.2]}
@@ -210,7 +217,7 @@ print(tokenizer.decode(contiguous_tokens))
 # %%
 show(block_hash)
 
-# %%
+# %% mystnb={"figure": {"caption": "Prefix caching: two sequences whose prompts start with the same system prompt. The system prompt's blocks are shared (hatched, labelled with how many tables hold them); each sequence owns its tail.", "name": "fig-03-prefix-sharing"}}
 system = "SYSTEM:\nYou are a player in a company of actors. Answer in verse.\n\n"
 questions = [
     "ROMEO:\nWhat light is this?\n\nJULIET:\n",
@@ -298,7 +305,7 @@ show(PrefixCache)
 # %%
 show(BlockManager.write)
 
-# %%
+# %% mystnb={"figure": {"caption": "After a fork and one copy-on-write: sequence 2 still shares sequence 1's blocks (hatched), except its last block, which it was given fresh, with a copy of the old contents, before writing into it.", "name": "fig-03-copy-on-write"}}
 # sequence 2 shares every block of sequence 1 (e.g. a second sample of the same prompt)
 manager.fork(1, 2)
 last = manager.tables[2].num_tokens - 1
@@ -359,7 +366,7 @@ Stepper(pool_figure, steps=range(0, paged.num_steps, 25), start=300)
 # The slider's frames are drawn in advance and embedded, so it works in the HTML book without a
 # {term}`kernel <kernel (CUDA)>` or a network. Six moments side by side:
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The paged pool at six moments of chapter 02's workload: one cell per block, one colour per sequence, grey free; each panel's title gives the step, the sequences running and waiting, and how much of the held slots hold tokens.", "name": "fig-03-pool-over-time"}}
 fig, axes = plt.subplots(2, 3, figsize=(10, 4))
 for ax, step in zip(axes.flat, [20, 100, 200, 400, 700, 1000]):
     draw_pool_step(ax, paged.steps[step])
@@ -415,7 +422,7 @@ print(
 # few long stragglers — look alike for both. When every running sequence needs a block and none is
 # free, the simulation preempts the youngest (counted above); chapter 05 makes that a real policy.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "KV utilisation (tokens held over slots held) at every decode step, contiguous arena against paged pool, on the same workload in the same memory.", "name": "fig-03-utilisation"}}
 fig, ax = plt.subplots()
 for result, color in [(contiguous, sequence_color(1)), (paged, sequence_color(0))]:
     ax.plot(

@@ -11,6 +11,13 @@
 # %% [markdown]
 # # Chapter 04 — The engine: continuous batching
 #
+# :::{admonition} At a glance
+# - **Builds:** the scheduler, one flat forward pass per step, per-request sampling: an engine with
+#   continuous batching.
+# - **Needs:** chapters 01–03.
+# - **Runs in:** about 40 s on a 2-core laptop CPU, start to end.
+# :::
+#
 # Chapter 03 gave every sequence its own pages in one shared pool, but still ran them one at a time.
 # A decode step of one sequence reads every weight of the model to produce one token. Run many
 # sequences in the same forward pass and those weights are read once for all of them. That is
@@ -28,6 +35,7 @@ import numpy as np
 import torch
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from minivllm.attention.storage import PagedKVStorage
 from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.book import sequence_color, show, use_book_style
 from minivllm.book.figures.timelines import draw_batch_places, draw_flat_batch, draw_gantt
@@ -42,6 +50,7 @@ from minivllm.runner.sampler import position_uniforms, token_probs
 from minivllm.sched.scheduler import Scheduler
 from minivllm.sched.sequence import Sequence
 from minivllm.stages.contiguous import ContiguousKVCache, generate_cached
+from minivllm.stages.paged import generate_paged
 from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
@@ -51,19 +60,12 @@ model, tokenizer = load_model("target"), ByteTokenizer()
 EOS = model.config.eos_token_id
 
 # %% [markdown]
-# ## Why: a static batch waits for its longest member
+# ## Why: one request at a time, then a batch that waits for its longest member
 #
-# The simplest way to batch is **{term}`static batching`**: take the next four requests, run them
-# together until *all four* are done, then take the next four. Requests want different numbers of
-# tokens, so a batch that started full empties out one request at a time, and its freed places stay
-# idle until the last, longest member finishes.
-#
-# minivllm's engine never batches this way, so the book keeps static batching on its own side, as a
-# baseline: `StaticBatching` (in `minivllm.book.modes`) is an *admission rule* that lets new
-# requests in only when nothing is running. The engine runs with it as with any other rule.
-#
-# Here are 16 requests: a few lines of the held-out plays as the prompt, and between 8 and 120 new
-# tokens each (`ignore_eos`, so every request produces exactly what it asked for).
+# Chapter 03 left us with a paged cache that serves **one request at a time**: `generate_paged`
+# runs a request to its end, then the next one starts. Here are 16 requests — a few lines of the
+# held-out plays as the prompt, between 8 and 120 new tokens each (`ignore_eos`, so every request
+# produces exactly what it asked for) — through that path:
 
 # %%
 rng = np.random.default_rng(0)
@@ -74,7 +76,33 @@ lengths = [int(n) for n in rng.integers(8, 121, size=16)]
 params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
 print("tokens wanted per request:", lengths)
 
+manager = BlockManager(num_blocks=64, block_size=16)
+storage = PagedKVStorage(model.config, 64, 16)
+started = time.perf_counter()
+one_at_a_time = [
+    generate_paged(model, tokenizer.encode(p, add_bos=True), n, manager, storage, seq_id=i)
+    for i, (p, n) in enumerate(zip(prompts, lengths))
+]
+alone_s = time.perf_counter() - started
+print(
+    f"one at a time: {sum(lengths)} forward passes of a single sequence "
+    f"({sum(lengths) / alone_s:.0f} tokens/s on this machine)"
+)
 
+# %% [markdown]
+# Every pass reads every weight of the model to produce one token for one sequence. The obvious
+# improvement is to run several requests in the same pass. The simplest way to batch is
+# **{term}`static batching`**: take the next four requests, run them together until *all four* are
+# done, then take the next four. Requests want different numbers of tokens, so a batch that started
+# full empties out one request at a time, and its freed places stay idle until the last, longest
+# member finishes.
+#
+# minivllm's engine never batches this way, so the book keeps static batching on its own side, as a
+# baseline: `StaticBatching` (in `minivllm.book.modes`) is an *admission rule* that lets new
+# requests in only when nothing is running. The engine runs with it as with any other rule.
+
+
+# %%
 def run(prompts, params, **scheduler):
     engine = LLMEngine(model, EngineConfig(num_blocks=512, scheduler=SchedulerConfig(**scheduler)))
     return engine, engine.generate(prompts, params)
@@ -87,6 +115,7 @@ def slot_use(trace, slots):
 
 
 static, static_out = run(prompts, params, max_num_seqs=4, batching=StaticBatching())
+assert [o.token_ids for o in static_out] == one_at_a_time  # batching changes no token
 print(
     f"static batching: {len(static.trace)} steps, {slot_use(static.trace, 4):.0%} of the 4 batch places busy"
 )
@@ -94,7 +123,7 @@ print(
 # %% [markdown]
 # The rest of the batch did nothing. Each row below is one batch place; each colour a request.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Static batching: each row a batch place, each colour the request holding it; grey where a place sits idle until the whole batch has drained.", "name": "fig-04-static-places"}}
 fig, ax = plt.subplots(figsize=(8, 2.2))
 draw_batch_places(ax, static.trace, 4, "static batching: grey = an idle batch place")
 plt.show()
@@ -103,9 +132,9 @@ plt.show()
 # The grey is throughput thrown away: the hardware ran a smaller batch than it could, while requests
 # sat in the queue. The fix is to decide who runs **at every step** instead of once per batch: when
 # a request finishes, the next one takes its place in the very next step. That is **continuous
-# batching** (Orca, 2022; vLLM's default). It needs three things this chapter builds: a scheduler
-# that replans every step, a model runner that can run *different* sequences at *different* stages
-# in one forward pass, and sampling that does not care who else is in the batch.
+# batching** ({cite}`yu2022orca`; vLLM's default). It needs three things this chapter builds: a
+# scheduler that replans every step, a model runner that can run *different* sequences at
+# *different* stages in one forward pass, and sampling that does not care who else is in the batch.
 #
 # ## Build: the request
 #
@@ -230,7 +259,7 @@ show(pack_batch)
 # prefilled, all in one batch of tokens. Above each token, its position in its own sequence; below,
 # the cache slot its K/V is written to.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "One engine step flattened into a single batch of tokens: three sequences decoding and a new prompt being prefilled, each token a cell coloured by its sequence, its position above and its cache slot below; brackets mark each sequence's query range.", "name": "fig-04-flat-batch"}}
 engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4))
 for prompt in ["ROMEO:\n", "JULIET:\n", "HAMLET:\nTo be"]:
     engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0))
@@ -288,7 +317,7 @@ show(token_probs)
 print(position_uniforms(seeds=[5, 5, 6], positions=[17, 18, 17]))
 print(position_uniforms(seeds=[6, 5], positions=[17, 17]), "<- same (seed, position), same number")
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The probabilities of the most likely next tokens after the prompt 'ROMEO:' and a new line starting with 'I', under four combinations of temperature, top-k and top-p: each setting reshapes the same logits.", "name": "fig-04-sampling-params"}}
 logits = model(torch.tensor(tokenizer.encode("ROMEO:\nI", add_bos=True)))[-1:].detach()
 fig, ax = plt.subplots(figsize=(7.5, 2.6))
 for (t, k, p), color in zip([(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 0, 0.8), (1.0, 5, 1.0)], range(4)):
@@ -377,7 +406,7 @@ for delta in engine.stream(
 # The same 16 requests, the same four places, now with {term}`continuous batching`. Each row is a
 # request: grey while it waits, hatched while its prompt is prefilled, solid while it decodes.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Static (top) against continuous (bottom) batching: the same 16 requests, four places; each row a request (grey: waiting, hatched: prefill, solid: decode).", "name": "fig-04-gantt"}}
 continuous, continuous_out = run(prompts, params, max_num_seqs=4)
 assert [o.token_ids for o in continuous_out] == [o.token_ids for o in static_out]
 fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
@@ -394,7 +423,7 @@ print(
 # Under static batching a request waits until a whole batch has drained; under continuous batching
 # it takes the first free place. Batch occupancy tells the same story per step:
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Batch occupancy: how many sequences each engine step ran, out of four places, under static and continuous batching; the legend gives the share of places kept busy.", "name": "fig-04-occupancy"}}
 fig, ax = plt.subplots(figsize=(7.5, 2.8))
 for engine_run, name, color in [(static, "static", 1), (continuous, "continuous", 0)]:
     busy = [len(r.decoded) + len(r.prefilled) for r in engine_run.trace]
@@ -455,7 +484,7 @@ print("concurrency  steps  tokens/step")
 for concurrency, (steps, tokens, _) in results.items():
     print(f"{concurrency:11d}  {steps:5d}  {tokens / steps:11.1f}")
 
-# %%
+# %% mystnb={"figure": {"caption": "Throughput in tokens per second against the number of requests allowed to run at once (log scale), measured on the machine that built this page.", "name": "fig-04-throughput"}}
 # NBVAL_IGNORE_OUTPUT
 for concurrency, (steps, tokens, seconds) in results.items():
     print(

@@ -11,6 +11,12 @@
 # %% [markdown]
 # # Chapter 05 — Preemption: when the cache runs out mid-flight
 #
+# :::{admonition} At a glance
+# - **Builds:** preemption by recompute, its victim policies, and its cost against cache size.
+# - **Needs:** chapter 04.
+# - **Runs in:** about 1–2 min on a 2-core laptop CPU, start to end.
+# :::
+#
 # Chapter 04's scheduler admits a request when there are blocks for its prompt. It cannot know how
 # long the answer will be, so it bets that the running sequences will find blocks as they grow. With
 # a big cache the bet is safe. With a small one, or a burst of long answers, every block ends up
@@ -84,7 +90,7 @@ except SchedulerStalled as error:
 # block: a **{term}`deadlock <deadlock (scheduler)>`**. Here is the pool at that moment — every
 # colour is a request that is half done and stuck:
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The deadlocked pool (left) and the block tables (right), one colour per request: every block is held by a request that needs one more, and none is free.", "name": "fig-05-deadlock"}}
 fig, (pool_ax, table_ax) = plt.subplots(
     1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1, 1.4]}
 )
@@ -241,7 +247,7 @@ for policy in ["newest", "least_progressed"]:
 #
 # The pool at each step under `newest` (one colour per request; the block tables below each pool):
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The worked example under the newest-first policy, one column per step: the block pool on top, the block tables below, titled with what happened in that step; colours follow the sequence ids.", "name": "fig-05-worked-newest"}}
 names, snapshots = run_worked("newest")
 
 
@@ -302,7 +308,7 @@ Stepper(burst_figure, steps=frames, start=first_preemption)
 # Side by side, four moments of the same run: just before the first preemption, at it, at the
 # first resumption, and near the end.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Four moments of the burst with preemption: just before the first preemption, at it, at the first resumption, and near the end; each shows the pool, the block tables and the queues.", "name": "fig-05-burst-moments"}}
 first_resume = next(r.step for _, r in burst_snapshots if r.resumed)
 moments = [first_preemption - 1, first_preemption, first_resume, len(burst_snapshots) - 5]
 fig = plt.figure(figsize=(10, 13))
@@ -352,7 +358,7 @@ print(normal.finish_reason, repr(normal.text))
 # The burst again, one row per request: grey while waiting, hatched while prefilling, solid while
 # decoding, crossed grey once preempted (and waiting again), back-hatched while recomputing.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Every request's timeline under each preemption policy, newest first (top) and least progressed (bottom): grey while waiting, hatched while prefilling, solid while decoding, crossed grey once preempted, back-hatched while recomputing.", "name": "fig-05-policy-timelines"}}
 fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
 timelines = {}
 for ax, policy in zip(axes, ["newest", "least_progressed"]):
@@ -417,7 +423,7 @@ for (num_blocks, name), m in measured.items():
         f"{m['overhead']:18.1%}"
     )
 
-# %%
+# %% mystnb={"figure": {"caption": "Both policies against the number of cache blocks: recomputed tokens per useful token (left) and throughput in tokens per second on the machine that built this page (right).", "name": "fig-05-overhead-throughput"}}
 # NBVAL_IGNORE_OUTPUT
 for (num_blocks, policy), m in measured.items():
     print(f"{num_blocks:3d} blocks, {policy:>16}: {m['tokens'] / m['seconds']:6.0f} tokens/s")

@@ -11,6 +11,13 @@
 # %% [markdown]
 # # Chapter 06 — Speculative decoding: several tokens per target pass
 #
+# :::{admonition} At a glance
+# - **Builds:** speculative decoding with a draft model and prompt lookup, exact in distribution,
+#   inside the batching engine.
+# - **Needs:** chapter 04; conditional probability.
+# - **Runs in:** about 1 min on a 2-core laptop CPU, start to end.
+# :::
+#
 # Chapter 04's engine emits one token per sequence per step, and every step is a full pass of the
 # target model. At a small batch that pass costs nearly the same whether it computes one token or
 # several: the weights are read, the {term}`kernels <kernel (CUDA)>` launched, the Python runs, and
@@ -79,7 +86,7 @@ print(repr(out.text))
 # of one sequence, at the end of a 100-token context, with the engine's own `run_model`:
 
 
-# %%
+# %% mystnb={"figure": {"caption": "Time of one forward pass against the number of new tokens it runs, for the target and the draft model; the dotted line is what the target would pay running the same tokens one pass each.", "name": "fig-06-pass-cost"}}
 # NBVAL_IGNORE_OUTPUT
 def time_pass(model, num_new, repeats=30):
     manager = BlockManager(16, 16)
@@ -195,7 +202,7 @@ for name, rule in [("min(1, p/q)", accept_or_resample), ("accept if p > q", temp
         f"({dof} dof), p-value {p_value:.3g}"
     )
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The toy vocabulary: the target's p (blue), the draft's q (orange), and the share of each token emitted in the sampled trials by the min(1, p/q) rule (green) and by the shortcut 'accept if p > q' (red); only the rule's bars follow p.", "name": "fig-06-toy-rules"}}
 fig, ax = plt.subplots(figsize=(7.5, 3))
 x = np.arange(len(vocab))
 ax.bar(x - 0.3, p_toy, 0.2, color="#1f77b4", label="p (target)")
@@ -370,7 +377,7 @@ print(
     f"emitted  {bytes(run).decode(errors='replace')!r}: {len(run) - 1} drafts accepted + 1 from the target"
 )
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "One speculative round. Top: for each draft token the target's p and the draft's q side by side, the column shaded by its fate (accepted, first rejection, never checked), then the token the target adds itself; bottom: the block table before the verify, with slots reserved for the drafts, and after the rollback.", "name": "fig-06-round"}}
 accepted_count = len(run) - 1
 final_kind = "bonus" if accepted_count == len(drafted_ids) else "resampled"
 fig = plt.figure(figsize=(10, 4.4))
@@ -473,7 +480,7 @@ print(
 # a blue cell on top is the bonus token after a fully accepted round. Model drafter above, prompt
 # lookup below, same request.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Drafts of one request, one column per verify pass (greedy, k = 4), model drafter above and prompt lookup below: green accepted, red the first rejection (blue dot: the target's replacement), grey never checked, a blue cell on top the bonus token.", "name": "fig-06-acceptance-map"}}
 maps = {}
 for name, settings in [("draft model", {"draft_model": draft}), ("n-gram", {"method": "ngram"})]:
     engine = speculative_engine(SpeculativeConfig(num_speculative_tokens=4, **settings))
@@ -531,7 +538,7 @@ print(f"{'drafter':>12} {'k':>2} {'alpha':>6} {'tokens/pass':>11} {'theory':>7}"
 for (name, k), (alpha, measured, theory) in sweep.items():
     print(f"{name:>12} {k:2d} {alpha:6.3f} {measured:11.2f} {theory:7.2f}")
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Tokens per target pass against k, the drafts per round, for the draft model and prompt lookup: measured (solid) against the independent-acceptance theory (dashed). The dotted grey line is k + 1, every draft accepted; the red line is the project's target for the draft model.", "name": "fig-06-tokens-per-pass"}}
 fig, ax = plt.subplots(figsize=(6.5, 3.2))
 for color, name in enumerate(["draft model", "n-gram"]):
     ks = range(1, 9)

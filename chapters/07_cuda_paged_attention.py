@@ -11,6 +11,14 @@
 # %% [markdown]
 # # Chapter 07 — Paged attention as a kernel: on the CPU, then in CUDA
 #
+# :::{admonition} At a glance
+# - **Builds:** paged attention as a native CPU kernel (numba) and as CUDA kernels (numba-cuda,
+#   checked in its simulator).
+# - **Needs:** chapters 03 and 04; for Part 2, CUDA's grid/block/warp model in outline (the chapter
+#   draws it).
+# - **Runs in:** about 1–2 min on a 2-core laptop CPU, start to end.
+# :::
+#
 # Since chapter 03 the engine has read its K/V through block tables, but the reading itself is
 # borrowed: `TorchPagedAttention` turns the tables into slot indices, *gathers* every sequence's
 # keys and values into a fresh dense tensor, and hands that to a library attention. Decode attention
@@ -242,7 +250,7 @@ show(plan_work)
 # A mixed step — 60 decodes with contexts of 100 to 400 tokens and two prefill chunks of 48 tokens —
 # split both ways. Each bar is one thread, each segment one unit of work, coloured by its sequence:
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "A mixed step of decodes and two prefill chunks split between two threads: each bar a thread, each segment a unit of work as long as its cost and coloured by its sequence. Top: an even count of units per thread; bottom: plan_work dealing them by cost.", "name": "fig-07-work-plan"}}
 rng = np.random.default_rng(0)
 query_lens = np.array([1] * 60 + [48, 48])
 context_lens = np.concatenate([rng.integers(100, 400, 60), [48, 160]])
@@ -370,7 +378,7 @@ print(
 # Our kernel maps attention onto that hierarchy: one thread block per (sequence, query head); inside
 # it, warps take the context's tokens in turn; inside a warp, the lanes split a key row's head_dim.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The kernel's launch as the GPU sees it: a grid of thread blocks, one per sequence and query head; a block's warps, taking the context's tokens in turn; and a warp's 32 lanes, splitting a key row's head_dim between them.", "name": "fig-07-execution-model"}}
 fig, ax = plt.subplots(figsize=(10, 3.4))
 draw_execution_model(
     ax, num_seqs=4, num_heads=config.n_heads, threads=128, head_dim=config.head_dim
@@ -512,7 +520,7 @@ print(
     f"{len(key_reads)} key reads = 40 tokens x {config.head_dim} elements; {len(value_reads)} value reads"
 )
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The key cache as one thread block reads it: one row per physical block, one cell per slot. A slot that was read is coloured by the warp that read it and numbered with that warp's round; slots of other sequences' blocks stay blank.", "name": "fig-07-cache-reads"}}
 fig, ax = plt.subplots(figsize=(7.5, 4))
 draw_cache_reads(ax, reads_by_thread(key_reads), table[0].tolist(), block_size=16, num_blocks=8)
 ax.set_title("key reads of one thread block: colour = warp, number = the warp's round")
@@ -675,7 +683,7 @@ show(occupancy)
 # memory each launcher asks for. For a Llama-3-8B layer (32 query heads over 8 K/V heads) at head
 # dim 128, batch 1 and 64:
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Modelled warp occupancy of the three kernel versions against context length, for a Llama-3-8B layer at batch 1 (left) and batch 64 (right), with the same assumed registers per thread for all three.", "name": "fig-07-occupancy"}}
 ASSUMED_REGISTERS, THREADS = 64, 128
 llama = {"heads": 32, "kv_heads": 8, "head_dim": 128}
 

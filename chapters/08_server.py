@@ -11,6 +11,13 @@
 # %% [markdown]
 # # Chapter 08 — Serving: an OpenAI-compatible HTTP server
 #
+# :::{admonition} At a glance
+# - **Builds:** an OpenAI- and Anthropic-compatible HTTP server over the engine: streaming,
+#   isolation and limits, parallel sampling, metrics.
+# - **Needs:** chapter 04; HTTP and asyncio in outline.
+# - **Runs in:** about 30 s on a 2-core laptop CPU, start to end.
+# :::
+#
 # The engine of chapters 04–06 batches whatever requests it holds, but only a Python program in the
 # same process can hand it any. Real clients arrive over HTTP, one connection each, at moments of
 # their own choosing, and most of them speak one dialect: OpenAI's API. This chapter puts the engine
@@ -433,7 +440,7 @@ for choice in poem.choices:
 # Inside the engine, two steps after the prompt was prefilled: the pool and the four samples' block
 # tables. Hatched blocks are shared, labelled with how many tables hold them.
 
-# %% tags=["hide-input"]
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "One request with four samples, two steps after its prompt was prefilled: the block pool (left) and the four samples' block tables (right), with arrows to the physical blocks; hatched blocks are shared, labelled with how many tables hold them.", "name": "fig-08-forked-samples"}}
 forked = LLMEngine(target, EngineConfig(num_blocks=48, block_size=16))
 forked.add_request(speeches[3][:120], SamplingParams(n=4, max_tokens=40, temperature=0.9, seed=5))
 for _ in range(3):
@@ -577,7 +584,7 @@ print(
 # trace shows them joining the running batch step by step — a request is admitted at the next step
 # after it arrives, not when a batch is "full":
 
-# %%
+# %% mystnb={"figure": {"caption": "32 streaming clients through the server. Top: each row a request over engine steps (hatched: prefill, solid: decode); bottom: how many requests were running at each step.", "name": "fig-08-server-gantt"}}
 # NBVAL_IGNORE_OUTPUT
 fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), height_ratios=[3, 1], sharex=True)
 first_step = trace[0].step - 1
@@ -603,7 +610,7 @@ plt.show()
 # queueing, then the prefill) and **inter-token latency** (ITL: the gaps between streamed pieces,
 # one engine step each while the batch runs). Wall clock, so these vary from run to run:
 
-# %%
+# %% mystnb={"figure": {"caption": "What the clients felt: histograms of time to first token (left) and inter-token latency (right), wall clock on the machine that built this page.", "name": "fig-08-latency"}}
 # NBVAL_IGNORE_OUTPUT
 ttft = np.array([r.ttft for r in results]) * 1e3
 itl = np.concatenate([r.itls for r in results]) * 1e3

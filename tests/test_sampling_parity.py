@@ -115,6 +115,35 @@ def test_the_engine_checks_token_ids_against_the_vocabulary(target):
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(allowed_token_ids=[65], bad_words=["A"]), "one-token bad word"),
+        (SamplingParams(allowed_token_ids=[65, 66], bad_words=["A", "B"]), "one-token bad word"),
+        (SamplingParams(allowed_token_ids=[EOS_ID], min_tokens=2), "only stop tokens"),
+        (
+            SamplingParams(allowed_token_ids=[10], stop_token_ids=[10], min_tokens=1),
+            "only stop tokens",
+        ),
+    ],
+)
+def test_rules_that_leave_no_token_are_refused_at_the_door(target, params, message):
+    engine = LLMEngine(target, EngineConfig(num_blocks=8))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("ROMEO:", params)
+    assert not engine.has_unfinished()
+
+
+def test_rules_that_leave_some_token_are_accepted(target):
+    engine = LLMEngine(target, EngineConfig(num_blocks=8))
+    out = engine.generate(
+        ["ROMEO:"], SamplingParams(allowed_token_ids=[65, 66], bad_words=["A"], max_tokens=3)
+    )[0]
+    assert out.token_ids == [66, 66, 66]
+    ignored = SamplingParams(allowed_token_ids=[EOS_ID], min_tokens=1, ignore_eos=True)
+    engine.add_request("ROMEO:", ignored)  # EOS is not a stop token here: nothing is banned
+
+
 def test_a_sequence_does_not_stop_before_min_tokens():
     params = SamplingParams(min_tokens=2, stop_token_ids=[7], max_tokens=5)
     seq = seq_with(params, [1])

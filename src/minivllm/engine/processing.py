@@ -119,6 +119,8 @@ class InputProcessor:
                 f"SamplingParams names token id {bad[0]} (stop_token_ids, logit_bias or "
                 f"allowed_token_ids), outside the vocabulary 0..{vocab - 1}"
             )
+        if params.allowed_token_ids is not None:
+            self._check_something_is_allowed(params)
         if limits.max_num_seqs is not None and params.n > limits.max_num_seqs:
             raise ValueError(
                 f"SamplingParams.n ({params.n}) exceeds max_num_seqs ({limits.max_num_seqs}): its "
@@ -143,6 +145,27 @@ class InputProcessor:
                     f"SamplingParams.{unsupported[0]} is not supported with speculative decoding "
                     "in this engine: leave it at its default or run without speculation"
                 )
+
+    def _check_something_is_allowed(self, params: SamplingParams) -> None:
+        """allowed_token_ids that the other rules ban outright would leave a position nothing to
+        draw: refuse the request rather than sample it with the rules silently dropped."""
+        banned_always = {
+            ids[0] for w in params.bad_words if len(ids := self.tokenizer.encode(w)) == 1
+        }
+        allowed = set(params.allowed_token_ids) - banned_always
+        if not allowed:
+            raise ValueError(
+                "SamplingParams.allowed_token_ids: every allowed token is also a one-token bad "
+                "word, so no token could ever be drawn"
+            )
+        stops = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else {self.tokenizer.eos_id}
+        )
+        if params.min_tokens and allowed <= stops:
+            raise ValueError(
+                f"SamplingParams.allowed_token_ids: only stop tokens are allowed, but min_tokens="
+                f"{params.min_tokens} bans them until then, so no token could be drawn"
+            )
 
     @staticmethod
     def params(params: SamplingParams | None) -> SamplingParams:
