@@ -176,12 +176,12 @@ def stub_package(dest: Path, only: set[str] | None = None) -> list[Exercise]:
     found: list[Exercise] = []
     for path in package_sources(dest):
         where = str(path.relative_to(dest))
-        text, exercises = stub_source(path.read_text(encoding="utf-8"), where, only)
-        exercises = [e for e in exercises if only is None or e.id in only]
-        if exercises or only is not None:
+        original = path.read_text(encoding="utf-8")
+        text, exercises = stub_source(original, where, only)
+        if text != original:  # regions stubbed, or (with `only`) markers taken off kept ones
             compile(text, where, "exec")  # a SyntaxError here names the file and line
             path.write_text(text, encoding="utf-8")
-            found += exercises
+        found += [e for e in exercises if only is None or e.id in only]
     return found
 
 

@@ -28,7 +28,7 @@ from minivllm.serving.openai_protocol import (
     END_OF_TURN,
     MAX_INT,
     ChatMessage,
-    short,
+    check_extra_fields,
 )
 
 # Fields that change nothing here, and fields refused unless "off" (as openai_protocol does).
@@ -78,21 +78,7 @@ class MessagesRequest(BaseModel):
     stream: bool | None = False
 
     def check_extra_fields(self) -> None:
-        for name, value in (self.model_extra or {}).items():
-            if name in NO_EFFECT or value is None:
-                continue
-            if name in UNSUPPORTED:
-                if value in UNSUPPORTED[name]:
-                    continue
-                raise RequestError(
-                    f"{name} is not supported by this server (got {short(value)}): leave it out",
-                    param=name,
-                )
-            raise RequestError(
-                f"unknown field {short(name)}: this server refuses fields it does not know "
-                "rather than ignore them; leave it out",
-                param=name,
-            )
+        check_extra_fields(self.model_extra, unsupported=UNSUPPORTED, no_effect=NO_EFFECT)
 
     def chat(self) -> list[ChatMessage]:
         """The conversation as chat messages (the system prompt first), for render_chat."""

@@ -98,14 +98,17 @@ UNSUPPORTED = {
 
 
 def check_extra_fields(
-    extra: dict[str, object] | None, refused_here: dict[str, tuple] | None = None
+    extra: dict[str, object] | None,
+    refused_here: dict[str, tuple] | None = None,
+    unsupported: dict[str, tuple] = UNSUPPORTED,
+    no_effect: set[str] = NO_EFFECT,
 ) -> None:
     """Refuse each field of `extra` (what the model did not declare) that would change the answer:
-    an unsupported feature asked for (UNSUPPORTED, and the endpoint's own `refused_here`), or a
-    field this server does not know at all."""
-    refused = {**UNSUPPORTED, **(refused_here or {})}
+    an unsupported feature asked for (`unsupported`, and the endpoint's own `refused_here`), or a
+    field this server does not know at all. Another protocol (Anthropic's) passes its own tables."""
+    refused = {**unsupported, **(refused_here or {})}
     for name, value in (extra or {}).items():
-        if name in NO_EFFECT or value is None:
+        if name in no_effect or value is None:
             continue
         if name in refused:
             if value in refused[name]:
