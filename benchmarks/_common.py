@@ -56,6 +56,7 @@ def machine_record(note: str, **extra) -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         **extra,
         "load_average_at_end": load_str(),
         "source": source_version(),
@@ -127,3 +128,30 @@ def make_workload(
         max_tokens = int(rng.integers(output_tokens[0], output_tokens[1] + 1))
         requests.append(Request(index, prompt, tokenizer.encode(prompt, add_bos=True), max_tokens))
     return requests
+
+
+def start_server(*serve_args: str) -> tuple[subprocess.Popen, str]:
+    """`minivllm serve *serve_args` in a process of its own, on a free local port; returns the
+    process and its URL once /health answers (or exits, saying why the server did not start)."""
+    import socket
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port)]
+    command += [*serve_args, "--log-level", "warning"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise SystemExit(f"the server did not start: {process.communicate()[1][-2000:]}")
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.2)

@@ -8,6 +8,9 @@ one decode step (a full forward over the sequence so far) at that position.
 
 from __future__ import annotations
 
+import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
+# isort: split
 import argparse
 import json
 import platform

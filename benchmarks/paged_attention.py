@@ -36,6 +36,9 @@ on a small case, measures nothing and writes no JSON.
 
 from __future__ import annotations
 
+import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
+# isort: split
 import argparse
 import datetime
 import importlib.metadata

@@ -15,6 +15,9 @@ that both ways give the same tokens; writes benchmarks/results/parallel_sampling
 
 from __future__ import annotations
 
+import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
+# isort: split
 import argparse
 import json
 from pathlib import Path

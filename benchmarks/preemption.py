@@ -13,6 +13,9 @@ benchmarks/results/preemption.json.
 
 from __future__ import annotations
 
+import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
+# isort: split
 import argparse
 import json
 import os

@@ -52,21 +52,20 @@ Prints a table and writes benchmarks/results/serving.json (a --quick smoke run w
 
 from __future__ import annotations
 
+import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
+# isort: split
 import argparse
 import asyncio
 import json
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
-from _common import Request, best_of, load_str, machine_record, make_workload
+from _common import Request, best_of, load_str, machine_record, make_workload, start_server
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -79,44 +78,6 @@ from minivllm.serving.client import run_clients
 RESULTS = Path(__file__).parent / "results" / "serving.json"
 FULL_BATCH = 64  # the server's max_num_seqs, and the offline engine's at full batch
 GOAL_CLIENTS, GOAL_SHARE = 64, 0.80
-
-
-# -- the server ------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_server(threads: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "minivllm.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--threads",
-        str(threads),
-        "--max-num-seqs",
-        str(FULL_BATCH),
-        "--log-level",
-        "warning",
-    ]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise SystemExit(f"the server did not start: {process.communicate()[1][-2000:]}")
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.2)
 
 
 # -- the clients (minivllm.serving.client: closed-loop streaming clients that time every chunk) ----
@@ -289,7 +250,7 @@ def main() -> None:
         )
         for c in args.concurrency
     }
-    process, url = start_server(args.threads)
+    process, url = start_server("--threads", str(args.threads), "--max-num-seqs", str(FULL_BATCH))
     runs: dict[tuple, list[dict]] = defaultdict(list)
     try:
         warm = levels[args.concurrency[0]][:2]  # a process's first forward pays for thread pools

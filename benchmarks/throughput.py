@@ -42,6 +42,9 @@ unless --out is given). Hugging Face rows need `transformers` (`pip install -e '
 
 from __future__ import annotations
 
+import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
+# isort: split
 import argparse
 import cProfile
 import json

@@ -19,7 +19,9 @@ Llama safetensors) by
   `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 here). Either can be overridden from the environment. Two
   modes, both run unless `--vllm-modes` names one: `compiled` is vLLM's default (torch.compile with
   inductor, compiled at start-up and cached under ~/.cache/vllm), `eager` is `enforce_eager=True`
-  (plain PyTorch modules, like minivllm);
+  (plain PyTorch modules, like minivllm). vLLM runs with libgomp's default wait policy (idle
+  OpenMP threads spin a while before they sleep), as it ships; `compiled-passive` runs the compiled
+  mode with `OMP_WAIT_POLICY=PASSIVE`, the setting minivllm makes when it is imported;
 * minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
   on each attention backend of `--backends`.
 
@@ -172,7 +174,12 @@ def vllm_worker(workload_path: Path, mode: str) -> None:
         "compilation_mode": getattr(getattr(compilation, "mode", None), "name", None),
         "env": {
             k: os.environ.get(k)
-            for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS")
+            for k in (
+                "VLLM_CPU_OMP_THREADS_BIND",
+                "VLLM_CPU_KVCACHE_SPACE",
+                "OMP_NUM_THREADS",
+                "OMP_WAIT_POLICY",
+            )
         },
         "token_ids": tokens,
     }
@@ -191,6 +198,14 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(threads))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["OMP_NUM_THREADS"] = str(threads)
+    # OpenMP's idle threads: vLLM as it ships leaves libgomp's default (spin, then sleep); minivllm
+    # sets PASSIVE in this process's environment when it is imported, so take it out here unless
+    # the mode asks for it ("compiled-passive": vLLM under minivllm's setting, for a like-for-like).
+    mode, passive = mode.removesuffix("-passive"), mode.endswith("-passive")
+    if passive:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        env.pop("OMP_WAIT_POLICY", None)
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
     command = [python, str(Path(__file__).resolve()), "--worker", "vllm"]
@@ -210,7 +225,7 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
         tail = "\n".join(lines[-40:])
         raise RuntimeError(f"vLLM worker failed (exit {done.returncode}):\n{tail}")
     result = json.loads(found[-1][len(MARKER) :])
-    result["system"] = f"vLLM {result['vllm']} ({mode})"
+    result["system"] = f"vLLM {result['vllm']} ({mode}{', passive' if passive else ''})"
     result["_tokens"] = result.pop("token_ids")
     notes = []  # vLLM's own words on threads, dtype, KV cache, compilation; and its warnings
     for line in lines:
@@ -351,9 +366,10 @@ def main() -> int:
     parser.add_argument(
         "--vllm-modes",
         nargs="+",
-        choices=["compiled", "eager"],
+        choices=["compiled", "eager", "compiled-passive"],
         default=["compiled", "eager"],
-        help="compiled: vLLM's default (torch.compile); eager: enforce_eager=True",
+        help="compiled: vLLM's default (torch.compile); eager: enforce_eager=True; "
+        "compiled-passive: compiled with OMP_WAIT_POLICY=PASSIVE, minivllm's setting",
     )
     parser.add_argument(
         "--vllm-python",
@@ -372,6 +388,9 @@ def main() -> int:
     if args.worker == "vllm":
         vllm_worker(args.workload, args.vllm_mode)
         return 0
+    # Not at the top: the vLLM worker runs this file in vLLM's venv, which has no minivllm.
+    import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
     if not os.access(args.vllm_python, os.X_OK):
         print(VENV_HELP.format(python=args.vllm_python))
         return 0

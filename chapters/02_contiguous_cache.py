@@ -432,9 +432,10 @@ plt.show()
 # `pytest tests/test_kv_cache.py --exercise ch02.1`.
 #
 # 1. **ch02.1 — grow by concatenation.** Implement `ContiguousKVCache._append_concat`: `torch.cat`
-#    the new rows onto this layer's K and V, and add the bytes of the history you copied to
-#    `self.bytes_copied`. The tests check what is stored and that the count equals the exact sum
-#    over all appends.
+#    the new rows onto this layer's K and V, store the results back in `self.k[layer]` and
+#    `self.v[layer]` (`append` updates the lengths, not you), and add the bytes of the history you
+#    copied to `self.bytes_copied`. The tests check what is stored and that the count equals the
+#    exact sum over all appends.
 #
 #    *Hint:* Count before you concatenate: the copy that matters is the history already stored, K
 #    and V of this layer, not the rows you append. `tensor_bytes` (imported at the top of the

@@ -488,22 +488,25 @@ print(
 #
 # 1. **ch03.1 — `blocks_needed`.** How many new blocks does a sequence holding `num_tokens_now`
 #    tokens need for `extra_tokens` more? None while its last block has room. The tests check the
-#    boundary cases (exactly full, one over, zero extra) and block size 1.
+#    boundary cases (an empty sequence, a block exactly full, one token over, zero extra) and that
+#    `append` then grows a table only when its last block's slack runs out.
 #
 #    *Hint:* A sequence of $n$ tokens holds $\lceil n / b \rceil$ blocks of size $b$; the answer is
 #    how much that count grows. Do the ceiling in integers; 0 tokens hold no block.
 # 2. **ch03.2 — {term}`copy-on-write`.** In `BlockManager.write`, when the block to be written is
 #    shared (reference count above 1), take a fresh block, let go of the old one, swap the new one
 #    into the table, and return `(new, old)` so the storage copies the contents. With no free block
-#    it must raise `OutOfBlocks` and change nothing; the property test runs thousands of random
-#    fork/write/free sequences against it.
+#    it must raise `OutOfBlocks` and change nothing. `--exercise ch03.2` runs three hand-made cases;
+#    the file's property test (`TestCacheMachine`, not marked: run the whole
+#    `tests/test_block_allocator.py`) then tries thousands of random fork/write/free steps on it.
 #
 #    *Hint:* A block you hold alone is written in place: `(old, None)`. For a shared one, take the
 #    fresh block (`_new_block`) *before* you drop your reference to the old one: on an empty pool it
 #    raises `OutOfBlocks` while nothing has changed yet, which the all-or-nothing test checks.
 # 3. **ch03.3 — gather.** Implement `PagedKVStorage.gather`: read the first `length` K and V rows of
-#    a sequence through its block table. The tests fill the storage slot by slot, with the blocks
-#    out of order and contexts that end mid-block.
+#    a sequence through its block table and return them as `(keys, values)`, each
+#    `[length, n_kv_heads, head_dim]`. The table may hold more blocks than `length` needs. The tests
+#    fill the storage slot by slot, with the blocks out of order and contexts that end mid-block.
 #
 #    *Hint:* Index this layer's `[2, num_blocks, block_size, heads, dim]` slice of `self.kv` with a
 #    long tensor of the block ids the first `length` tokens use: that lays the blocks out in logical

@@ -510,24 +510,36 @@ plt.show()
 # `src/minivllm/runner/sampler.py` (ch04.1, ch04.2) and `src/minivllm/runner/batch.py` (ch04.3); run
 # one exercise's tests with `pytest tests --exercise ch04.1`.
 #
-# 1. **ch04.1 — top-k and top-p.** In `token_probs`, keep each row's `top_k` most likely tokens (0 =
-#    all), then the smallest head of the sorted distribution whose mass reaches `top_p`, and
-#    renormalise. Rows have different settings: do it for the whole batch at once (sort, mask,
+# 1. **ch04.1 — top-k and top-p.** In `token_probs`, turn `scaled` (the temperature-scaled logits,
+#    `[B, V]` float64, $-\infty$ where a token is already ruled out) into `probs`, the `[B, V]`
+#    distribution the lines after yours return. For each row, in this order: keep its `top_k` most
+#    likely tokens (0, or any k of at least V, keeps all) and renormalise them; then, on *that*
+#    renormalised head, keep the smallest run of tokens, likeliest first, whose mass reaches
+#    `top_p` — a run whose mass equals p is enough, and the top token always stays — and
+#    renormalise again. The order matters, and the tests check it: top-k 2 turns
+#    [0.4, 0.3, 0.2, 0.1] into [4/7, 3/7, 0, 0], so top-p 0.5 then keeps only the first token,
+#    where top-p on the original distribution would have kept two. Equal probabilities keep their
+#    vocabulary order. Rows have different settings: do it for the whole batch at once (sort, mask,
 #    scatter back), no loop over rows.
 #
-#    *Hint:* Mask by rank in the sorted logits *before* the softmax, so top-p sees the renormalised
-#    top-k head (k = 0 keeps all). Then keep a token while the mass strictly *before* it is below p:
-#    the top token always survives, and a head whose mass equals p is enough.
-# 2. **ch04.2 — inverse CDF.** In `sample_from_probs`, pick for each row the first token whose
-#    running total of probability exceeds `u` (scaled by the row's total). The tests check
-#    boundaries and that a zero-probability token is never picked.
+#    *Hint:* Sort each row once (descending, and `stable=True` for the ties). Mask by rank in the
+#    sorted *logits* before the softmax, and the softmax does the first renormalisation for you.
+#    For top-p, decide each token by the mass strictly *before* it: that keeps the token that
+#    crosses p, and the top token, whose mass before is 0.
+# 2. **ch04.2 — inverse CDF.** In `sample_from_probs`, return a `[B]` long tensor: for each row, the
+#    first token whose running total of probability *exceeds* `u` times the row's total (its last
+#    running total; rows need not sum to exactly 1). `u` is already a `[B, 1]` float64 column of
+#    uniforms in [0, 1). A zero-probability token must never be picked, and no u may take you past
+#    the last token. The tests check the boundaries (u = 0, u just below and at a running total,
+#    the largest u), rows that do not sum to 1, and random rows with zeros in them.
 #
-#    *Hint:* `torch.searchsorted` on the row-wise cumulative sum does every row at once; with
-#    `right=True` a running total equal to the target does not count, so a zero-probability token
-#    (its total equals its predecessor's) is skipped. Clamp to the last token against round-off.
-# 3. **ch04.3 — flatten a chunk.** In `pack_batch`, append one piece's token ids to the flat batch,
-#    its end to `query_start`, and its context length (positions and slots follow for every token at
-#    once, below the loop). The tests compare a hand-worked step token by token.
+#    *Hint:* `torch.searchsorted` on the row-wise cumulative sum does every row at once. Read what
+#    its `right` argument does with a running total *equal* to the target: a zero-probability token
+#    has the same running total as the token before it.
+# 3. **ch04.3 — flatten a chunk.** In `pack_batch`, append one piece's token ids to `input_ids`, the
+#    offset where it ends in the flat batch to `query_start`, and its context length to
+#    `context_lens` (positions and slots follow for every token at once, below the loop). The tests
+#    compare hand-worked steps token by token.
 #
 #    *Hint:* `query_start` holds cumulative offsets (it starts as `[0]`), and the code below yours
 #    reads its last entry. A piece's context length counts everything its queries attend to: the

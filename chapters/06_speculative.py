@@ -654,21 +654,28 @@ for name in ["draft model", "n-gram"]:
 # `src/minivllm/runner/speculative.py` and `src/minivllm/kv/block_manager.py`; run one exercise's
 # tests with `pytest tests --exercise ch06.1`.
 #
-# 1. **ch06.1 — the acceptance rule.** In `accept_or_resample`, accept each draft with probability
-#    min(1, p/q) (never when q = 0), and draw each row's replacement from norm(max(0, p − q)),
-#    falling back to p where that residual is empty. The tests include a chi-square test of the
-#    output.
+# 1. **ch06.1 — the acceptance rule.** In `accept_or_resample`, decide each row on its own, with
+#    its own two uniforms. Accept its draft $d$ iff $u < p(d)/q(d)$, with $u$ the row's `u_accept`
+#    (`p_draft` and `q_draft` are gathered for you): that is probability min(1, p/q), and *strictly*
+#    less, so u = 0 does not accept a draft the target gives probability 0; a draft with q = 0 is
+#    never accepted. For *every* row, accepted or not, also draw a replacement from
+#    norm(max(0, p − q)) by inverse CDF with `u_residual` — no random generator — falling back to p
+#    where that residual is all zeros. Return `accepted` (bool `[R]`) and `resampled` (long `[R]`).
+#    The tests pass hand-picked uniforms and count the exact draws, then run a chi-square test of
+#    the output through `verify`.
 #
 #    *Hint:* Test $u\,q < p$ instead of $u < p/q$: no division, but a q of 0 then needs its own
 #    refusal. `sample_from_probs` (ch04.2) already scales u by each row's total, so the residual
 #    need not be normalised; only a row whose residual sums to 0 needs p instead.
 # 2. **ch06.2 — {term}`KV rollback`.** In `BlockManager.truncate`, keep the blocks that hold the
-#    first `num_tokens` slots, give the others back with `_release` (in table order, so the next
-#    round grows back into the same blocks) and update the table's token count.
+#    first `num_tokens` slots, give the others back with `_release` in table order (so the next
+#    round grows back into the same blocks, in the same order), cut them from `table.blocks`, and
+#    set the table's token count. The checks above your code have already refused a bad
+#    `num_tokens`, and `_release` drops one reference, so a block a fork shares stays with it.
 #
-#    *Hint:* The blocks to keep are the ch03.1 ceiling for `num_tokens`. Hand the rest to `_release`
-#    in table order (not reversed, as `free` does), then cut them from `table.blocks`; truncating to
-#    0 leaves an empty table that stays registered.
+#    *Hint:* The blocks to keep are the ch03.1 ceiling for `num_tokens`. `free` releases reversed
+#    (tail first); here the table's own order is the point. Truncating to 0 leaves an empty table
+#    that stays registered.
 # 3. *(Explore, no test.)* Make k adaptive: keep a running α per sequence and choose the k that
 #    maximises $E / (k c + v)$ with the $c$ and $v$ measured above ($c = D / k$). Where does it beat
 #    a fixed k = 4?

@@ -358,6 +358,67 @@ print(
 # runs on its *workqueue* threading layer, whose threads sleep between kernels; an OpenMP layer
 # would keep spinning after each kernel, on the same cores torch's own OpenMP threads need.
 #
+# torch's own OpenMP threads spin too: by default libgomp keeps an idle thread busy-waiting for a
+# while after every parallel region, in case another comes soon. In an engine step that is the core
+# the attention kernel, the engine's Python or — on a shared machine — another process wants next.
+# `OMP_WAIT_POLICY=PASSIVE` makes idle threads sleep at once. libgomp reads it only when torch
+# loads, so minivllm sets it on import when torch has not loaded yet (and a value you set wins); the
+# Makefile exports it as well. The same small workload in two fresh processes, alternating, torch's
+# default against passive threads — wall clock and the CPU time all threads of the process used:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import os
+import statistics
+import subprocess
+import sys
+
+POLICY_RUN = """
+import json, time, torch  # torch first: libgomp reads OMP_WAIT_POLICY from the environment given
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.model.checkpoint import load_model
+from minivllm.training.corpus import shipped_validation_text
+torch.set_num_threads(2)
+text = shipped_validation_text()
+prompts = [text[300 * i : 300 * i + 40 + 5 * i] for i in range(32)]
+engine = LLMEngine(load_model(), EngineConfig(attention_backend="numba"))
+engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+wall, cpu = time.perf_counter(), time.process_time()
+outs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu,
+                  [list(o.token_ids) for o in outs]]))
+"""
+
+
+def run_policy(policy: str | None) -> tuple[float, float, list]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    done = subprocess.run(
+        [sys.executable, "-c", POLICY_RUN], env=env, capture_output=True, text=True, check=True
+    )
+    return tuple(json.loads(done.stdout.splitlines()[-1]))
+
+
+policy_runs = {"default (spin)": [], "PASSIVE": []}
+for _ in range(3):
+    for name, policy in (("default (spin)", None), ("PASSIVE", "PASSIVE")):
+        policy_runs[name].append(run_policy(policy))
+for name, runs in policy_runs.items():
+    print(
+        f"{name:>14}: wall {statistics.median(r[0] for r in runs):5.2f} s, CPU "
+        f"{statistics.median(r[1] for r in runs):5.2f} s (medians of {len(runs)}; 32 requests x "
+        f"64 tokens); load average {os.getloadavg()[0]:.1f}"
+    )
+tokens = [r[2] for runs in policy_runs.values() for r in runs]
+print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
+
+# %% [markdown]
+# On a quiet machine the wall clocks are close and the difference is CPU time, burnt spinning. On a
+# busy one the spinning threads hold cores the threads with work are waiting for, and the same run
+# can take many times longer; run this cell while something else keeps the machine busy to see it.
+# The benchmarks record the policy and the load average beside every run.
+#
 # ## Part 2 — the same algorithm in CUDA's execution model
 #
 # The CUDA kernel below computes the same thing — every K/V row read once, in place, through the
@@ -862,18 +923,26 @@ for batch, context in ((1, 4096), (64, 1024), (64, 4096)):
 # `pytest tests --exercise ch07.1`.
 # They run in the simulator, so no GPU is needed.
 #
-# 1. **ch07.1 — the block-table address.** In `cache_slot`, return the physical block that holds
-#    token `position` (from the sequence's {term}`block table`) and the slot within it.
+# 1. **ch07.1 — the block-table address.** In `cache_slot`, return `(block, offset)`: the physical
+#    block that holds token `position`, read from the sequence's {term}`block table` row `table`,
+#    and the offset of the token within that block. The tests run the whole v1 kernel, which calls
+#    it for every token, against a float64 reference.
 #
 #    *Hint:* It is `BlockManager.slot_mapping`'s arithmetic (chapter 03) stopped one step early: the
 #    logical block index picks the table entry and the remainder is the offset. Return the two; do
 #    not fold them into one slot.
-# 2. **ch07.2 — the {term}`log-sum-exp merge`.** In `merge_partitions`, combine the partitions'
-#    normalised outputs with weights $\ell_p e^{m_p - m}$, skipping empty partitions ($\ell_p = 0$).
+# 2. **ch07.2 — the {term}`log-sum-exp merge`.** In `merge_partitions`, for each element `d` the
+#    loop gives your thread, write `out[seq, head, d]`: the partitions' normalised outputs
+#    `partial_out[seq, head, p, d]` averaged with weights $\ell_p e^{m_p - m}$, where $\ell_p$ is
+#    `exp_sums[seq, head, p]`, $m_p$ is `max_logits[seq, head, p]` and $m$ their maximum (already
+#    computed above your code). Leave out the empty partitions ($\ell_p = 0$, past the end of a
+#    short context): their `partial_out` was never written. The test splits a 9-token and a 2-token
+#    context into partitions of 4 tokens, so the short one has two empty partitions.
 #
 #    *Hint:* Each partial output is already divided by its own $\ell_p$, so the merge is a weighted
 #    average: accumulate the weighted outputs and the weights, and divide once at the end. Skip an
-#    empty partition rather than trust its zero weight: its `partial_out` row was never written.
+#    empty partition with an `if` rather than trust its zero weight: zero times a never-written
+#    value is not always zero.
 # 3. *(Explore, no test.)* v1 keeps one score per token in shared memory. How long a context fits in
 #    an H100 block's 48 KiB of default dynamic shared memory? Rewrite `attend_range` with an
 #    *online* softmax (a running max and sum, rescaling the accumulator when the max grows) so its

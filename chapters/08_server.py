@@ -683,19 +683,22 @@ assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_beh
 # `pytest tests --exercise ch08.1`.
 #
 # 1. **ch08.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `,
-#    the payload as compact JSON (a string such as `[DONE]` as it is), and the blank line that ends
-#    the event.
+#    the payload, and the blank line that ends the event (`"\n\n"`). A `str` payload such as
+#    `[DONE]` goes in as it is; a `dict` as compact JSON — no space after `,` or `:` — with
+#    non-ASCII text written as itself (`❤`, not `\u2764`), as the tests compare the exact string.
 #
-#    *Hint:* `json.dumps` needs two non-default arguments: `separators` without spaces, and
-#    `ensure_ascii=False`, since the tests want non-ASCII text as it is, not `\u` escapes. JSON
-#    already escapes newlines, so the event stays one `data:` line.
-# 2. **ch08.2 — a chat as a play.** In `render_chat`, render each message as `SPEAKER:` (its name,
-#    or the default for its role), a newline, its speech with blank lines squeezed out, and a blank
-#    line; end with the header of the speaker who answers.
+#    *Hint:* `json.dumps` has a keyword argument for each of those two JSON requirements (see
+#    `help(json.dumps)`); its defaults put a space after each separator and escape every non-ASCII
+#    character. It already escapes newlines, so the event stays one `data:` line.
+# 2. **ch08.2 — a chat as a play.** In `render_chat`, render each message as `SPEAKER:` (its
+#    `name`, or the default for its role), a newline, its speech, and a blank line; end with the
+#    header (`SPEAKER:` and a newline) of the speaker who answers. The speech is the message's text
+#    with leading and trailing whitespace stripped and every blank line inside it removed (a line of
+#    only spaces counts as blank), so no speech can end early.
 #
 #    *Hint:* The module has the pieces: `SPEAKERS`, `END_OF_TURN` and `reply_speaker`;
-#    `message.text` joins content parts. Strip the speech, then turn every run of newlines that
-#    holds a blank line (whitespace-only lines too) into one newline: a single `re.sub`.
+#    `message.text` joins content parts. After the strip, a single `re.sub` turns every run of
+#    newlines that holds a blank line into one newline.
 # 3. *(Explore, no test.)* Back-pressure: make the server answer 429 (OpenAI's "rate limit" status,
 #    with a `retry-after` header) when the engine already has more than N requests waiting. Where
 #    should the check live so that it never races with the engine thread?

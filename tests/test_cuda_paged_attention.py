@@ -14,7 +14,13 @@ import itertools
 import pytest
 import torch
 
-from minivllm.attention.cuda.launch import GroupedDecode, grouped_paged_attention, paged_attention
+from minivllm.attention.cuda.kernels import merge_partitions
+from minivllm.attention.cuda.launch import (
+    GroupedDecode,
+    device_view,
+    grouped_paged_attention,
+    paged_attention,
+)
 from minivllm.attention.cuda.simulator import SIMULATOR
 from minivllm.book.kernel_check import kernel_error, random_inputs, reference_attention
 
@@ -77,6 +83,39 @@ def test_v1_in_float16() -> None:
     )
 
 
+@pytest.mark.exercise("ch07.2")
+def test_the_merge_weights_each_partition_by_its_log_sum_exp() -> None:
+    """`merge_partitions` alone, on partitions computed here in float64 (so ch07.2 is graded
+    without v2's attention, ch07.1's code): 2 sequences x 3 heads, partitions of 4 scores; the
+    second sequence has 5 tokens, so its last partition is empty, with NaN where its output would
+    be -- an empty partition must weigh nothing."""
+    generator = torch.Generator().manual_seed(7)
+    seqs, heads, parts, size, dim = 2, 3, 3, 4, 16
+    lengths = [parts * size, 5]
+    scores = 3 * torch.randn(seqs, heads, parts * size, generator=generator, dtype=torch.float64)
+    values = torch.randn(seqs, parts * size, dim, generator=generator, dtype=torch.float64)
+    partial = torch.full((seqs, heads, parts, dim), float("nan"), dtype=torch.float64)
+    max_logits = torch.full((seqs, heads, parts), float("-inf"), dtype=torch.float64)
+    exp_sums = torch.zeros(seqs, heads, parts, dtype=torch.float64)
+    expected = torch.empty(seqs, heads, dim, dtype=torch.float64)
+    for seq, length in enumerate(lengths):
+        real = scores[seq, :, :length]
+        expected[seq] = real.softmax(-1) @ values[seq, :length]
+        for p in range(-(-length // size)):
+            chunk = real[:, p * size : (p + 1) * size]
+            max_logits[seq, :, p] = chunk.max(-1).values
+            weights = (chunk - max_logits[seq, :, p, None]).exp()
+            exp_sums[seq, :, p] = weights.sum(-1)
+            chunk_values = values[seq, p * size : p * size + chunk.shape[1]]
+            partial[seq, :, p] = weights @ chunk_values / exp_sums[seq, :, p, None]
+    out = torch.full((seqs, heads, dim), float("nan"))
+    arguments = (out, partial.float(), max_logits.float(), exp_sums.float())
+    merge_partitions[(seqs, heads), 32](*(device_view(t) for t in arguments))
+    error = (out.double() - expected).abs().max() / expected.abs().max()
+    assert error <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.exercise("ch07.1")
 @pytest.mark.exercise("ch07.2")
 def test_v2_merges_partitions_including_empty_ones() -> None:
     # Partitions of 4 tokens: the 9-token sequence has 3, the 2-token one 1 real and 2 empty.

@@ -9,6 +9,7 @@ backend's greedy tokens.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -231,3 +232,24 @@ def test_the_backend_refuses_a_cache_it_cannot_read() -> None:
     storage = PagedKVStorage(ModelConfig(n_layers=1), 4, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="float32"):
         NumbaPagedAttention(storage, batch=None)
+
+
+@pytest.mark.parametrize(
+    "preset, first, expected",
+    [(None, "minivllm", "PASSIVE"), ("ACTIVE", "minivllm", "ACTIVE"), (None, "torch", "unset")],
+)
+def test_importing_minivllm_before_torch_makes_torchs_idle_threads_sleep(
+    preset: str | None, first: str, expected: str
+) -> None:
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads: the package sets PASSIVE when torch has
+    not loaded yet, leaves a value the user chose alone, and after torch changes nothing (so the
+    environment still says what torch got)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    second = "torch" if first == "minivllm" else "minivllm"
+    code = f"import os, {first}, {second}; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == expected

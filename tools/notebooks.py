@@ -1,11 +1,11 @@
 """The notebook pipeline: `chapters/NN_slug.py` (source) -> executed `chapters/NN_slug.ipynb`
-(committed).
+(committed), and the same for the book's own pages in `BOOK_PAGES` (`book/scoreboard.py`).
 
     python tools/notebooks.py execute [chapters/00_model.py ...]   sync .py -> .ipynb, execute it
     python tools/notebooks.py check                     fail if a pair drifted or a cell is unrun
 
-Execution happens in `chapters/` with a fresh kernel per notebook, cells in order, no timing
-metadata, so running it twice on the same machine gives the same outputs.
+Execution happens in the notebook's folder with a fresh kernel per notebook, cells in order, no
+timing metadata, so running it twice on the same machine gives the same outputs.
 """
 
 from __future__ import annotations
@@ -21,11 +21,18 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "chapters"
+# Pages of the book that are notebooks but not chapters (they live in book/, next to _toc.yml).
+BOOK_PAGES = [ROOT / "book" / "scoreboard.py"]
 CELL_TIMEOUT_S = 600
 
 
 def chapter_sources() -> list[Path]:
     return sorted(CHAPTERS.glob("[0-9][0-9]_*.py"))
+
+
+def notebook_sources() -> list[Path]:
+    """Every paired source: the chapters, then the book's own pages that exist."""
+    return chapter_sources() + [page for page in BOOK_PAGES if page.exists()]
 
 
 def cell_sources(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
@@ -54,7 +61,7 @@ def execute(py_path: Path) -> None:
         timeout=CELL_TIMEOUT_S,
         kernel_name="python3",
         record_timing=False,
-        resources={"metadata": {"path": str(CHAPTERS)}},
+        resources={"metadata": {"path": str(py_path.resolve().parent)}},
     )
     client.execute()
     # The kernel reports its exact Python version; keep only what matters so commits stay quiet.
@@ -65,7 +72,7 @@ def execute(py_path: Path) -> None:
 
 def problems() -> list[str]:
     found = []
-    for py_path in chapter_sources():
+    for py_path in notebook_sources():
         ipynb = py_path.with_suffix(".ipynb")
         if not ipynb.exists():
             found.append(f"{py_path.name} has no executed {ipynb.name}: run `make notebooks`")
@@ -90,7 +97,7 @@ def problems() -> list[str]:
 def main(argv: list[str]) -> int:
     command, paths = (argv[0] if argv else "check"), [Path(p) for p in argv[1:]]
     if command == "execute":
-        for path in paths or chapter_sources():
+        for path in paths or notebook_sources():
             execute(path.with_suffix(".py"))
         return 0
     if command == "check":

@@ -1,8 +1,11 @@
 """Course mode: write a student copy of the book with every exercise's solution stubbed out.
 
-    python tools/student.py DEST [--force]     write the student copy to DEST (`make student
-    DEST=dir`) python tools/student.py --grade [--json F] run the exercise tests here; a pass/fail
-    table per exercise
+    python tools/student.py DEST [--force] [--exercises ch03.1,ch05.2] [--book]
+        write the student copy to DEST (`make student DEST=dir [EXERCISES=...]`)
+    python tools/student.py DEST --probe
+        write a probe copy: every solution kept, each region recording that it was entered
+    python tools/student.py --grade [--json F]
+        run the exercise tests here; a pass/fail table per exercise
 
 Solutions live in the package source between nbgrader-style markers, right after an EXERCISE
 comment:
@@ -15,6 +18,10 @@ comment:
 In the student copy each region becomes one line, at the BEGIN line's indentation:
 `raise NotImplementedError("exercise ch00.1: RMSNorm -- ...")`. The EXERCISE comment stays.
 One exercise may span several regions (they repeat its id).
+
+A probe copy keeps every solution and puts one line in front of each region, at the same
+indentation: `__import__('_exercise_probe').enter('ch00.1')`. Graded there, the report says which
+exercises' regions each test entered (see `_region_probe`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,18 @@ EXERCISE = re.compile(r"^\s*# EXERCISE (?P<id>[\w.-]+): (?P<description>\S.*?)\s
 # Comments that look like markers but are not exactly one would silently ship a solution: refuse
 # them.
 NEAR_MISS = re.compile(r"#+\s*((?i:BEGIN SOLUTION|END SOLUTION)|EXERCISE\b)")
+# The top-level module a probe copy adds to its src/. Calling it from an expression statement is
+# valid at any indentation and binds no name that the region could shadow or be shadowed by.
+PROBE_MODULE = "_exercise_probe"
+PROBE_SOURCE = '''"""Written into a probe copy by tools/student.py: each solution region here starts
+by calling enter(its exercise id); the grading plugin empties `entered` before each test."""
+
+entered: set[str] = set()
+
+
+def enter(exercise_id: str) -> None:
+    entered.add(exercise_id)
+'''
 # What a student copy holds, when it exists here; everything else (.venv, .git, student/) stays
 # behind.
 COPIED = (
@@ -48,6 +67,7 @@ COPIED = (
     "jupytext.toml",
     "Makefile",
     "README.md",
+    "ARCHITECTURE.md",  # test_architecture.py checks it against the package
     "LICENSE",
     ".gitignore",
 )
@@ -73,11 +93,12 @@ class MarkerError(ValueError):
 
 
 def stub_source(
-    text: str, where: str = "<string>", only: set[str] | None = None
+    text: str, where: str = "<string>", only: set[str] | None = None, probe: bool = False
 ) -> tuple[str, list[Exercise]]:
     """`text` with every solution region replaced by its stub, and the exercises it held. With
     `only`, just those exercises are stubbed; the other regions keep their code, unmarked (they are
-    the reference the assigned exercises build on).
+    the reference the assigned exercises build on). With `probe`, no region is stubbed: each keeps
+    its code, unmarked, after a line that tells `PROBE_MODULE` its exercise was entered.
 
     An EXERCISE comment alone is fine (a student copy keeps them above the stubs); a region is not.
     """
@@ -97,11 +118,13 @@ def stub_source(
                 raise MarkerError(
                     f"{where}:{number}: {BEGIN} without an '# EXERCISE <id>: <what>' line above it"
                 )
-            opened, kept = number, only is not None and comment.id not in only
+            opened, kept = number, probe or (only is not None and comment.id not in only)
             found.append(comment)
+            indent = line[: len(line) - len(line.lstrip())]
+            if probe:
+                out.append(f"{indent}__import__({PROBE_MODULE!r}).enter({comment.id!r})\n")
             if kept:
                 continue
-            indent = line[: len(line) - len(line.lstrip())]
             message = json.dumps(
                 f"exercise {comment.id}: {comment.description}", ensure_ascii=False
             )
@@ -170,14 +193,15 @@ def _ignore(root: Path):
     return ignore
 
 
-def stub_package(dest: Path, only: set[str] | None = None) -> list[Exercise]:
-    """Replace the solution regions of the copied package (those of `only`, if given), in place;
-    each stubbed file must still compile. Returns the exercises stubbed."""
+def stub_package(dest: Path, only: set[str] | None = None, probe: bool = False) -> list[Exercise]:
+    """Replace the solution regions of the copied package (those of `only`, if given; with `probe`,
+    put the probe line in front of each), in place; each changed file must still compile. Returns
+    the exercises stubbed (probed)."""
     found: list[Exercise] = []
     for path in package_sources(dest):
         where = str(path.relative_to(dest))
         original = path.read_text(encoding="utf-8")
-        text, exercises = stub_source(original, where, only)
+        text, exercises = stub_source(original, where, only, probe)
         if text != original:  # regions stubbed, or (with `only`) markers taken off kept ones
             compile(text, where, "exec")  # a SyntaxError here names the file and line
             path.write_text(text, encoding="utf-8")
@@ -228,17 +252,32 @@ def make_student_copy(
                 f"unknown exercise(s) {', '.join(unknown)}; the exercises are "
                 f"{', '.join(sorted(known, key=_exercise_order))}"
             )
+    _copy_project(src_root, dest, COPIED)
+    exercises = stub_package(dest, only)
+    for notebook in sorted((dest / "chapters").glob("*.ipynb")):
+        scrub_notebook(notebook, only)
+    (dest / "STUDENT.md").write_text(student_readme(exercises), encoding="utf-8")
+    return exercises
+
+
+def _copy_project(src_root: Path, dest: Path, names: tuple[str, ...]) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    for name in COPIED:
+    for name in names:
         source = src_root / name
         if source.is_dir():
             shutil.copytree(source, dest / name, ignore=_ignore(src_root), dirs_exist_ok=True)
         elif source.is_file():
             shutil.copy2(source, dest / name)
-    exercises = stub_package(dest, only)
-    for notebook in sorted((dest / "chapters").glob("*.ipynb")):
-        scrub_notebook(notebook, only)
-    (dest / "STUDENT.md").write_text(student_readme(exercises), encoding="utf-8")
+
+
+def make_probe_copy(src_root: Path, dest: Path, force: bool = False) -> list[Exercise]:
+    """Write a probe copy of the project at `src_root` to `dest`: only what grading needs (no
+    notebooks, no book), every region kept and probed. Returns the exercises probed."""
+    src_root, dest = src_root.resolve(), dest.resolve()
+    check_destination(src_root, dest, force)
+    _copy_project(src_root, dest, ("src", "tests", "tools", "pyproject.toml"))
+    exercises = stub_package(dest, probe=True)
+    (dest / "src" / f"{PROBE_MODULE}.py").write_text(PROBE_SOURCE, encoding="utf-8")
     return exercises
 
 
@@ -316,11 +355,56 @@ class _Recorder:
         test["message"] = report.longreprtext[-2000:] if report.failed else ""
 
 
+def _region_probe(recorder: _Recorder, probe):
+    """A pytest plugin for a probe copy (`probe` is its PROBE_MODULE): for each test, the exercises
+    whose regions it entered, in `recorder.tests[nodeid]["entered"]`. That counts its own setup,
+    call and teardown, and also the setup of any broader-scoped fixture it uses: that fixture ran
+    once, in some earlier test's window, yet a stub entered there would fail every test using it."""
+    import pytest
+
+    class RegionProbe:
+        def __init__(self) -> None:
+            self.by_fixture: dict = {}  # FixtureDef (scope above function) -> exercises entered
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_fixture_setup(self, fixturedef, request):
+            outer, probe.entered = probe.entered, set()
+            try:
+                return (yield)
+            finally:
+                own = probe.entered
+                probe.entered = outer | own
+                if fixturedef.scope != "function":  # a function-scoped one is in its test's window
+                    self.by_fixture.setdefault(fixturedef, set()).update(own)
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_runtest_protocol(self, item, nextitem):
+            probe.entered = set()
+            try:
+                return (yield)
+            finally:
+                entered = set(probe.entered)
+                definitions = item._fixtureinfo.name2fixturedefs
+                for name in item.fixturenames:
+                    for fixturedef in definitions.get(name, ()):
+                        entered |= self.by_fixture.get(fixturedef, set())
+                if item.nodeid in recorder.tests:
+                    recorder.tests[item.nodeid]["entered"] = sorted(entered)
+
+    return RegionProbe()
+
+
 def grade(root: Path, extra: list[str]) -> dict:
-    """Run the exercise tests of the project at `root` in this process."""
+    """Run the exercise tests of the project at `root` in this process. In a probe copy each test's
+    record also lists the exercises whose regions it `entered`."""
+    import importlib
+
     import pytest
 
     recorder = _Recorder()
+    plugins: list = [recorder]
+    if (root / "src" / f"{PROBE_MODULE}.py").is_file():
+        plugins.append(_region_probe(recorder, importlib.import_module(PROBE_MODULE)))
     # Collect only the test files that use the marker: importing every test module costs minutes.
     files = [
         str(path)
@@ -336,7 +420,7 @@ def grade(root: Path, extra: list[str]) -> dict:
         "no:cacheprovider",
         *extra,
     ]
-    exit_code = pytest.main(args, plugins=[recorder])
+    exit_code = pytest.main(args, plugins=plugins)
     # Which copy of each package under src/ the tests really imported (PYTHONPATH or an installed
     # one).
     names = [init.parent.name for init in (root / "src").glob("*/__init__.py")]
@@ -371,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
         "--book", action="store_true", help="also build the copy's HTML book, without solutions"
     )
     parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="write a probe copy to DEST instead: every solution kept, each region recording that "
+        "a test entered it (graded, the report lists them per test)",
+    )
+    parser.add_argument(
         "--grade", action="store_true", help="run the exercise tests here and report per exercise"
     )
     parser.add_argument(
@@ -385,7 +475,13 @@ def main(argv: list[str] | None = None) -> int:
         return report["exit_code"]
     if args.dest is None or extra:
         parser.error("give DEST (and nothing else), or --grade")
+    if args.probe and (args.exercises or args.book):
+        parser.error("--probe keeps every exercise and writes no book")
     try:
+        if args.probe:
+            exercises = make_probe_copy(ROOT, args.dest, args.force)
+            print(f"wrote a probe copy to {args.dest.resolve()}: {len(exercises)} regions probed")
+            return 0
         only = set(filter(None, args.exercises.split(","))) if args.exercises else None
         exercises = make_student_copy(ROOT, args.dest, args.force, only)
     except MarkerError as error:

@@ -15,7 +15,18 @@ of torch, and the package's `__init__` runs before every submodule. ARCHITECTURE
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING
+
+# torch's OpenMP threads (libgomp) spin after each parallel region by default, waiting for the next
+# one on cores that numba's attention threads, the engine's Python or another process need; on a
+# busy 2-core machine that made the engine an order of magnitude slower (chapter 07 measures it).
+# Passive threads sleep at once. libgomp reads this once, when torch loads: so only when torch has
+# not loaded yet (the environment then says what torch really got), and a value already set wins.
+# The Makefile exports it too, for notebooks and scripts that import torch first.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _HOMES = {
     "LLM": "minivllm.engine.llm_engine",

@@ -1,0 +1,229 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Scoreboard — one workload through every layer
+#
+# Each chapter adds one idea to the engine and measures it on a workload of its own. This page runs
+# *one* seeded workload through all of them, in the order the book builds them: naive generation,
+# a KV cache, a paged cache, continuous batching, speculative decoding, the CPU attention kernel,
+# and the whole engine served over HTTP. The same prompts, the same output lengths, greedy
+# decoding, the same model, two CPU threads — so each row differs from the one before it by its
+# chapter's idea alone, and the greedy tokens can be compared row by row.
+#
+# The numbers come from `benchmarks/scoreboard.py`, which writes
+# `benchmarks/results/scoreboard.json`; the cells below only read that record. Run the script
+# again and re-execute this page to see your own machine's scoreboard.
+
+# %%
+import json
+from html import escape
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from IPython.display import HTML, display
+
+import minivllm
+from minivllm.book import sequence_color, use_book_style
+
+use_book_style()
+ROOT = Path(minivllm.__file__).resolve().parents[2]  # the repository (an editable install)
+record = json.loads((ROOT / "benchmarks" / "results" / "scoreboard.json").read_text())
+rows, workload, machine = record["rows"], record["workload"], record["machine"]
+naive_tps = rows[0]["tokens_per_s_median"]
+print(
+    f"{workload['requests']} requests (seed {workload['seed']}): "
+    f"{workload['prompt_tokens_total']} prompt tokens, {workload['output_tokens_total']} output "
+    f"tokens ({workload['output_tokens'][0]}-{workload['output_tokens'][1]} each), "
+    f"{workload['sampling']}"
+)
+print(
+    f"recorded {record['date']} on {machine['platform']}, {machine['cpus']} CPUs, "
+    f"torch {machine['torch']} with {machine['torch_threads']} threads "
+    f"(OMP_WAIT_POLICY {machine.get('OMP_WAIT_POLICY') or 'unset'}), "
+    f"minivllm commit {(machine['source']['commit'] or 'unknown')[:12]}"
+)
+print(
+    f"load average (1, 5, 15 min): {machine['load_average_at_start']} at the start, "
+    f"{machine['load_average_at_end']} at the end; "
+    f"{record['config']['repeats']} alternating rounds, the median run of each row shown"
+)
+
+# %% [markdown]
+# ## The table
+#
+# Throughput is generated tokens over wall-clock seconds for the whole workload. *KV reserved* is
+# what the layer allocates for keys and values while it runs; *KV peak used* is the most of it that
+# held live tokens at one moment (see the script's docstring for each layer's definition). The last
+# column says whether the row's greedy tokens are the naive row's, request for request.
+
+
+# %%
+def html_table(header: list[str], body: list[list[str]], right: set[int]) -> HTML:
+    """A plain HTML table (the book's theme styles it); the columns in `right` align right."""
+
+    def cells(tag: str, values: list[str]) -> str:
+        return "".join(
+            f'<{tag} style="text-align: {"right" if i in right else "left"}">{escape(v)}</{tag}>'
+            for i, v in enumerate(values)
+        )
+
+    rows_html = "".join(f"<tr>{cells('td', row)}</tr>" for row in body)
+    return HTML(
+        f"<table><thead><tr>{cells('th', header)}</tr></thead><tbody>{rows_html}</tbody></table>"
+    )
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f}" if n else "—"
+
+
+def same(row: dict) -> str:
+    differing = row["requests_differing_from_naive"]
+    return "yes" if differing == 0 else f"no: {differing} of {workload['requests']} differ"
+
+
+header = [
+    "layer",
+    "chapter",
+    "tokens/s",
+    "speed-up over naive",
+    "KV reserved (MiB)",
+    "KV peak used (MiB)",
+    "tokens identical",
+]
+body = [
+    [
+        row["layer"],
+        row["chapter"],
+        f"{row['tokens_per_s_median']:,.1f}",
+        f"{row['tokens_per_s_median'] / naive_tps:,.1f}×",
+        mib(row["kv_reserved_bytes"]),
+        mib(row["kv_peak_used_bytes"]),
+        same(row),
+    ]
+    for row in rows
+]
+display(html_table(header, body, right={2, 3, 4, 5}))
+
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Output tokens per second of each layer on the same seeded workload (log scale, the median of the alternating runs; the thin line spans the slowest to the fastest run). Each bar is one chapter's idea added to the bar above it.", "name": "fig-scoreboard"}}
+fig, ax = plt.subplots(figsize=(7.5, 3.8))
+labels = [f"{row['layer']} ({row['chapter']})" for row in rows]
+medians = [row["tokens_per_s_median"] for row in rows]
+spreads = [[r["tokens_per_s"] for r in row["runs"]] for row in rows]
+y = range(len(rows))
+ax.barh(y, medians, color=[sequence_color(i) for i in y])
+ax.hlines(y, [min(s) for s in spreads], [max(s) for s in spreads], color="black", linewidth=1)
+for i, (value, spread) in enumerate(zip(medians, spreads)):
+    ax.text(max(value, *spread) * 1.1, i, f"{value:,.0f}", va="center", fontsize=9)
+ax.set_xscale("log")
+ax.set_xlim(min(medians) / 2, max(max(s) for s in spreads) * 4)
+ax.set_yticks(list(y), labels)
+ax.invert_yaxis()
+ax.set_xlabel("output tokens per second (log scale)")
+plt.show()
+
+# %% [markdown]
+# ## Why each layer is faster
+#
+# Each row against the one before it (the CPU kernel against continuous batching on the torch
+# backend, since the speculative row is a branch beside it):
+
+# %%
+by_key = {row["key"]: row for row in rows}
+previous = {
+    "kv_cache": "naive",
+    "paged": "kv_cache",
+    "continuous": "paged",
+    "speculative": "continuous",
+    "numba": "continuous",
+    "http": "numba",
+}
+for key, before in previous.items():
+    ratio = by_key[key]["tokens_per_s_median"] / by_key[before]["tokens_per_s_median"]
+    print(f"{by_key[key]['layer']:<28} {ratio:5.2f}× {by_key[before]['layer']}")
+
+# %% [markdown]
+# - **Naive generation** ({doc}`chapters/00_model`) is the baseline: every new token re-runs the
+#   model over the whole sequence so far, so a token costs a forward pass over hundreds of
+#   positions, and a request costs the square of its length.
+# - **The contiguous KV cache** ({doc}`chapters/02_contiguous_cache`) keeps every layer's keys and
+#   values, so a step feeds the model one token and reads the history instead of recomputing it.
+#   Its price is memory: it reserves the model's whole context for a request however short the
+#   request turns out to be, which is the gap between its two memory columns.
+# - **The paged cache** ({doc}`chapters/03_paged_cache`) does not make one request faster — the
+#   history is gathered through a block table, a little more work per step than a slice — but it
+#   holds only the blocks a request has filled, so the reserved memory falls to what is used. That
+#   is what lets many requests share one pool, which the next row needs.
+# - **Continuous batching** ({doc}`chapters/04_engine`) runs every request in one batched forward
+#   pass per step and fills a finished request's place at once. A matrix product over a few dozen
+#   rows costs little more than over one, so the cost of a step is shared by the whole batch; the
+#   pool now holds every request at once, which is why its memory columns grow.
+# - **Speculative decoding** ({doc}`chapters/06_speculative`) lets the draft model propose a few
+#   tokens and the target verify them in one pass, trading spare compute for fewer target passes.
+#   At one request on a CPU that spare compute exists; with a whole batch already in every pass it
+#   mostly does not, and the verify's extra tokens and the draft passes cost about what they save —
+#   compare chapter 06's batch-1 measurement. The draft model's own cache adds to the memory.
+# - **The CPU paged-attention kernel** ({doc}`chapters/07_cuda_paged_attention`) attends over the
+#   paged cache in place: each K/V row is read once per group of query heads, with no gathered copy
+#   of the history and no padding, and the work is dealt to both cores by cost. Same blocks, same
+#   memory; less time in attention.
+# - **Served over HTTP** ({doc}`chapters/08_server`) is that engine behind the OpenAI API, every
+#   request a streaming client. It is not meant to be faster: what it adds is the work of the
+#   server — HTTP, a JSON chunk per token, an event loop sharing the interpreter with the engine
+#   thread — and the row shows how little of the engine's throughput that costs. On a busy machine
+#   it can even come out ahead: the server is a process of its own, and the operating system shares
+#   the cores among processes, so server and clients together get a larger slice than the single
+#   process that ran the row above. Its text is compared with the naive row's tokens decoded, since
+#   a stream carries text, not token ids.
+
+# %% [markdown]
+# ## Against vLLM
+#
+# vLLM's own CPU build was measured by `benchmarks/vllm_peer.py` on a *different*, larger workload
+# (the throughput benchmark's, at 256 requests), alternating with minivllm's engine in the same run.
+# Its row is shown with minivllm's row from that same record, so the ratio compares two systems on
+# one workload; neither number compares with the rows above.
+
+# %%
+peer = record["vllm_peer"]
+if peer is None:
+    print("no vLLM run recorded (benchmarks/results/vllm_peer.json is absent)")
+else:
+    peer_workload = peer["workload"]
+    agreement = peer["greedy_agreement"]
+    display(
+        html_table(
+            ["system (its own workload)", "tokens/s", "minivllm / vLLM", "tokens identical"],
+            [
+                [peer["vllm"]["system"], f"{peer['vllm']['tokens_per_s_median']:,.1f}", "", ""],
+                [
+                    peer["minivllm"]["system"],
+                    f"{peer['minivllm']['tokens_per_s_median']:,.1f}",
+                    f"{peer['minivllm_over_vllm_median']:.2f}",
+                    f"{agreement['identical']} of {agreement['requests']}",
+                ],
+            ],
+            right={1, 2},
+        )
+    )
+    print(
+        f"vLLM's workload: {peer_workload['requests']} requests (seed {peer_workload['seed']}), "
+        f"{peer_workload['prompt_tokens_total']} prompt and {peer_workload['output_tokens_total']} "
+        f"output tokens, {peer_workload['sampling']}; {peer['config']['max_num_seqs']} sequences "
+        f"and {peer['config']['max_num_batched_tokens']} tokens per step in both systems; "
+        f"vLLM {peer['machine']['vllm']}, load average {peer['load_average']['start']} at the "
+        f"start, {peer['load_average']['end']} at the end"
+    )
+
+# %% [markdown]
+# The numbers are wall clock on whatever machine ran the script, with the load average beside
+# them: on a shared machine a run can be much slower than the next, so read the ratios, which come
+# from runs taken minutes apart, rather than the absolute rates.
