@@ -22,7 +22,18 @@ def block_owners(manager: BlockManager) -> dict[int, list[int]]:
     return owners
 
 
-def _cell(ax: Axes, x: float, y: float, color: str, label: str, shared: bool = False) -> None:
+def _label_size(ax: Axes, x_span: float, y_span: float) -> float:
+    """A font size (points) for a cell's label: a third of the cell's side once the axes keeps its
+    aspect ratio, between 8 and 12 pt, so a pool of a few big cells reads as easily as the page's
+    text and a pool of many small ones still fits its labels."""
+    box = ax.get_window_extent()
+    points_per_unit = min(box.width / x_span, box.height / y_span) * 72 / ax.figure.dpi
+    return max(8.0, min(12.0, points_per_unit / 3))
+
+
+def _cell(
+    ax: Axes, x: float, y: float, color: str, label: str, size: float, shared: bool = False
+) -> None:
     ax.add_patch(
         Rectangle(
             (x, y), 0.92, 0.92, facecolor=color, edgecolor="white", hatch="///" if shared else None
@@ -36,7 +47,7 @@ def _cell(ax: Axes, x: float, y: float, color: str, label: str, shared: bool = F
         label,
         ha="center",
         va="center",
-        fontsize=7,
+        fontsize=size,
         bbox=plate if shared else None,
     )
 
@@ -49,18 +60,19 @@ def draw_block_pool(
     owners, centres = block_owners(manager), {}
     num_blocks = manager.allocator.num_blocks
     rows = -(-num_blocks // columns)
+    ax.set_xlim(-0.1, columns)
+    ax.set_ylim(-0.1, rows)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    size = _label_size(ax, columns + 0.1, rows + 0.1)
     for block in range(num_blocks):
         x, y = block % columns, rows - 1 - block // columns
         holders = owners.get(block, [])
         color = sequence_color(holders[0]) if holders else FREE_COLOR
         label = f"{block}" + (f"\n×{len(holders)}" if len(holders) > 1 else "")
-        _cell(ax, x, y, color, label, shared=len(holders) > 1)
+        _cell(ax, x, y, color, label, size, shared=len(holders) > 1)
         centres[block] = (x + 0.46, y + 0.46)
-    ax.set_xlim(-0.1, columns)
-    ax.set_ylim(-0.1, rows)
-    ax.set_aspect("equal")
-    ax.axis("off")
-    ax.set_title(f"{title}: {manager.num_free} of {num_blocks} free", fontsize=9)
+    ax.set_title(f"{title}: {manager.num_free} of {num_blocks} free", fontsize=11)
     return centres
 
 
@@ -74,11 +86,16 @@ def draw_block_tables(
     With `pool_ax`, an arrow runs from every logical block to its physical block."""
     seq_ids = sorted(manager.tables)
     width = max((len(manager.tables[s].blocks) for s in seq_ids), default=1)
+    ax.set_xlim(-1.6, max(width, 1))
+    ax.set_ylim(-0.1, max(len(seq_ids), 1))
+    ax.set_aspect("equal")
+    ax.axis("off")
+    size = _label_size(ax, max(width, 1) + 1.6, max(len(seq_ids), 1) + 0.1)
     for row, seq_id in enumerate(seq_ids):
         y = len(seq_ids) - 1 - row
-        ax.text(-0.2, y + 0.46, f"seq {seq_id}", ha="right", va="center", fontsize=8)
+        ax.text(-0.2, y + 0.46, f"seq {seq_id}", ha="right", va="center", fontsize=size)
         for logical, block in enumerate(manager.tables[seq_id].blocks):
-            _cell(ax, logical, y, sequence_color(seq_id), f"→{block}")
+            _cell(ax, logical, y, sequence_color(seq_id), f"→{block}", size)
             if pool_ax is not None and pool_centres is not None:
                 ax.figure.add_artist(
                     ConnectionPatch(
@@ -93,11 +110,7 @@ def draw_block_tables(
                         mutation_scale=6,
                     )
                 )
-    ax.set_xlim(-1.6, max(width, 1))
-    ax.set_ylim(-0.1, max(len(seq_ids), 1))
-    ax.set_aspect("equal")
-    ax.axis("off")
-    ax.set_title("block tables (logical → physical)", fontsize=9)
+    ax.set_title("block tables (logical → physical)", fontsize=11)
 
 
 # The fate of a draft token in speculative decoding (chapter 06).
