@@ -16,12 +16,13 @@ Llama safetensors) by
   Its CPU backend takes its OpenMP threads from `VLLM_CPU_OMP_THREADS_BIND` (here the first
   `--threads` CPUs this process may run on: `0-1`; vLLM's `auto` would keep one core back for its
   scheduler process and leave one thread on a 2-core machine), and its KV cache from
-  `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 here). Either can be overridden from the environment. Two
-  modes, both run unless `--vllm-modes` names one: `compiled` is vLLM's default (torch.compile with
-  inductor, compiled at start-up and cached under ~/.cache/vllm), `eager` is `enforce_eager=True`
-  (plain PyTorch modules, like minivllm). vLLM runs with libgomp's default wait policy (idle
-  OpenMP threads spin a while before they sleep), as it ships; `compiled-passive` runs the compiled
-  mode with `OMP_WAIT_POLICY=PASSIVE`, the setting minivllm makes when it is imported;
+  `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 here). Either can be overridden from the environment. Three
+  modes, the first two run unless `--vllm-modes` names others: `compiled` is vLLM's default
+  (torch.compile with inductor, compiled at start-up and cached under ~/.cache/vllm), `eager` is
+  `enforce_eager=True` (plain PyTorch modules, like minivllm). vLLM runs with libgomp's default
+  wait policy (idle OpenMP threads spin a while before they sleep), as it ships;
+  `compiled-passive` runs the compiled mode with `OMP_WAIT_POLICY=PASSIVE`, the setting minivllm
+  makes when it is imported;
 * minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
   on each attention backend of `--backends`.
 

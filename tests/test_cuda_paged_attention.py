@@ -319,18 +319,18 @@ GRID = list(
 )
 
 
+def grid_case(block_size, head_dim, group, dtype, lens):
+    """A case of the GPU grid: 8 query heads in groups of `group`, on the GPU."""
+    seed = block_size + head_dim + group
+    return make_case((8, 8 // group, head_dim), block_size, lens, dtype, seed, device="cuda")
+
+
 @GPU_ONLY
 @pytest.mark.parametrize("block_size, head_dim, group, dtype", GRID)
 @pytest.mark.parametrize("partition_size", [None, 64])
 def test_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size) -> None:
-    lens = [1, block_size - 1, 3 * block_size + 5, 517]
-    case = make_case(
-        (8, 8 // group, head_dim),
-        block_size,
-        lens,
-        dtype,
-        seed=block_size + head_dim + group,
-        device="cuda",
+    case = grid_case(
+        block_size, head_dim, group, dtype, [1, block_size - 1, 3 * block_size + 5, 517]
     )
     assert relative_error(case, partition_size=partition_size, threads=128) <= TOLERANCE[dtype]
 
@@ -340,14 +340,7 @@ def test_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size
 @pytest.mark.parametrize("partition_size", [None, 64, 512])
 def test_v3_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size) -> None:
     lens = [1, block_size - 1, 3 * block_size + 5, 517, 2000]
-    case = make_case(
-        (8, 8 // group, head_dim),
-        block_size,
-        lens,
-        dtype,
-        seed=block_size + head_dim + group,
-        device="cuda",
-    )
+    case = grid_case(block_size, head_dim, group, dtype, lens)
     error = relative_error(case, partition_size=partition_size, threads=128, grouped=True)
     assert error <= TOLERANCE[dtype]
 
