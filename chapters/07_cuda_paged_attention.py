@@ -70,11 +70,19 @@ from minivllm.attention.numba_cpu import (
     _attend,
     _exp_in_place,
     _paged_attention_kernel,
+    _prefetch_block,
+    _scores_plain,
+    _scores_simd,
+    _softmax_rows,
+    _values_plain,
+    _values_simd,
     paged_attention_cpu,
     plan_work,
+    simd_fits,
     unit_cost,
     warm_up,
 )
+from minivllm.attention.simd import sum8x8
 from minivllm.attention.torch_backend import DecodeAttention
 from minivllm.book import kernel_check, show, source, use_book_style
 from minivllm.book.figures.kernels import draw_cache_reads, draw_execution_model, draw_work_plan
@@ -187,22 +195,16 @@ print(
 # splits a loop across the cores, and `cache=True` keeps the machine code on disk, so only the
 # first process on a machine pays the compile. The kernel lives in `attention/numba_cpu.py`.
 #
-# ### The algorithm: one pass, an online softmax
+# ### The algorithm: scores, softmax, values
 #
-# A query vector $q$ attends keys $k_1 \dots k_n$ and values $v_1 \dots v_n$ with
-# $o = \sum_j e^{s_j - m} v_j \,/\, \sum_j e^{s_j - m}$, where $s_j = q \cdot k_j / \sqrt{d}$ and
-# $m = \max_j s_j$ keeps the exponentials from overflowing. Read block by block, the max is not
-# known until the end — but it need not be. Keep a running max $m$, a running sum $\ell$ and an
-# accumulator $a$; for each new block of scores,
-#
-# $$m' = \max\big(m, \max_j s_j\big), \qquad
-# \ell' = \ell\, e^{m - m'} + \sum_j e^{s_j - m'}, \qquad
-# a' = a\, e^{m - m'} + \sum_j e^{s_j - m'}\, v_j ,$$
-#
-# and at the end $o = a / \ell$. Everything already summed is rescaled to the new max, so each key
-# and value row is read exactly once, and no score outlives its block. This is the *online softmax*
-# of {cite}`milakov2018online`, the heart of FlashAttention {cite}`dao2022flashattention` and of
-# vLLM's paged-attention kernels (`csrc/attention/` for CUDA, `csrc/cpu/` for its CPU build).
+# A query vector $q$ attends keys $k_1 \dots k_n$ and values $v_1 \dots v_n$:
+# $o = \sum_j p_j v_j$ with $p = \mathrm{softmax}(s)$, $s_j = q \cdot k_j / \sqrt{d}$. The kernel
+# does exactly that, in two passes over the sequence's blocks: every score, read through the block
+# table; the softmax of the whole row at once (the max subtracted first, so no exponential
+# overflows); then the values, weighted. Each key and each value row is read once. The scores wait
+# in between in a scratch row per query vector — 4 KiB for the model's longest context of 1024
+# tokens, allocated once per thread per call — which a CPU core's caches hold easily. (A GPU
+# cannot give every thread such a row; Part 2 meets the one-pass *online* softmax that avoids it.)
 #
 # `_attend` does it for one unit of work: up to `QUERY_TILE` query rows of one sequence and one K/V
 # head. {term}`Grouped-query attention` rides along: the model's 8 query heads share 2 K/V heads, so
@@ -214,23 +216,112 @@ print(
 show(_attend)
 
 # %% [markdown]
-# The scores loop is a dot product per (key, query vector); the values loop adds each value row into
-# every vector's accumulator. Both run along `head_dim`, contiguous in memory, so LLVM turns them
-# into SIMD instructions (8 floats at a time with AVX2) — `fastmath` allows it to reorder the
-# float32 sums for that. numba's `math.exp` is one library call per element, which no compiler
-# vectorises, so the exponentials go through `_exp_in_place`: Cephes' single-precision exp written
-# as plain arithmetic ($x = k \ln 2 + r$, a polynomial for $e^r$, $2^k$ written into the float's
-# exponent bits).
+# Its pieces, first as plain loops. The scores are a dot product per (key, query vector), each key
+# row read once for every vector of the unit; the values add each value row into every vector's
+# accumulator:
+
+# %%
+show(_scores_plain)
+show(_values_plain)
+
+# %% [markdown]
+# Between them, the softmax of each vector's row — a row sees one more key than the row before it in
+# a prefill tile, and nothing past its own position:
+
+# %%
+show(_softmax_rows)
+
+# %% [markdown]
+# numba's `math.exp` is one library call per element, which no compiler vectorises, so the
+# exponentials go through `_exp_in_place`: Cephes' single-precision exp written as plain arithmetic
+# ($x = k \ln 2 + r$, a polynomial for $e^r$, $2^k$ written into the float's exponent bits), which
+# LLVM turns into SIMD instructions like any other loop over an array.
 
 # %%
 show(_exp_in_place)
 
 # %% [markdown]
+# ### Faster: say where the SIMD lanes go
+#
+# LLVM vectorises the plain loops along `head_dim`, contiguous in memory: with AVX2, eight floats per
+# instruction (`fastmath` allows it to reorder the float32 sums for that). But a dot product is a
+# *reduction*. After four 8-lane multiply-adds over head_dim 32, the eight lanes of the result must
+# still be added together — three additions and three shuffles, for every (key, query vector) pair,
+# as much work as the multiply-adds. And the values loop keeps every vector's accumulator in memory,
+# because LLVM cannot prove the accumulator and the cache never overlap: a load and a store around
+# every multiply-add.
+#
+# A compiler cannot be told how to lay the work onto lanes; a kernel writer can. C++ kernels use
+# intrinsics (vLLM's CPU build wraps them in `vec_op`); `attention/simd.py` gives numba a handful:
+# `float32x8`, eight floats held in one register, with `load8`, `store8`, `splat8`, `fma8`, `add8`,
+# each one or a few LLVM instructions. With them the scores take **eight keys at a time**: a query
+# vector's eight dot products build up in eight registers, and one `sum8x8` adds all eight across
+# their lanes together, in seven additions instead of twenty-four:
+
+# %%
+show(sum8x8)
+show(_scores_simd)
+
+# %% [markdown]
+# The values take sixteen lanes of head_dim and four value rows per round: eight accumulators that
+# stay in registers for the whole block, and eight independent multiply-add chains — as many as two
+# FMA units need while each result takes four cycles to be ready for the next. The same idea as
+# the register tiles of a fast matmul {cite}`goto2008anatomy`:
+
+# %%
+show(_values_simd)
+
+# %% [markdown]
+# One more wait is the memory's. Within a block a head's rows lie at a fixed stride, which the
+# hardware prefetcher follows; the next block is wherever the block table says, which it cannot
+# guess. So while one block is computed, `_attend` asks for the next block's rows:
+
+# %%
+show(_prefetch_block)
+
+# %% [markdown]
+# The vector paths need head_dim a multiple of 16 and blocks a multiple of 8 (`simd_fits`); other
+# shapes take the plain loops. Both are compiled into the same kernel, and `simd=False` picks the
+# plain loops anywhere, so the two can be timed on the same inputs — the model's shapes, 64 decodes
+# with contexts of 200 to 300 tokens scattered over a pool of blocks, one layer, alternating, the
+# median of 30 calls each (this machine, now):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+warm_up()  # compile, or load the machine code cached by an earlier process
+q, key_cache, value_cache, tables, lens = random_inputs(
+    list(np.random.default_rng(1).integers(200, 300, 64)),
+    config.n_heads,
+    config.n_kv_heads,
+    config.head_dim,
+    16,
+    seed=1,
+    spare_blocks=2000,
+)
+decode_args = (q.numpy(), key_cache.numpy(), value_cache.numpy(), tables.numpy(), lens.numpy())
+decode_args += (np.arange(len(lens) + 1),)
+print("vector paths fit the model's shapes:", simd_fits(config.head_dim, 16))
+call_ms = {False: [], True: []}
+for _ in range(30):
+    for simd in (False, True):
+        started = time.perf_counter()
+        paged_attention_cpu(*decode_args, simd=simd)
+        call_ms[simd].append(1e3 * (time.perf_counter() - started))
+plain, vector = (float(np.median(call_ms[simd])) for simd in (False, True))
+print(
+    f"one layer, 64 decodes: plain loops {plain:.2f} ms, vector paths {vector:.2f} ms ({plain / vector:.2f}x)"
+)
+
+# %% [markdown]
+# The gap is smaller than the instruction counts suggest, and smaller in the engine than here: a
+# decode step reads each layer's whole cache once, megabytes that come from memory rather than the
+# caches, and once the arithmetic is fast that reading is most of what is left.
+#
 # ### The kernel: write, then attend, on every core
 #
 # The compiled entry point takes one layer's whole batch. It first writes the new rows' keys and
 # values to their slots (the {term}`slot mapping` of chapter 04 — the same call, no separate
-# scatter), then runs the units of work, each thread its own list:
+# scatter), then runs the units of work, each thread its own list, with its scratch allocated once:
 
 # %%
 show(_paged_attention_kernel)
@@ -289,28 +380,33 @@ for name, (first, second) in loads.items():
 # contexts of one token, mid-block and on a block boundary:
 
 # %%
-warm_up()  # compile, or load the machine code cached by an earlier process
 q, key_cache, value_cache, tables, lens = random_inputs(
     [1, 16, 21, 200], config.n_heads, config.n_kv_heads, config.head_dim, 16, seed=3
 )
-out = np.full(q.shape, np.nan, dtype=np.float32)
-paged_attention_cpu(
-    q.numpy(),
-    key_cache.numpy(),
-    value_cache.numpy(),
-    tables.numpy(),
-    lens.numpy(),
-    np.arange(len(lens) + 1),
-    out=out,
-)
 expected = reference_attention(q, key_cache, value_cache, tables, lens)
-cpu_error = float((torch.from_numpy(out) - expected).abs().max() / expected.abs().max())
-print(f"decodes: max relative error {cpu_error:.1e} (allowed 1e-05)")
-assert cpu_error <= 1e-5
+for simd in (False, True):
+    out = np.full(q.shape, np.nan, dtype=np.float32)
+    paged_attention_cpu(
+        q.numpy(),
+        key_cache.numpy(),
+        value_cache.numpy(),
+        tables.numpy(),
+        lens.numpy(),
+        np.arange(len(lens) + 1),
+        out=out,
+        simd=simd,
+    )
+    cpu_error = float((torch.from_numpy(out) - expected).abs().max() / expected.abs().max())
+    print(
+        f"decodes, {'vector paths' if simd else 'plain loops'}: max relative error "
+        f"{cpu_error:.1e} (allowed 1e-05)"
+    )
+    assert cpu_error <= 1e-5
 
 # %% [markdown]
 # Prefill chunks, decodes mixed with them, block sizes 8 to 32, head_dim 32 to 128 and groups of 1
-# to 4 are in `tests/test_numba_cpu_attention.py`. The check that matters most is the engine's: the
+# to 4 — both paths each — are in `tests/test_numba_cpu_attention.py`, with NaN in the cache slots
+# past every context, which the vector path's eight-key groups score and must never use. The check that matters most is the engine's: the
 # same prompts, greedy, on both backends — prefill chunks and decodes both go through the kernel
 # now.
 
@@ -657,12 +753,26 @@ for partition in (16, 24):
 # - **one thread block per (sequence, K/V head)**, serving the whole query-head group: each K/V row
 #   is read once for all the heads that share it;
 # - **the block table staged in shared memory** once, so a token's address is a shared-memory load;
-# - **one pass** with the online softmax of Part 1 — no scores array, no second walk for the values;
+# - **one pass** with an *online softmax* (below) — no scores array, no second walk for the values;
 # - **several tokens in flight per warp**: the warp is split into teams of lanes, each team on its
 #   own token, its lanes splitting head_dim; a team's dot product needs log₂(lanes) shuffles;
 # - compiled per (head_dim, group, lanes, block size), as vLLM instantiates a C++ template, so the
 #   per-lane arrays live in registers. Its partitions' partial results have v2's layout, so for
 #   few, long sequences the same kernel runs split-KV and `merge_partitions` combines them.
+#
+# The online softmax is what lets one pass suffice. Part 1's kernel waits for every score before it
+# takes the softmax, because the max is not known until the end — but it need not be. Keep a
+# running max $m$, a running sum $\ell$ and an accumulator $a$; for each new block of scores,
+#
+# $$m' = \max\big(m, \max_j s_j\big), \qquad
+# \ell' = \ell\, e^{m - m'} + \sum_j e^{s_j - m'}, \qquad
+# a' = a\, e^{m - m'} + \sum_j e^{s_j - m'}\, v_j ,$$
+#
+# and at the end $o = a / \ell$. Everything already summed is rescaled to the new max, so each key
+# and value row is read exactly once and no score outlives its block. This is the *online softmax*
+# of {cite}`milakov2018online`, the heart of FlashAttention {cite}`dao2022flashattention` and of
+# vLLM's paged-attention kernels. On a GPU it is what keeps a thread block's memory independent of
+# the context: v1 keeps a score per token in shared memory, v3 keeps three numbers per query.
 
 # %%
 show(grouped_decode_kernel)
@@ -949,7 +1059,7 @@ for batch, context in ((1, 4096), (64, 1024), (64, 4096)):
 #    shared memory no longer grows with the context.
 #
 #    *Hint:* `shared_bytes(head_dim, threads, tokens)` gives the bytes; solve it for `tokens`. For
-#    the rewrite, apply Part 1's $m'$, $\ell'$, $a'$ update after each round of `num_warps` scores,
+#    the rewrite, apply v3's $m'$, $\ell'$, $a'$ update after each round of `num_warps` scores,
 #    so only one round's scores ever sit in shared memory.
 # 4. *(Explore, no test.)* Every lane calls `cache_slot` for every token, reading the block table
 #    over and over. Change the score loop so a warp takes a whole block of 16 tokens at a time and
@@ -959,12 +1069,15 @@ for batch, context in ((1, 4096), (64, 1024), (64, 4096)):
 #    *Hint:* Deal *blocks* to the warps round-robin instead of tokens and loop over the offsets
 #    inside; the range may start or end mid-block. Keep every warp running the same number of
 #    rounds, as `attend_range` does, so the shuffles stay uniform.
-# 5. *(Explore, no test.)* Part 1's kernel computes each score as a dot product along `head_dim`,
-#    which ends in a sum across SIMD lanes for every (key, query vector). For a prefill tile, copy a
-#    block's keys transposed into a `[head_dim, block_size]` scratch once and compute a query's
-#    scores 8 keys per lane instead. Time `paged_attention_cpu` on a 4 × 128-token prefill before
-#    and after (alternate the two, take medians). Hint: the transpose costs one pass over the block;
-#    the win needs many query vectors to share it — does a decode's group of 4 pay?
+# 5. *(Explore, no test.)* Part 1's kernel keeps every score of a unit in a scratch row and walks
+#    the blocks twice. Rewrite `_attend` as one pass with v3's online softmax — per query vector a
+#    running max and sum, the accumulator rescaled whenever a block raises the max — keeping
+#    `_scores_simd` and `_values_simd` for the block, and time both on the 64-decode layer of the
+#    measurement above (alternate them, take medians). Which wins on this machine, and why?
+#
+#    *Hint:* The scratch shrinks to one block of scores, but the bookkeeping — a max, a rescale of
+#    every accumulator, an `exp` for the correction — now runs once per block instead of once per
+#    row. Count how many times per unit each happens at a context of 250 tokens and blocks of 16.
 # 6. *(Explore, no test.)* Replace `plan_work`'s deal by cost with an even split by count (the
 #    figure's first bar) and time a decode step with two 128-token prefill chunks in it, both ways.
 #    Hint: `book/step_timing.time_decode_steps` alternates engines for you.
@@ -973,8 +1086,9 @@ for batch, context in ((1, 4096), (64, 1024), (64, 4096)):
 #
 # The engine now attends through its block tables in place, on both kinds of machine. On a CPU, a
 # numba kernel writes each layer's new K/V to their slots and attends every decode and prefill chunk
-# of the step in one call: an online softmax, each K/V row read once for its whole query-head group,
-# the work dealt to the cores by cost — and the greedy tokens are the reference's, token for token.
+# of the step in one call: all the scores, their softmax, then the values, each K/V row read once
+# for its whole query-head group, the arithmetic laid onto 8-lane vectors by hand and the next block
+# prefetched, the work dealt to the cores by cost — and the greedy tokens are the reference's, token for token.
 # On a GPU the same algorithm becomes thread blocks, warps and shuffles: v1 and v2 as vLLM first
 # wrote them, then v3, one block per K/V head reading each row once for its group in one pass with
 # several tokens in flight — all checked in the simulator against the same reference, and ready to

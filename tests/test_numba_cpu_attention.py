@@ -16,18 +16,32 @@ import sys
 import numpy as np
 import pytest
 import torch
+from numba import njit
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from minivllm.attention.numba_cpu import (
     QUERY_TILE,
     paged_attention_cpu,
     plan_work,
+    simd_fits,
     unit_cost,
     warm_up,
 )
+from minivllm.attention.simd import add8, fma8, load8, prefetch, splat8, store8, sum8x8, zero8
 from minivllm.training.corpus import shipped_validation_text
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@njit
+def lanes(rows, sums, fused):
+    """Each operation of the vector vocabulary once: `sums` gets the rows' eight horizontal sums,
+    `fused[4:12]` gets 2.5 * rows[0] + rows[1]."""
+    prefetch(rows[7], 0)
+    v = [load8(rows[i], 0) for i in range(8)]
+    store8(sums, 0, sum8x8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]))
+    fused[:] = np.nan
+    store8(fused, 4, add8(fma8(splat8(np.float32(2.5)), v[0], zero8()), v[1]))
 
 
 def random_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
@@ -69,23 +83,58 @@ def reference(q, key_cache, value_cache, tables, context_lens, query_start):
     return out
 
 
-def relative_error(*inputs) -> float:
+def relative_error(*inputs, simd: bool | None = None) -> float:
     out = np.full_like(inputs[0], np.nan)  # poisoned: a row the kernel forgets stays NaN
-    paged_attention_cpu(*inputs, out=out)
+    paged_attention_cpu(*inputs, out=out, simd=simd)
     expected = reference(*inputs)
     return float(np.abs(out - expected).max() / np.abs(expected).max())
 
 
+@pytest.mark.parametrize("simd", [False, True], ids=["plain", "simd"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_kernel_matches_the_reference(block_size: int, head_dim: int, group: int) -> None:
+def test_kernel_matches_the_reference(block_size: int, head_dim: int, group: int, simd) -> None:
     # Decodes first (one row; one-token and mid-block contexts), then prefill chunks: a whole
-    # prompt, and a chunk over a cached prefix that ends mid-block.
+    # prompt, and a chunk over a cached prefix that ends mid-block. Both paths: the plain loops and
+    # the vector ones.
     query_lens = [1, 1, 1, 7, 19]
     context_lens = [1, block_size + 3, 3 * block_size, 7, 2 * block_size + 5]
     inputs = random_batch(query_lens, context_lens, 2 * group, 2, head_dim, block_size, seed=group)
-    assert relative_error(*inputs) <= 1e-5
+    assert relative_error(*inputs, simd=simd) <= 1e-5
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(4, 32), (16, 24), (2, 8)])
+def test_shapes_the_vector_paths_cannot_take_run_the_plain_loops(block_size, head_dim) -> None:
+    assert not simd_fits(head_dim, block_size)
+    inputs = random_batch([1, 1, 6], [1, 11, 13], 4, 2, head_dim, block_size, seed=5)
+    assert relative_error(*inputs) <= 1e-5  # the default picks the plain loops
+    with pytest.raises(ValueError, match="simd=False"):
+        paged_attention_cpu(*inputs, simd=True)
+
+
+@pytest.mark.parametrize("simd", [False, True], ids=["plain", "simd"])
+def test_slots_past_a_context_are_never_read(simd: bool) -> None:
+    # The vector path scores keys eight at a time, so it computes scores past a context's end
+    # inside its last block: NaN in every slot past the contexts must not reach the output.
+    q, key_cache, value_cache, tables, lens, starts = random_batch(
+        [1, 3, 1], [5, 11, 17], 8, 2, 32, 8
+    )
+    for i, context in enumerate(lens):
+        last, used = tables[i, (context - 1) // 8], context % 8
+        if used:
+            key_cache[last, used:] = value_cache[last, used:] = np.nan
+    assert relative_error(q, key_cache, value_cache, tables, lens, starts, simd=simd) <= 1e-5
+
+
+def test_the_vector_vocabulary_lane_by_lane() -> None:
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((8, 8), dtype=np.float32)
+    sums, fused = np.empty(8, dtype=np.float32), np.empty(16, dtype=np.float32)
+    lanes(rows, sums, fused)
+    np.testing.assert_allclose(sums, rows.sum(axis=1), rtol=1e-6)  # lane i: row i's sum
+    np.testing.assert_allclose(fused[4:12], rows[0] * np.float32(2.5) + rows[1], rtol=1e-6)
+    assert np.isnan(fused[:4]).all() and np.isnan(fused[12:]).all()  # store8 wrote its 8 only
 
 
 def test_a_long_context_and_a_single_sequence() -> None:

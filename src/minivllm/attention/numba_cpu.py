@@ -9,9 +9,16 @@ them **in place**, block by block, through the block table, the way a GPU kernel
 * a unit of work is (sequence, a tile of up to QUERY_TILE of its new rows, K/V head): the query
   heads that share the K/V head ride along, so each cached K/V row is read once for the whole group
   (grouped-query attention), not once per query head;
-* each query row attends the keys it sees -- the cached prefix and its chunk up to itself -- with
-  an **online softmax** (running max and sum, rescaled block by block, in float32; Milakov &
-  Gimelshein 2018, the idea inside FlashAttention and vLLM's paged-attention kernels);
+* each query row attends the keys it sees -- the cached prefix and its chunk up to itself -- in
+  two passes over its blocks: every score, then their softmax at once (float32), then the values
+  weighted by it. A unit's scores fit a per-thread scratch (4 KiB per query vector at 1024 tokens),
+  so the CPU needs no online softmax; Part 2's GPU kernel, short of such memory, does;
+* the dot products and the weighted sums are written with 8-lane vectors (`simd.py`): a query
+  vector's dot products with eight keys are summed across their lanes together, by one `sum8x8`,
+  not each on its own. Shapes the vector paths cannot take (head_dim not a multiple of 16, blocks
+  not of 8) run the plain loops they replace, equal to float32 rounding;
+* the next block's rows are prefetched while this one is computed: a block table scatters them
+  over the pool, where the hardware's stride prefetcher cannot follow;
 * `plan_work` deals the units to the threads by cost, so a prefill chunk does not leave one thread
   working while the other waits; the exponentials use a polynomial exp that LLVM vectorises.
 
@@ -27,7 +34,6 @@ the cores torch's own OpenMP threads need next).
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 
@@ -37,6 +43,7 @@ import torch
 from numba import njit, prange
 
 from minivllm.attention.batch import VarlenBatch
+from minivllm.attention.simd import add8, fma8, load8, prefetch, splat8, store8, sum8x8, zero8
 from minivllm.attention.storage import PagedKVStorage
 
 # The workqueue layer's threads block between parallel regions (see the module docstring). Set in
@@ -87,73 +94,183 @@ def _exp_in_place(x, n, exponent_bits):
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
+def _scores_plain(scores, queries, vectors, keys, kv_head, n, base):
+    """`scores[v, base + j]` = query vector v . key j, for the first `n` keys of one block (`keys`
+    `[block_size, kv_heads, head_dim]`): each key row is read once, for every query vector."""
+    dim = queries.shape[1]
+    for j in range(n):
+        for v in range(vectors):
+            s = np.float32(0.0)
+            for d in range(dim):
+                s += queries[v, d] * keys[j, kv_head, d]
+            scores[v, base + j] = s
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _scores_simd(scores, queries, vectors, keys, kv_head, n, base):
+    """`_scores_plain` eight keys at a time (block_size and head_dim multiples of 8). A query
+    vector's eight dot products build up in eight registers of 8 lanes along head_dim, and one
+    `sum8x8` turns them into its eight scores: no sum across lanes per (key, vector) pair. The last
+    group may score up to 7 keys past `n`, still inside the block; nothing reads those scores."""
+    dim = queries.shape[1]
+    for j in range(0, n, 8):
+        k0, k1, k2, k3 = (
+            keys[j, kv_head],
+            keys[j + 1, kv_head],
+            keys[j + 2, kv_head],
+            keys[j + 3, kv_head],
+        )
+        k4, k5, k6, k7 = (
+            keys[j + 4, kv_head],
+            keys[j + 5, kv_head],
+            keys[j + 6, kv_head],
+            keys[j + 7, kv_head],
+        )
+        for v in range(vectors):
+            query = queries[v]
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero8()
+            for d in range(0, dim, 8):
+                x = load8(query, d)
+                a0, a1 = fma8(x, load8(k0, d), a0), fma8(x, load8(k1, d), a1)
+                a2, a3 = fma8(x, load8(k2, d), a2), fma8(x, load8(k3, d), a3)
+                a4, a5 = fma8(x, load8(k4, d), a4), fma8(x, load8(k5, d), a5)
+                a6, a7 = fma8(x, load8(k6, d), a6), fma8(x, load8(k7, d), a7)
+            store8(scores[v], base + j, sum8x8(a0, a1, a2, a3, a4, a5, a6, a7))
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _softmax_rows(scores, vectors, group, first_seen, width, exponent_bits):
+    """Row v of `scores` becomes the softmax of its first `first_seen + v // group` scores -- the
+    tile's query row `v // group` sees one key more than the row before (causal) -- and zero for
+    the rest of its `width`."""
+    for v in range(vectors):
+        row, seen = scores[v], first_seen + v // group
+        largest = row[0]  # subtracted first, so no exponential overflows
+        for j in range(1, seen):
+            largest = max(largest, row[j])
+        for j in range(seen):
+            row[j] -= largest
+        _exp_in_place(row, seen, exponent_bits)
+        total = np.float32(0.0)
+        for j in range(seen):
+            total += row[j]
+        inverse = np.float32(1.0) / total
+        for j in range(seen):
+            row[j] *= inverse
+        for j in range(seen, width):
+            row[j] = 0.0
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _values_plain(acc, scores, vectors, values, kv_head, n, base):
+    """`acc[v] += scores[v, base + j] * value j` over the first `n` values of one block: each value
+    row is read once, for every query vector."""
+    dim = acc.shape[1]
+    for j in range(n):
+        for v in range(vectors):
+            p = scores[v, base + j]
+            for d in range(dim):
+                acc[v, d] += p * values[j, kv_head, d]
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _values_simd(acc, scores, vectors, values, kv_head, n, base):
+    """`_values_plain` 16 lanes of head_dim (two registers) at a time, four values per round
+    (head_dim a multiple of 16): eight independent multiply-add chains, as many as two FMA units
+    need while each result takes four cycles to be ready for the next."""
+    dim = acc.shape[1]
+    rounded = n - n % 4
+    for v in range(vectors):
+        p, out = scores[v], acc[v]
+        for d in range(0, dim, 16):
+            a0, a1 = load8(out, d), load8(out, d + 8)
+            a2 = a3 = a4 = a5 = a6 = a7 = zero8()
+            for j in range(0, rounded, 4):
+                r0, r1, r2, r3 = (
+                    values[j, kv_head],
+                    values[j + 1, kv_head],
+                    values[j + 2, kv_head],
+                    values[j + 3, kv_head],
+                )
+                p0, p1 = splat8(p[base + j]), splat8(p[base + j + 1])
+                p2, p3 = splat8(p[base + j + 2]), splat8(p[base + j + 3])
+                a0, a1 = fma8(p0, load8(r0, d), a0), fma8(p0, load8(r0, d + 8), a1)
+                a2, a3 = fma8(p1, load8(r1, d), a2), fma8(p1, load8(r1, d + 8), a3)
+                a4, a5 = fma8(p2, load8(r2, d), a4), fma8(p2, load8(r2, d + 8), a5)
+                a6, a7 = fma8(p3, load8(r3, d), a6), fma8(p3, load8(r3, d + 8), a7)
+            for j in range(rounded, n):
+                row, pj = values[j, kv_head], splat8(p[base + j])
+                a0, a1 = fma8(pj, load8(row, d), a0), fma8(pj, load8(row, d + 8), a1)
+            store8(out, d, add8(add8(a0, a2), add8(a4, a6)))
+            store8(out, d + 8, add8(add8(a1, a3), add8(a5, a7)))
+
+
+@njit(cache=True, inline="always")
+def _prefetch_block(cache, block, kv_head):
+    """Ask for one K/V head's rows of a block before they are needed: the next block of a table is
+    anywhere in the pool, where the hardware's own prefetcher, which follows strides, cannot
+    guess it."""
+    for j in range(cache.shape[1]):
+        row = cache[block, j, kv_head]
+        for d in range(0, row.shape[0], 16):  # one request per 64-byte cache line
+            prefetch(row, d)
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
 def _attend(
-    out, q, key_cache, value_cache, table, context, num_queries, first, t0, t1, kv_head, scale
+    out,
+    q,
+    key_cache,
+    value_cache,
+    table,
+    context,
+    num_queries,
+    first,
+    t0,
+    t1,
+    kv_head,
+    scale,
+    simd,
+    scratch,
 ):
     """Rows t0 .. t1 of one sequence's new rows (its row `first` onwards), one K/V head: every query
-    head of the group, over the keys each row sees, with an online softmax block by block."""
+    head of the group, over the keys each row sees, in two passes over its blocks -- all the
+    scores, their softmax, then the values. `scratch`: the thread's arrays for them (see the
+    kernel)."""
+    queries, acc, scores, exponent_bits = scratch
     num_heads, dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     vectors = (t1 - t0) * group  # query vectors: row-major over (row, head of the group)
-    queries = np.empty((vectors, dim), dtype=np.float32)
-    acc = np.zeros((vectors, dim), dtype=np.float32)
-    running_max = np.full(vectors, -np.inf, dtype=np.float32)
-    running_sum = np.zeros(vectors, dtype=np.float32)
-    scores = np.empty((vectors, block_size), dtype=np.float32)
-    exponent_bits = np.empty(block_size, dtype=np.int32)
     for r in range(t1 - t0):  # the queries, scaled once
         for g in range(group):
             for d in range(dim):
                 queries[r * group + g, d] = q[first + t0 + r, kv_head * group + g, d] * scale
+                acc[r * group + g, d] = 0.0
     seen_before = context - num_queries  # keys cached before this sequence's new rows
     last_visible = seen_before + t1  # what the tile's last row sees: its own position and before
-    for logical in range((last_visible + block_size - 1) // block_size):
-        block, base = table[logical], logical * block_size
-        n = min(block_size, last_visible - base)
-        # Scores: each key row is read once, for every query vector of the tile.
-        for j in range(n):
-            for v in range(vectors):
-                s = np.float32(0.0)
-                for d in range(dim):
-                    s += queries[v, d] * key_cache[block, j, kv_head, d]
-                scores[v, j] = s
-        # Online softmax: the block's max joins each vector's running max, and what was summed so
-        # far is rescaled to it. Causal: a row sees keys up to its own position.
-        for v in range(vectors):
-            seen = min(n, seen_before + t0 + v // group + 1 - base)
-            if seen <= 0:  # a row earlier in the tile sees none of this block
-                for j in range(n):
-                    scores[v, j] = 0.0
-                continue
-            block_max = running_max[v]
-            for j in range(seen):
-                block_max = max(block_max, scores[v, j])
-            for j in range(seen):
-                scores[v, j] -= block_max
-            correction = np.float32(math.exp(running_max[v] - block_max))
-            running_max[v] = block_max
-            running_sum[v] *= correction
-            for d in range(dim):
-                acc[v, d] *= correction
-            _exp_in_place(scores[v], seen, exponent_bits)
-            total = np.float32(0.0)
-            for j in range(seen):
-                total += scores[v, j]
-            running_sum[v] += total
-            for j in range(seen, n):
-                scores[v, j] = 0.0
-        # Values: each value row read once, for every query vector.
-        for j in range(n):
-            for v in range(vectors):
-                p = scores[v, j]
-                for d in range(dim):
-                    acc[v, d] += p * value_cache[block, j, kv_head, d]
+    num_blocks = (last_visible + block_size - 1) // block_size
+    for logical in range(num_blocks):  # pass 1: scores, each key row read once
+        if logical + 1 < num_blocks:
+            _prefetch_block(key_cache, table[logical + 1], kv_head)
+        n, base = min(block_size, last_visible - logical * block_size), logical * block_size
+        if simd:
+            _scores_simd(scores, queries, vectors, key_cache[table[logical]], kv_head, n, base)
+        else:
+            _scores_plain(scores, queries, vectors, key_cache[table[logical]], kv_head, n, base)
+    _softmax_rows(scores, vectors, group, seen_before + t0 + 1, last_visible, exponent_bits)
+    for logical in range(num_blocks):  # pass 2: values, each value row read once
+        if logical + 1 < num_blocks:
+            _prefetch_block(value_cache, table[logical + 1], kv_head)
+        n, base = min(block_size, last_visible - logical * block_size), logical * block_size
+        if simd:
+            _values_simd(acc, scores, vectors, value_cache[table[logical]], kv_head, n, base)
+        else:
+            _values_plain(acc, scores, vectors, value_cache[table[logical]], kv_head, n, base)
     for v in range(vectors):
-        inverse = np.float32(1.0) / running_sum[v]
         row, head = first + t0 + v // group, kv_head * group + v % group
         for d in range(dim):
-            out[row, head, d] = acc[v, d] * inverse
+            out[row, head, d] = acc[v, d]
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
@@ -171,10 +288,13 @@ def _paged_attention_kernel(
     work,
     work_start,
     scale,
+    simd,
 ):
     """`work` rows are (sequence, first row, end row, K/V head) relative to the sequence's new
-    rows; thread i does `work[work_start[i]:work_start[i + 1]]` (see `plan_work`)."""
+    rows; thread i does `work[work_start[i]:work_start[i + 1]]` (see `plan_work`). `simd`: the
+    vector paths (`simd_fits` says when the shapes allow them)."""
     block_size = key_cache.shape[1]
+    group = q.shape[1] // key_cache.shape[2]
     # The new keys and values go to their slots first: every unit of work may read them. A plain
     # loop (a copy of a few KiB): a second parallel region would cost more to start than it saves.
     for row in range(k_new.shape[0]):
@@ -182,6 +302,20 @@ def _paged_attention_kernel(
         key_cache[block, offset] = k_new[row]
         value_cache[block, offset] = v_new[row]
     for thread in prange(work_start.shape[0] - 1):
+        # Scratch, once per thread: the largest tile's query vectors, their accumulators, and a
+        # score for every key its last row sees, rounded up to whole blocks.
+        vectors, width = 1, block_size
+        for i in range(work_start[thread], work_start[thread + 1]):
+            seq, t0, t1 = work[i, 0], work[i, 1], work[i, 2]
+            last_visible = context_lens[seq] - (query_start[seq + 1] - query_start[seq]) + t1
+            vectors = max(vectors, (t1 - t0) * group)
+            width = max(width, -(-last_visible // block_size) * block_size)
+        scratch = (
+            np.empty((vectors, q.shape[2]), dtype=np.float32),  # the queries, scaled
+            np.empty((vectors, q.shape[2]), dtype=np.float32),  # their accumulators
+            np.empty((vectors, width), dtype=np.float32),  # their scores
+            np.empty(width, dtype=np.int32),  # _exp_in_place's exponent bits
+        )
         for i in range(work_start[thread], work_start[thread + 1]):
             seq, t0, t1, kv_head = work[i, 0], work[i, 1], work[i, 2], work[i, 3]
             first = query_start[seq]
@@ -198,7 +332,15 @@ def _paged_attention_kernel(
                 t1,
                 kv_head,
                 scale,
+                simd,
+                scratch,
             )
+
+
+def simd_fits(head_dim: int, block_size: int) -> bool:
+    """Whether the vector paths can run: keys eight at a time inside a block, values sixteen lanes
+    of head_dim at a time. Other shapes take the plain loops, which give the same result."""
+    return head_dim % 16 == 0 and block_size % 8 == 0
 
 
 def unit_cost(units: np.ndarray, context_lens: np.ndarray, query_start: np.ndarray) -> np.ndarray:
@@ -306,6 +448,7 @@ def paged_attention_cpu(
     k_new: np.ndarray | None = None,
     v_new: np.ndarray | None = None,
     slot_mapping: np.ndarray | None = None,
+    simd: bool | None = None,
 ) -> np.ndarray:
     """Attention of every query row over its own sequence's cached keys and values, read in place
     through the block tables. `q` `[tokens, heads, head_dim]` holds each sequence's new rows end to
@@ -313,7 +456,8 @@ def paged_attention_cpu(
     (`context_lens[i]`, the new rows included) ends at its last row. Caches `[num_blocks,
     block_size, kv_heads, head_dim]`; all float32. With `k_new`, `v_new` (`[tokens, kv_heads,
     head_dim]`) and `slot_mapping` (`[tokens]`) the new rows' keys and values are written to their
-    slots first, in the same call. Returns `[tokens, heads, head_dim]`."""
+    slots first, in the same call. `simd`: the vector paths or the plain loops (default: the vector
+    paths where `simd_fits`). Returns `[tokens, heads, head_dim]`."""
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int64)
     context_lens = np.ascontiguousarray(context_lens, dtype=np.int64)
     query_start = np.ascontiguousarray(query_start, dtype=np.int64)
@@ -323,12 +467,20 @@ def paged_attention_cpu(
     slot_mapping = np.ascontiguousarray(slot_mapping, dtype=np.int64)
     args = (q, key_cache, value_cache, block_tables, context_lens, query_start)
     _check(*args, k_new, v_new, slot_mapping)
+    fits = simd_fits(q.shape[2], key_cache.shape[1])
+    if simd and not fits:
+        raise ValueError(
+            f"the vector paths need head_dim a multiple of 16 and block_size of 8, got "
+            f"{q.shape[2]} and {key_cache.shape[1]}: pass simd=False"
+        )
     scale = q.shape[2] ** -0.5 if scale is None else scale
     out = np.empty_like(q) if out is None else out
     work = plan_work(context_lens, query_start, key_cache.shape[2], numba.get_num_threads())
     args = (key_cache, value_cache, block_tables, context_lens, query_start, *work)
     with _LAUNCH:
-        _paged_attention_kernel(out, q, k_new, v_new, slot_mapping, *args, np.float32(scale))
+        _paged_attention_kernel(
+            out, q, k_new, v_new, slot_mapping, *args, np.float32(scale), fits and simd is not False
+        )
     return out
 
 
@@ -368,6 +520,7 @@ class NumbaPagedAttention:
         self.context_lens = batch.context_lens.numpy().astype(np.int64, copy=False)
         self.query_start = batch.query_start.numpy().astype(np.int64, copy=False)
         self.scale = np.float32(storage.config.head_dim**-0.5)
+        self.simd = simd_fits(storage.config.head_dim, storage.block_size)
         self.checked = False  # the arguments are checked in the first layer, the same in all
         numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
         self.work = plan_work(
@@ -399,5 +552,6 @@ class NumbaPagedAttention:
                 *metadata,
                 *self.work,
                 self.scale,
+                self.simd,
             )
         return torch.from_numpy(out)

@@ -1,0 +1,163 @@
+"""Eight-float vectors for numba kernels: a register type and the handful of operations the CPU
+attention kernel needs (chapter 07, part 1).
+
+numba's compiler, LLVM, vectorises a plain loop along contiguous memory, but a kernel cannot tell it
+*how*: a dot product along `head_dim` becomes SIMD multiply-adds and then, for every (key, query)
+pair, a sum across the eight lanes -- as much work as the multiply-adds themselves at head_dim 32.
+With these a kernel says where the lanes go, the way C++ kernels do with intrinsics (vLLM's CPU
+build wraps them as `vec_op`): `float32x8` is an LLVM `<8 x float>` held in a register, and each
+function below is one or a few LLVM instructions, written out by `numba.extending.intrinsic`.
+
+They are LLVM's portable vector operations, not x86 ones: with AVX2 a `float32x8` is one ymm
+register and `fma8` one `vfmadd` instruction; on ARM, LLVM splits it into two 4-lane NEON halves.
+
+Arrays given to `load8`, `store8` and `prefetch` must be one-dimensional and C-contiguous (a row
+of a larger array is); like the kernels' other loads, they are not bounds-checked. numba's on-disk
+cache tracks the file of the function it compiled, not this one: after editing this file, clear
+the `__pycache__` beside the kernel.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+VECTOR = ir.VectorType(ir.FloatType(), 8)
+_INT32 = ir.IntType(32)
+
+
+class Float32x8Type(types.Type):
+    """Eight float32 lanes in one register."""
+
+    def __init__(self) -> None:
+        super().__init__(name="float32x8")
+
+
+float32x8 = Float32x8Type()
+
+
+@register_model(Float32x8Type)
+class _Float32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type) -> None:
+        super().__init__(dmm, fe_type, VECTOR)
+
+
+def _element_pointer(context, builder, array_type, array, index):
+    """The address of `array[index]` (an LLVM pointer to one float32)."""
+    view = context.make_array(array_type)(context, builder, array)
+    return cgutils.get_item_pointer(context, builder, array_type, view, [index], wraparound=False)
+
+
+def _shuffle(builder, a, b, lanes):
+    """Lanes picked from `a` (0-7) and `b` (8-15): LLVM's shufflevector."""
+    mask = ir.Constant(ir.VectorType(_INT32, len(lanes)), list(lanes))
+    return builder.shuffle_vector(a, b, mask)
+
+
+@intrinsic
+def load8(typingctx, array, index):
+    """`array[index : index + 8]` as a vector."""
+
+    def codegen(context, builder, signature, args):
+        pointer = _element_pointer(context, builder, signature.args[0], *args)
+        return builder.load(builder.bitcast(pointer, VECTOR.as_pointer()), align=4)
+
+    return float32x8(array, index), codegen
+
+
+@intrinsic
+def store8(typingctx, array, index, vector):
+    """`array[index : index + 8] = vector`."""
+
+    def codegen(context, builder, signature, args):
+        pointer = _element_pointer(context, builder, signature.args[0], args[0], args[1])
+        builder.store(args[2], builder.bitcast(pointer, VECTOR.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(array, index, float32x8), codegen
+
+
+@intrinsic
+def splat8(typingctx, value):
+    """One float32 in all eight lanes."""
+
+    def codegen(context, builder, signature, args):
+        one = builder.insert_element(ir.Constant(VECTOR, ir.Undefined), args[0], _INT32(0))
+        return _shuffle(builder, one, one, [0] * 8)
+
+    return float32x8(types.float32), codegen
+
+
+@intrinsic
+def zero8(typingctx):
+    """Eight zeros."""
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(VECTOR, [0.0] * 8)
+
+    return float32x8(), codegen
+
+
+@intrinsic
+def fma8(typingctx, a, b, c):
+    """`a * b + c` lane by lane, one rounding (a fused multiply-add)."""
+
+    def codegen(context, builder, signature, args):
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(VECTOR, [VECTOR] * 3), "llvm.fma.v8f32"
+        )
+        return builder.call(fma, args)
+
+    return float32x8(float32x8, float32x8, float32x8), codegen
+
+
+@intrinsic
+def add8(typingctx, a, b):
+    """`a + b` lane by lane."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fadd(*args)
+
+    return float32x8(float32x8, float32x8), codegen
+
+
+@intrinsic
+def sum8x8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
+    """Lane i of the result is the sum of the lanes of `a_i`: eight horizontal sums for the price
+    of seven additions and fourteen shuffles, where one at a time costs three additions each."""
+
+    def codegen(context, builder, signature, args):
+        def halve(x, y, low, high):  # add the lane pairs `low`/`high` of x and y, interleaved
+            return builder.fadd(_shuffle(builder, x, y, low), _shuffle(builder, x, y, high))
+
+        # Round 1, neighbours: [x0+x1, y0+y1, x2+x3, y2+y3, ...] for the pairs (a0,a1), (a2,a3)...
+        even, odd = [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]
+        pairs = [halve(args[i], args[i + 1], even, odd) for i in range(0, 8, 2)]
+        # Round 2, pairs of pairs: per 128-bit half, [a0 a1 a2 a3] partial sums of four lanes.
+        low, high = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+        quads = [halve(pairs[0], pairs[1], low, high), halve(pairs[2], pairs[3], low, high)]
+        # Round 3, the two 128-bit halves: [a0 .. a7], each a full sum.
+        return halve(quads[0], quads[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+
+    return float32x8(*[float32x8] * 8), codegen
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Ask the caches for the line holding `array[index]` now, without waiting for it: a hint
+    (LLVM's `llvm.prefetch`: for reading, keep in every cache level); it never faults."""
+
+    def codegen(context, builder, signature, args):
+        pointer = _element_pointer(context, builder, signature.args[0], *args)
+        byte_pointer = builder.bitcast(pointer, ir.IntType(8).as_pointer())
+        hint = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [byte_pointer.type, _INT32, _INT32, _INT32]),
+            "llvm.prefetch.p0i8",
+        )
+        builder.call(hint, [byte_pointer, _INT32(0), _INT32(3), _INT32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen
