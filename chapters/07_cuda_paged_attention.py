@@ -243,13 +243,14 @@ show(_exp_in_place)
 # %% [markdown]
 # ### Faster: say where the SIMD lanes go
 #
-# LLVM vectorises the plain loops along `head_dim`, contiguous in memory: with AVX2, eight floats per
-# instruction (`fastmath` allows it to reorder the float32 sums for that). But a dot product is a
-# *reduction*. After four 8-lane multiply-adds over head_dim 32, the eight lanes of the result must
-# still be added together — three additions and three shuffles, for every (key, query vector) pair,
-# as much work as the multiply-adds. And the values loop keeps every vector's accumulator in memory,
-# because LLVM cannot prove the accumulator and the cache never overlap: a load and a store around
-# every multiply-add.
+# LLVM vectorises the plain loops along `head_dim`, contiguous in memory: with AVX2, eight
+# floats per instruction (`fastmath` allows it to reorder the float32 sums for that). But a dot
+# product is a *reduction*. After four 8-lane multiply-adds over head_dim 32, the eight lanes of
+# the result must still be added together — three additions and three shuffles, for every (key,
+# query vector) pair, as much work as the multiply-adds. And the values loop loads and stores a
+# vector's accumulator around every multiply-add (numba prints the machine code of any compiled
+# function: `inspect_asm()`). Holding the accumulators in registers would take the loops
+# reordered, which LLVM does not do when it cannot prove that accumulator and cache never overlap.
 #
 # A compiler cannot be told how to lay the work onto lanes; a kernel writer can. C++ kernels use
 # intrinsics (vLLM's CPU build wraps them in `vec_op`); `attention/simd.py` gives numba a handful:
@@ -309,7 +310,8 @@ for _ in range(30):
         call_ms[simd].append(1e3 * (time.perf_counter() - started))
 plain, vector = (float(np.median(call_ms[simd])) for simd in (False, True))
 print(
-    f"one layer, 64 decodes: plain loops {plain:.2f} ms, vector paths {vector:.2f} ms ({plain / vector:.2f}x)"
+    f"one layer, 64 decodes: plain loops {plain:.2f} ms, vector paths {vector:.2f} ms "
+    f"({plain / vector:.2f}x)"
 )
 
 # %% [markdown]
@@ -406,9 +408,9 @@ for simd in (False, True):
 # %% [markdown]
 # Prefill chunks, decodes mixed with them, block sizes 8 to 32, head_dim 32 to 128 and groups of 1
 # to 4 — both paths each — are in `tests/test_numba_cpu_attention.py`, with NaN in the cache slots
-# past every context, which the vector path's eight-key groups score and must never use. The check that matters most is the engine's: the
-# same prompts, greedy, on both backends — prefill chunks and decodes both go through the kernel
-# now.
+# past every context, which the vector path's eight-key groups score and must never use. The check
+# that matters most is the engine's: the same prompts, greedy, on both backends — prefill chunks
+# and decodes both go through the kernel now.
 
 # %%
 text = shipped_validation_text()
@@ -1088,13 +1090,13 @@ for batch, context in ((1, 4096), (64, 1024), (64, 4096)):
 # numba kernel writes each layer's new K/V to their slots and attends every decode and prefill chunk
 # of the step in one call: all the scores, their softmax, then the values, each K/V row read once
 # for its whole query-head group, the arithmetic laid onto 8-lane vectors by hand and the next block
-# prefetched, the work dealt to the cores by cost — and the greedy tokens are the reference's, token for token.
-# On a GPU the same algorithm becomes thread blocks, warps and shuffles: v1 and v2 as vLLM first
-# wrote them, then v3, one block per K/V head reading each row once for its group in one pass with
-# several tokens in flight — all checked in the simulator against the same reference, and ready to
-# be measured by `benchmarks/paged_attention.py` on a GPU. The number that says why it matters is
-# the one measured above: the bytes the gather path moves per layer against the bytes attention
-# needs, and the attention share of a decode step before and after.
+# prefetched, the work dealt to the cores by cost — and the greedy tokens are the reference's, token
+# for token. On a GPU the same algorithm becomes thread blocks, warps and shuffles: v1 and v2 as
+# vLLM first wrote them, then v3, one block per K/V head reading each row once for its group in one
+# pass with several tokens in flight — all checked in the simulator against the same reference, and
+# ready to be measured by `benchmarks/paged_attention.py` on a GPU. The number that says why it
+# matters is the one measured above: the bytes the gather path moves per layer against the bytes
+# attention needs, and the attention share of a decode step before and after.
 #
 # **The same idea in vLLM.** The CPU build's attention: `csrc/cpu/attention.cpp`; the CUDA kernels
 # v1 and v2: `csrc/attention/paged_attention_v1.cu`, `paged_attention_v2.cu` and
