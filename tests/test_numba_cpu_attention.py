@@ -36,7 +36,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @njit
 def lanes(rows, sums, fused):
     """Each operation of the vector vocabulary once: `sums` gets the rows' eight horizontal sums,
-    `fused[4:12]` gets 2.5 * rows[0] + rows[1]."""
+    `fused[4:12]` gets 2.5 * rows[0] + rows[1]. The vectors pass through a list, memory numba
+    does not align to 32 bytes: stored as <8 x float> there, this crashed one run in three."""
     prefetch(rows[7], 0)
     v = [load8(rows[i], 0) for i in range(8)]
     store8(sums, 0, sum8x8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]))

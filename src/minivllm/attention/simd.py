@@ -25,6 +25,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 VECTOR = ir.VectorType(ir.FloatType(), 8)
+_IN_MEMORY = ir.ArrayType(ir.FloatType(), 8)
 _INT32 = ir.IntType(32)
 
 
@@ -40,8 +41,27 @@ float32x8 = Float32x8Type()
 
 @register_model(Float32x8Type)
 class _Float32x8Model(models.PrimitiveModel):
+    """In registers an LLVM `<8 x float>`; in memory (a list, a boxed tuple) eight plain floats.
+    LLVM assumes a stored `<8 x float>` is aligned to 32 bytes and may use an instruction that
+    faults when it is not, and numba's containers promise no such alignment."""
+
     def __init__(self, dmm, fe_type) -> None:
         super().__init__(dmm, fe_type, VECTOR)
+
+    def get_data_type(self):
+        return _IN_MEMORY
+
+    def as_data(self, builder, value):
+        lanes = ir.Constant(_IN_MEMORY, ir.Undefined)
+        for i in range(8):
+            lanes = builder.insert_value(lanes, builder.extract_element(value, _INT32(i)), i)
+        return lanes
+
+    def from_data(self, builder, value):
+        vector = ir.Constant(VECTOR, ir.Undefined)
+        for i in range(8):
+            vector = builder.insert_element(vector, builder.extract_value(value, i), _INT32(i))
+        return vector
 
 
 def _element_pointer(context, builder, array_type, array, index):
