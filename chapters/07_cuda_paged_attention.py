@@ -90,6 +90,8 @@ from minivllm.book.kernel_check import kernel_error, random_inputs, reference_at
 from minivllm.book.kernel_trace import reads_by_thread, recorded
 from minivllm.book.step_timing import decode_engine, time_decode_steps
 from minivllm.model.checkpoint import load_model
+from minivllm.model.fused import fuse_projections
+from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
@@ -446,10 +448,26 @@ print(
 )
 
 # %% [markdown]
-# The rest of the step is the model's matmuls, which no attention kernel touches. The full
-# comparison — the 64-request workload against Hugging Face `generate`, and the 256-request one
-# against vLLM's own CPU build — is `benchmarks/throughput.py --backends torch numba` and
-# `benchmarks/vllm_peer.py`.
+# The rest of the step is mostly the model's matmuls, which no attention kernel touches. The
+# engine trims their number the way vLLM does when it loads a model (`QKVParallelLinear`): it runs
+# a copy of the model whose q, k and v projections are one matmul, and gate and up another
+# (`model/fused.py`; `EngineConfig(fuse_projections=False)` runs the model as chapter 00 wrote it).
+# Five matmul calls per layer become two, and each output column is still the same dot product
+# over the same input, so the logits do not move by a bit:
+
+# %%
+show(fuse_projections)
+fused_target = fuse_projections(target)
+prompt_ids = torch.tensor(ByteTokenizer().encode(text[:300], add_bos=True))
+with torch.no_grad():
+    same_logits = torch.equal(fused_target(prompt_ids), target(prompt_ids))
+print(f"{len(prompt_ids)} tokens through both models: logits identical bit for bit: {same_logits}")
+assert same_logits
+
+# %% [markdown]
+# The full comparison — the 64-request workload against Hugging Face `generate`, and the
+# 256-request one against vLLM's own CPU build — is `benchmarks/throughput.py --backends torch
+# numba` and `benchmarks/vllm_peer.py`.
 #
 # **Threads.** numba's parallel loops and torch's matmuls take turns, never overlap, so each may use
 # every core torch is allowed (`NumbaPagedAttention` sets numba's thread count to torch's). numba

@@ -25,6 +25,10 @@ class EngineConfig:
     # native CPU kernel), or "auto": the CUDA kernel on a GPU, the numba kernel on a CPU (the
     # reference for a cache that is not float32).
     attention_backend: str = "auto"
+    # Run a copy of the model with q, k, v as one matmul and gate, up as another (model/fused.py,
+    # chapter 07): bit-for-bit the same logits, five matmul calls per layer become two. The copy
+    # is taken when the engine starts: later changes to the caller's weights do not reach it.
+    fuse_projections: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

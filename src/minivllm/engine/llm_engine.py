@@ -34,6 +34,7 @@ from minivllm.engine.processing import (
 from minivllm.engine.trace import StepRecord
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.checkpoint import load_model
+from minivllm.model.fused import fuse_projections
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.model.transformer import ModelConfig, Transformer, placed_on
 from minivllm.runner.model_runner import ModelRunner, RunnerOutput
@@ -77,7 +78,8 @@ class LLMEngine:
                 scheduler_config, num_lookahead_slots=config.speculative.num_speculative_tokens
             )
         self.scheduler = Scheduler(scheduler_config, self.manager)
-        self.runner = ModelRunner(model, self.storage, self.manager, backend, self.drafter)
+        runner_model = fuse_projections(model) if config.fuse_projections else model
+        self.runner = ModelRunner(runner_model, self.storage, self.manager, backend, self.drafter)
         self.inputs = InputProcessor(self.tokenizer, request_limits(model.config, config))
         self.outputs = OutputProcessor()
         self.trace: list[StepRecord] = []
