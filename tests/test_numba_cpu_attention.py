@@ -2,9 +2,10 @@
 
 Fresh random inputs (never zeros), the output poisoned with NaN before each call, physical blocks
 shuffled, contexts ending mid-block and one-token contexts, prefill chunks mixed with decodes in one
-batch, over block sizes 8/16/32, head_dim 32/64/128 and GQA groups 1/2/4: max relative error
-<= 1e-5. Bad arguments are refused before anything runs. The engine on the kernel gives the torch
-backend's greedy tokens.
+batch, over block sizes 8/16/32, head_dim 32/64/128 and GQA groups 1/2/4, on both the plain loops
+and the vector paths: max relative error <= 1e-5. Cache slots past a context are never used (the
+vector path scores keys eight at a time). Bad arguments are refused before anything runs. The
+engine on the kernel gives the torch backend's greedy tokens.
 """
 
 from __future__ import annotations
