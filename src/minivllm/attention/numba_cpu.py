@@ -339,7 +339,7 @@ def _paged_attention_kernel(
 
 def simd_fits(head_dim: int, block_size: int) -> bool:
     """Whether the vector paths can run: keys eight at a time inside a block, values sixteen lanes
-    of head_dim at a time. Other shapes take the plain loops, which give the same result."""
+    of head_dim at a time. Other shapes take the plain loops: equal to float32 rounding."""
     return head_dim % 16 == 0 and block_size % 8 == 0
 
 
