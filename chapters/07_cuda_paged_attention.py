@@ -266,10 +266,11 @@ show(sum8x8)
 show(_scores_simd)
 
 # %% [markdown]
-# The values take sixteen lanes of head_dim and four value rows per round: eight accumulators that
-# stay in registers for the whole block, and eight independent multiply-add chains — as many as two
-# FMA units need while each result takes four cycles to be ready for the next. The same idea as
-# the register tiles of a fast matmul {cite}`goto2008anatomy`:
+# The values turn the plain loop around. Each value row's sixteen lanes of head_dim are loaded
+# once and added into the four query vectors of a group, two registers each: eight accumulators
+# that stay in registers for the whole block, and eight independent multiply-add chains — as many
+# as two FMA units need while each result takes four cycles to be ready for the next. The same
+# idea as the register tiles of a fast matmul {cite}`goto2008anatomy`:
 
 # %%
 show(_values_simd)

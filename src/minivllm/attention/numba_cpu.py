@@ -43,7 +43,7 @@ import torch
 from numba import njit, prange
 
 from minivllm.attention.batch import VarlenBatch
-from minivllm.attention.simd import add8, fma8, load8, prefetch, splat8, store8, sum8x8, zero8
+from minivllm.attention.simd import fma8, load8, prefetch, splat8, store8, sum8x8, zero8
 from minivllm.attention.storage import PagedKVStorage
 
 # The workqueue layer's threads block between parallel regions (see the module docstring). Set in
@@ -175,34 +175,47 @@ def _values_plain(acc, scores, vectors, values, kv_head, n, base):
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
 def _values_simd(acc, scores, vectors, values, kv_head, n, base):
-    """`_values_plain` 16 lanes of head_dim (two registers) at a time, four values per round
-    (head_dim a multiple of 16): eight independent multiply-add chains, as many as two FMA units
-    need while each result takes four cycles to be ready for the next."""
+    """`_values_plain` 16 lanes of head_dim (two registers) at a time (head_dim a multiple of 16),
+    turned around: each value row's lanes are loaded once and added into four query vectors --
+    a group's -- at a time. Eight accumulators, the low and high 8 lanes of four vectors, stay in
+    registers for the whole block: eight independent multiply-add chains, as many as two FMA units
+    need while each result takes four cycles to be ready for the next. Vectors left over (a model
+    with fewer than four query heads per K/V head) go one at a time."""
     dim = acc.shape[1]
-    rounded = n - n % 4
-    for v in range(vectors):
-        p, out = scores[v], acc[v]
-        for d in range(0, dim, 16):
-            a0, a1 = load8(out, d), load8(out, d + 8)
-            a2 = a3 = a4 = a5 = a6 = a7 = zero8()
-            for j in range(0, rounded, 4):
-                r0, r1, r2, r3 = (
-                    values[j, kv_head],
-                    values[j + 1, kv_head],
-                    values[j + 2, kv_head],
-                    values[j + 3, kv_head],
-                )
-                p0, p1 = splat8(p[base + j]), splat8(p[base + j + 1])
-                p2, p3 = splat8(p[base + j + 2]), splat8(p[base + j + 3])
-                a0, a1 = fma8(p0, load8(r0, d), a0), fma8(p0, load8(r0, d + 8), a1)
-                a2, a3 = fma8(p1, load8(r1, d), a2), fma8(p1, load8(r1, d + 8), a3)
-                a4, a5 = fma8(p2, load8(r2, d), a4), fma8(p2, load8(r2, d + 8), a5)
-                a6, a7 = fma8(p3, load8(r3, d), a6), fma8(p3, load8(r3, d + 8), a7)
-            for j in range(rounded, n):
-                row, pj = values[j, kv_head], splat8(p[base + j])
-                a0, a1 = fma8(pj, load8(row, d), a0), fma8(pj, load8(row, d + 8), a1)
-            store8(out, d, add8(add8(a0, a2), add8(a4, a6)))
-            store8(out, d + 8, add8(add8(a1, a3), add8(a5, a7)))
+    fours = vectors - vectors % 4
+    for d in range(0, dim, 16):
+        for v in range(0, fours, 4):
+            p0, p1, p2, p3 = scores[v], scores[v + 1], scores[v + 2], scores[v + 3]
+            o0, o1, o2, o3 = acc[v], acc[v + 1], acc[v + 2], acc[v + 3]
+            lo0, hi0, lo1, hi1 = load8(o0, d), load8(o0, d + 8), load8(o1, d), load8(o1, d + 8)
+            lo2, hi2, lo3, hi3 = load8(o2, d), load8(o2, d + 8), load8(o3, d), load8(o3, d + 8)
+            for j in range(n):
+                row = values[j, kv_head]
+                low, high = load8(row, d), load8(row, d + 8)
+                w = splat8(p0[base + j])
+                lo0, hi0 = fma8(w, low, lo0), fma8(w, high, hi0)
+                w = splat8(p1[base + j])
+                lo1, hi1 = fma8(w, low, lo1), fma8(w, high, hi1)
+                w = splat8(p2[base + j])
+                lo2, hi2 = fma8(w, low, lo2), fma8(w, high, hi2)
+                w = splat8(p3[base + j])
+                lo3, hi3 = fma8(w, low, lo3), fma8(w, high, hi3)
+            store8(o0, d, lo0)
+            store8(o0, d + 8, hi0)
+            store8(o1, d, lo1)
+            store8(o1, d + 8, hi1)
+            store8(o2, d, lo2)
+            store8(o2, d + 8, hi2)
+            store8(o3, d, lo3)
+            store8(o3, d + 8, hi3)
+        for v in range(fours, vectors):
+            weights, out = scores[v], acc[v]
+            low, high = load8(out, d), load8(out, d + 8)
+            for j in range(n):
+                row, w = values[j, kv_head], splat8(weights[base + j])
+                low, high = fma8(w, load8(row, d), low), fma8(w, load8(row, d + 8), high)
+            store8(out, d, low)
+            store8(out, d + 8, high)
 
 
 @njit(cache=True, inline="always")
