@@ -179,7 +179,7 @@ for key, before in previous.items():
 # - **Served over HTTP** ({doc}`chapters/08_server`) is that engine behind the OpenAI API, every
 #   request a streaming client. It is not meant to be faster: what it adds is the work of the
 #   server — HTTP, a JSON chunk per token, an event loop sharing the interpreter with the engine
-#   thread — and the row shows how little of the engine's throughput that costs. On a busy machine
+#   thread — and the row shows what that costs of the engine's throughput. On a busy machine
 #   it can even come out ahead: the server is a process of its own, and the operating system shares
 #   the cores among processes, so server and clients together get a larger slice than the single
 #   process that ran the row above. Its text is compared with the naive row's tokens decoded, since
