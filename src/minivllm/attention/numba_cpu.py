@@ -180,7 +180,8 @@ def _values_simd(acc, scores, vectors, values, kv_head, n, base):
     a group's -- at a time. Eight accumulators, the low and high 8 lanes of four vectors, stay in
     registers for the whole block: eight independent multiply-add chains, as many as two FMA units
     need while each result takes four cycles to be ready for the next. Vectors left over (a model
-    with fewer than four query heads per K/V head) go one at a time."""
+    with fewer than four query heads per K/V head) go one at a time: two chains, each add waiting
+    for the one before -- slower per vector, and no model the book ships takes that path."""
     dim = acc.shape[1]
     fours = vectors - vectors % 4
     for d in range(0, dim, 16):
