@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -92,18 +93,43 @@ def relative_error(*inputs, simd: bool | None = None) -> float:
     return float(np.abs(out - expected).max() / np.abs(expected).max())
 
 
+@pytest.fixture(params=[2, 1], ids=["parallel", "serial"])
+def numba_threads(request):
+    """The parallel kernel (two threads) and the serial one (one thread: a forward worker)."""
+    threads = numba.get_num_threads()
+    numba.set_num_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
+    yield request.param
+    numba.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("simd", [False, True], ids=["plain", "simd"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_kernel_matches_the_reference(block_size: int, head_dim: int, group: int, simd) -> None:
+def test_kernel_matches_the_reference(
+    block_size: int, head_dim: int, group: int, simd, numba_threads
+) -> None:
     # Decodes first (one row; one-token and mid-block contexts), then prefill chunks: a whole
     # prompt, and a chunk over a cached prefix that ends mid-block. Both paths: the plain loops and
-    # the vector ones.
+    # the vector ones; both kernels: the parallel one and the serial one.
     query_lens = [1, 1, 1, 7, 19]
     context_lens = [1, block_size + 3, 3 * block_size, 7, 2 * block_size + 5]
     inputs = random_batch(query_lens, context_lens, 2 * group, 2, head_dim, block_size, seed=group)
     assert relative_error(*inputs, simd=simd) <= 1e-5
+
+
+def test_the_serial_and_parallel_kernels_agree_bit_for_bit() -> None:
+    # The same units, in the same order within each, on one thread or two: the same floats.
+    inputs = random_batch([1, 1, 5, 40], [9, 70, 21, 60], 8, 2, 32, 16, seed=3)
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        serial = paged_attention_cpu(*inputs)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        parallel = paged_attention_cpu(*inputs)
+    finally:
+        numba.set_num_threads(threads)
+    assert np.array_equal(serial, parallel)
 
 
 @pytest.mark.parametrize("block_size, head_dim", [(4, 32), (16, 24), (2, 8)])

@@ -41,6 +41,39 @@ class VarlenBatch:
         return replace(self, **moved)
 
 
+def split_sequences(batch: VarlenBatch, bounds: list[int]) -> list[VarlenBatch]:
+    """The batch cut between sequences: part i is sequences `bounds[i]:bounds[i + 1]` with their
+    tokens, slots, tables and the logits rows among their tokens, renumbered from 0 (chapter 07's
+    forward workers run one part each). The parts' logits, concatenated in order, are the whole
+    batch's rows in their order: `logits_indices` rise through the batch. On the host."""
+    rising = all(a < b for a, b in zip(bounds, bounds[1:]))
+    if bounds[0] != 0 or bounds[-1] != batch.num_seqs or not rising:
+        raise ValueError(f"bounds must rise from 0 to {batch.num_seqs}, got {bounds}")
+    if (batch.logits_indices.diff() <= 0).any():
+        raise ValueError("logits_indices must rise through the batch to be split")
+    parts = []
+    for first, end in zip(bounds, bounds[1:]):
+        t0, t1 = int(batch.query_start[first]), int(batch.query_start[end])
+        rows = batch.logits_indices
+        num_decodes = min(max(batch.num_decodes - first, 0), end - first)
+        context_lens = batch.context_lens[first:end]
+        parts.append(
+            VarlenBatch(
+                input_ids=batch.input_ids[t0:t1],
+                positions=batch.positions[t0:t1],
+                slot_mapping=batch.slot_mapping[t0:t1],
+                query_start=batch.query_start[first : end + 1] - t0,
+                context_lens=context_lens,
+                block_tables=batch.block_tables[first:end],
+                num_decodes=num_decodes,
+                logits_indices=rows[(rows >= t0) & (rows < t1)] - t0,
+                block_size=batch.block_size,
+                max_decode_context_len=int(context_lens[:num_decodes].max()) if num_decodes else 0,
+            )
+        )
+    return parts
+
+
 def context_slots(batch: VarlenBatch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """For sequences `rows`: the slot of each of their cached tokens, `[b, max_len]`, and which
     entries are real, `[b, max_len]` (the rest is padding, pointing at slot 0)."""

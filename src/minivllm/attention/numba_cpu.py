@@ -287,6 +287,60 @@ def _attend(
             out[row, head, d] = acc[v, d]
 
 
+@njit(cache=True, inline="always")
+def _write_new_rows(k_new, v_new, slot_mapping, key_cache, value_cache):
+    """The new keys and values to their slots, before any attending: every unit may read them. A
+    plain loop (a copy of a few KiB): a parallel region would cost more to start than it saves."""
+    block_size = key_cache.shape[1]
+    for row in range(k_new.shape[0]):
+        block, offset = divmod(slot_mapping[row], block_size)
+        key_cache[block, offset] = k_new[row]
+        value_cache[block, offset] = v_new[row]
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _attend_units(
+    out, q, key_cache, value_cache, block_tables, context_lens, query_start, work, scale, simd
+):
+    """Every unit of `work` in turn (one thread's share): scratch arrays sized for the largest,
+    allocated once, then `_attend` per unit."""
+    block_size = key_cache.shape[1]
+    group = q.shape[1] // key_cache.shape[2]
+    # Scratch: the largest tile's query vectors, their accumulators, and a score for every key its
+    # last row sees, rounded up to whole blocks.
+    vectors, width = 1, block_size
+    for i in range(work.shape[0]):
+        seq, t0, t1 = work[i, 0], work[i, 1], work[i, 2]
+        last_visible = context_lens[seq] - (query_start[seq + 1] - query_start[seq]) + t1
+        vectors = max(vectors, (t1 - t0) * group)
+        width = max(width, -(-last_visible // block_size) * block_size)
+    scratch = (
+        np.empty((vectors, q.shape[2]), dtype=np.float32),  # the queries, scaled
+        np.empty((vectors, q.shape[2]), dtype=np.float32),  # their accumulators
+        np.empty((vectors, width), dtype=np.float32),  # their scores
+        np.empty(width, dtype=np.int32),  # _exp_in_place's exponent bits
+    )
+    for i in range(work.shape[0]):
+        seq, t0, t1, kv_head = work[i, 0], work[i, 1], work[i, 2], work[i, 3]
+        first = query_start[seq]
+        _attend(
+            out,
+            q,
+            key_cache,
+            value_cache,
+            block_tables[seq],
+            context_lens[seq],
+            query_start[seq + 1] - first,
+            first,
+            t0,
+            t1,
+            kv_head,
+            scale,
+            simd,
+            scratch,
+        )
+
+
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
 def _paged_attention_kernel(
     out,
@@ -307,48 +361,42 @@ def _paged_attention_kernel(
     """`work` rows are (sequence, first row, end row, K/V head) relative to the sequence's new
     rows; thread i does `work[work_start[i]:work_start[i + 1]]` (see `plan_work`). `simd`: the
     vector paths (`simd_fits` says when the shapes allow them)."""
-    block_size = key_cache.shape[1]
-    group = q.shape[1] // key_cache.shape[2]
-    # The new keys and values go to their slots first: every unit of work may read them. A plain
-    # loop (a copy of a few KiB): a second parallel region would cost more to start than it saves.
-    for row in range(k_new.shape[0]):
-        block, offset = divmod(slot_mapping[row], block_size)
-        key_cache[block, offset] = k_new[row]
-        value_cache[block, offset] = v_new[row]
+    _write_new_rows(k_new, v_new, slot_mapping, key_cache, value_cache)
+    metadata = (block_tables, context_lens, query_start)
     for thread in prange(work_start.shape[0] - 1):
-        # Scratch, once per thread: the largest tile's query vectors, their accumulators, and a
-        # score for every key its last row sees, rounded up to whole blocks.
-        vectors, width = 1, block_size
-        for i in range(work_start[thread], work_start[thread + 1]):
-            seq, t0, t1 = work[i, 0], work[i, 1], work[i, 2]
-            last_visible = context_lens[seq] - (query_start[seq + 1] - query_start[seq]) + t1
-            vectors = max(vectors, (t1 - t0) * group)
-            width = max(width, -(-last_visible // block_size) * block_size)
-        scratch = (
-            np.empty((vectors, q.shape[2]), dtype=np.float32),  # the queries, scaled
-            np.empty((vectors, q.shape[2]), dtype=np.float32),  # their accumulators
-            np.empty((vectors, width), dtype=np.float32),  # their scores
-            np.empty(width, dtype=np.int32),  # _exp_in_place's exponent bits
-        )
-        for i in range(work_start[thread], work_start[thread + 1]):
-            seq, t0, t1, kv_head = work[i, 0], work[i, 1], work[i, 2], work[i, 3]
-            first = query_start[seq]
-            _attend(
-                out,
-                q,
-                key_cache,
-                value_cache,
-                block_tables[seq],
-                context_lens[seq],
-                query_start[seq + 1] - first,
-                first,
-                t0,
-                t1,
-                kv_head,
-                scale,
-                simd,
-                scratch,
-            )
+        share = work[work_start[thread] : work_start[thread + 1]]
+        _attend_units(out, q, key_cache, value_cache, *metadata, share, scale, simd)
+
+
+@njit(cache=True, fastmath=FASTMATH, nogil=True)
+def _paged_attention_serial(
+    out,
+    q,
+    k_new,
+    v_new,
+    slot_mapping,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    query_start,
+    work,
+    work_start,
+    scale,
+    simd,
+):
+    """The kernel on the calling thread alone: no parallel region to start (numba's workqueue
+    wakes its threads for each one, tens of microseconds on a VM), for a process that runs on one
+    core -- a forward worker (`minivllm.runner.workers`) or a one-thread engine. Same arguments,
+    same work, same results."""
+    _write_new_rows(k_new, v_new, slot_mapping, key_cache, value_cache)
+    metadata = (block_tables, context_lens, query_start)
+    _attend_units(out, q, key_cache, value_cache, *metadata, work, scale, simd)
+
+
+def _kernel_for(num_threads: int):
+    """The parallel kernel, or the serial one when there is one thread to run it on."""
+    return _paged_attention_serial if num_threads == 1 else _paged_attention_kernel
 
 
 def simd_fits(head_dim: int, block_size: int) -> bool:
@@ -463,6 +511,7 @@ def paged_attention_cpu(
     v_new: np.ndarray | None = None,
     slot_mapping: np.ndarray | None = None,
     simd: bool | None = None,
+    threads: int | None = None,
 ) -> np.ndarray:
     """Attention of every query row over its own sequence's cached keys and values, read in place
     through the block tables. `q` `[tokens, heads, head_dim]` holds each sequence's new rows end to
@@ -471,7 +520,8 @@ def paged_attention_cpu(
     block_size, kv_heads, head_dim]`; all float32. With `k_new`, `v_new` (`[tokens, kv_heads,
     head_dim]`) and `slot_mapping` (`[tokens]`) the new rows' keys and values are written to their
     slots first, in the same call. `simd`: the vector paths or the plain loops (default: the vector
-    paths where `simd_fits`). Returns `[tokens, heads, head_dim]`."""
+    paths where `simd_fits`). `threads`: how many threads run it (default: numba's setting); with
+    one, the serial kernel runs on the calling thread. Returns `[tokens, heads, head_dim]`."""
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int64)
     context_lens = np.ascontiguousarray(context_lens, dtype=np.int64)
     query_start = np.ascontiguousarray(query_start, dtype=np.int64)
@@ -489,18 +539,26 @@ def paged_attention_cpu(
         )
     scale = q.shape[2] ** -0.5 if scale is None else scale
     out = np.empty_like(q) if out is None else out
-    work = plan_work(context_lens, query_start, key_cache.shape[2], numba.get_num_threads())
+    threads = default_threads() if threads is None else threads
+    work = plan_work(context_lens, query_start, key_cache.shape[2], threads)
     args = (key_cache, value_cache, block_tables, context_lens, query_start, *work)
     with _LAUNCH:
-        _paged_attention_kernel(
+        _kernel_for(threads)(
             out, q, k_new, v_new, slot_mapping, *args, np.float32(scale), fits and simd is not False
         )
     return out
 
 
-def warm_up() -> None:
-    """Compile the kernel now (or load it from numba's cache): a few seconds the first time on a
-    machine, milliseconds after; the engine calls it once, not the first step."""
+def default_threads() -> int:
+    """numba's thread setting -- but 1, without starting numba's thread pool, in a process that
+    allows no more (a forward worker, `NUMBA_NUM_THREADS=1`)."""
+    return numba.get_num_threads() if numba.config.NUMBA_NUM_THREADS > 1 else 1
+
+
+def warm_up(threads: int | None = None) -> None:
+    """Compile the kernel for `threads` (default: `default_threads()`) now, or load it from numba's
+    cache: a few seconds the first time on a machine, milliseconds after. The engine calls it when
+    it starts, so that its first step does not."""
     q = np.zeros((1, 1, 1), dtype=np.float32)
     cache = np.zeros((1, 1, 1, 1), dtype=np.float32)
     one = np.ones(1, dtype=np.int64)
@@ -514,6 +572,7 @@ def warm_up() -> None:
         k_new=q,
         v_new=q,
         slot_mapping=np.zeros(1, dtype=np.int64),
+        threads=threads,
     )
 
 
@@ -536,13 +595,20 @@ class NumbaPagedAttention:
         self.scale = np.float32(storage.config.head_dim**-0.5)
         self.simd = simd_fits(storage.config.head_dim, storage.block_size)
         self.checked = False  # the arguments are checked in the first layer, the same in all
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        self.work = plan_work(
-            self.context_lens,
-            self.query_start,
-            storage.config.n_kv_heads,
-            numba.get_num_threads(),
-        )
+        # torch's thread count is the engine's (a forward worker's is 1)
+        threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        if threads > 1:  # a one-thread process never starts numba's thread pool
+            numba.set_num_threads(threads)
+        self.kernel = _kernel_for(threads)
+        kv_heads = storage.config.n_kv_heads
+        self.work = plan_work(self.context_lens, self.query_start, kv_heads, threads)
+
+    @staticmethod
+    def warm_up(threads: int | None = None) -> None:
+        """Compile (or load) the kernel a pass on `threads` threads runs (default: torch's count,
+        as `__init__` picks)."""
+        threads = torch.get_num_threads() if threads is None else threads
+        warm_up(min(threads, numba.config.NUMBA_NUM_THREADS))
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -555,7 +621,7 @@ class NumbaPagedAttention:
             self.checked = True
         out = np.empty_like(q)
         with _LAUNCH:
-            _paged_attention_kernel(
+            self.kernel(
                 out,
                 q,
                 k,

@@ -29,8 +29,20 @@ class EngineConfig:
     # chapter 07): bit-for-bit the same logits, five matmul calls per layer become two. The copy
     # is taken when the engine starts: later changes to the caller's weights do not reach it.
     fuse_projections: bool = True
+    # Processes that share each forward pass on a CPU, each running whole sequences on one thread
+    # (runner/workers.py, chapter 07): 1 runs it here on torch's threads; 2 uses a second core
+    # where threads inside each small operation hardly do. Workers start with the engine (a few
+    # seconds) and stop with `LLMEngine.close()`.
+    forward_processes: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.forward_processes, int) or self.forward_processes < 1:
+            raise ValueError(
+                f"EngineConfig.forward_processes must be an int >= 1, got "
+                f"{self.forward_processes!r}"
+            )
+        if self.forward_processes > 1 and self.device == "cuda":
+            raise ValueError("EngineConfig.forward_processes > 1 is for a CPU engine, not 'cuda'")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(
                 f"EngineConfig.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}"

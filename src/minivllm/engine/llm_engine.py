@@ -40,6 +40,7 @@ from minivllm.model.transformer import ModelConfig, Transformer, placed_on
 from minivllm.runner.model_runner import ModelRunner, RunnerOutput
 from minivllm.runner.sampler import derive_seed
 from minivllm.runner.speculative import SpeculativeConfig, make_drafter
+from minivllm.runner.workers import ForwardWorkers
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.scheduler import Scheduler, SchedulerConfig
 from minivllm.sched.sequence import SamplingParams, Sequence, Status
@@ -56,9 +57,11 @@ class LLMEngine:
         self.tokenizer = tokenizer or ByteTokenizer()
         self.device = _resolve_device(config.device)
         self.model = model = placed_on(model, self.device)  # the caller's stays where it was
-        backend = get_backend(
-            resolve_backend_name(config.attention_backend, self.device, config.dtype)
-        )
+        backend_name = resolve_backend_name(config.attention_backend, self.device, config.dtype)
+        backend = get_backend(backend_name)
+        warm_up = getattr(backend, "warm_up", None)  # a kernel compiled now, not in the first step
+        if warm_up is not None:
+            warm_up()
         self.manager = BlockManager(config.num_blocks, config.block_size)
         self.storage = PagedKVStorage(
             model.config, config.num_blocks, config.block_size, config.dtype, self.device
@@ -80,6 +83,15 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.manager)
         runner_model = fuse_projections(model) if config.fuse_projections else model
         self.runner = ModelRunner(runner_model, self.storage, self.manager, backend, self.drafter)
+        if config.forward_processes > 1:
+            if self.device != "cpu":
+                raise ValueError(
+                    f"EngineConfig.forward_processes > 1 is for a CPU engine; this one runs on "
+                    f"{self.device}"
+                )
+            self.runner.workers = ForwardWorkers(
+                runner_model, self.storage, backend_name, config.forward_processes, backend
+            )
         self.inputs = InputProcessor(self.tokenizer, request_limits(model.config, config))
         self.outputs = OutputProcessor()
         self.trace: list[StepRecord] = []
@@ -147,6 +159,18 @@ class LLMEngine:
             if not seq.is_finished:  # a parent's abort has ended its waiting forks already
                 self.scheduler.abort(seq.seq_id)
         return self.outputs.output(alive[0])
+
+    def close(self) -> None:
+        """Stop the engine's forward workers, if it has any (`EngineConfig.forward_processes`);
+        an engine without them has nothing to release. Also on leaving a `with` block."""
+        if self.runner.workers is not None:
+            self.runner.workers.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -32,6 +32,7 @@ from minivllm.model.transformer import Transformer
 from minivllm.runner.batch import build_batch, run_model
 from minivllm.runner.sampler import SamplingMetadata, logprob_dicts, sample, sample_logprobs
 from minivllm.runner.speculative import ModelDrafter, NgramDrafter, Proposal, verify
+from minivllm.runner.workers import ForwardWorkers
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.sequence import Sequence
 
@@ -62,6 +63,8 @@ class ModelRunner:
     ) -> None:
         self.model, self.storage, self.manager = model, storage, manager
         self.backend, self.drafter = backend, drafter
+        # ForwardWorkers (runner/workers.py) when other processes share the forward pass
+        self.workers: ForwardWorkers | None = None
 
     def execute(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> RunnerOutput:
         """Run the plan's chunks: draft (with speculation), one forward pass, sample or verify.
@@ -151,6 +154,8 @@ class ModelRunner:
 
     def forward(self, batch: VarlenBatch) -> torch.Tensor:
         """Logits of the rows that pick (or check) a token, `[S, vocab]`."""
+        if self.workers is not None:
+            return self.workers.forward(batch, self.backend)
         return run_model(self.model, self.storage, batch, self.backend)
 
     def sample(
