@@ -78,6 +78,19 @@ def print_run(repeat: int, repeats: int, run: dict, width: int, extra: str = "")
     )
 
 
+def cpu_seconds_of(pids: list[int]) -> float:
+    """CPU seconds (user + system) other processes of ours have run so far, from /proc (Linux;
+    0 elsewhere): an engine's forward workers."""
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
 def best_of(runs: list[dict]) -> dict:
     """The least disturbed run of a system, with the spread of all of them."""
     best = dict(min(runs, key=lambda r: r["seconds"]))

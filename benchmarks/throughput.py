@@ -1,7 +1,7 @@
 """Throughput: minivllm's engine against naive generation and Hugging Face `generate` (chapter 04).
 
     python benchmarks/throughput.py [--requests 64] [--seed 0] [--repeats 3] [--quick] [--skip-hf]
-    [--skip-naive] [--backends numba]
+    [--skip-naive] [--backends numba] [--processes 2]
 
 One seeded workload -- prompts are 16-200-byte slices of the shipped validation text (cut at UTF-8
 character boundaries, BOS first), outputs 32-256 tokens, greedy, `ignore_eos` -- run on the shipped
@@ -12,6 +12,9 @@ target model by every system in one process, 2 torch threads:
 * with `--backends NAME ...`, the headline continuous system again on each attention backend named
   (`EngineConfig(attention_backend=NAME)`; the headline's "auto" is the native CPU kernel,
   `numba`, so `--backends torch` adds the reference);
+* with `--processes N ...`, the headline continuous system again with N forward processes
+  (`EngineConfig(forward_processes=N)`: each pass split by sequence between this process and
+  N - 1 workers, one thread each; its CPU seconds count the workers' too);
 * minivllm, static batching: the same engine with `batching="static"` (a new batch is admitted only
   when the whole last one has finished). At batch 64 the whole workload is one batch, so static and
   continuous run the same batch and only prefill chunking differs; at batch 16 the slots a finished
@@ -58,7 +61,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import Request, best_of, load_str, machine_record, make_workload, print_run
+from _common import (
+    Request,
+    best_of,
+    cpu_seconds_of,
+    load_str,
+    machine_record,
+    make_workload,
+    print_run,
+)
 
 import minivllm.runner.model_runner as runner_module
 from minivllm.attention.backend import resolve_backend_name
@@ -120,7 +131,11 @@ def blocks_for(requests: list[Request], block_size: int = 16) -> int:
 
 
 def make_engine(
-    model: Transformer, requests: list[Request], attention_backend: str = "auto", **scheduler
+    model: Transformer,
+    requests: list[Request],
+    attention_backend: str = "auto",
+    forward_processes: int = 1,
+    **scheduler,
 ) -> LLMEngine:
     if scheduler.get("batching") == "static":  # recorded as "static"; the book's admission rule
         scheduler = {**scheduler, "batching": StaticBatching()}
@@ -128,6 +143,7 @@ def make_engine(
         num_blocks=blocks_for(requests),
         scheduler=SchedulerConfig(**scheduler),
         attention_backend=attention_backend,
+        forward_processes=forward_processes,
     )
     return LLMEngine(model, config)
 
@@ -137,9 +153,13 @@ def run_engine(
     requests: list[Request],
     label: str,
     attention_backend: str = "auto",
+    forward_processes: int = 1,
     **scheduler,
 ) -> dict:
-    engine = make_engine(model, requests, attention_backend, **scheduler)
+    # workers (forward_processes > 1) start here, before the clock
+    engine = make_engine(model, requests, attention_backend, forward_processes, **scheduler)
+    workers = engine.runner.workers.pids if engine.runner.workers else []
+    worker_cpu = cpu_seconds_of(workers)
 
     def work() -> list[list[int]]:
         outputs = engine.generate(
@@ -154,7 +174,10 @@ def run_engine(
         scheduler=dict(scheduler),
         num_blocks=engine.config.num_blocks,
         attention_backend=attention_backend,
+        forward_processes=forward_processes,
     )
+    result["cpu_seconds"] += cpu_seconds_of(workers) - worker_cpu  # the workers' CPU time too
+    engine.close()
     result.update(
         steps=len(engine.trace),
         overhead=overhead(engine.trace, result["seconds"]),
@@ -537,6 +560,15 @@ def main() -> None:
         help="attention backends to run the headline continuous system on as well, next to the "
         "default one (e.g. --backends numba: the native CPU kernel)",
     )
+    parser.add_argument(
+        "--processes",
+        nargs="+",
+        type=int,
+        default=[],
+        help="forward processes to run the headline continuous system with as well "
+        "(EngineConfig.forward_processes; e.g. --processes 2: each pass split by sequence "
+        "between this process and a worker, one thread each)",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument(
@@ -588,6 +620,16 @@ def main() -> None:
             requests,
             f"minivllm continuous (64 slots, budget {args.budget[0]}, {be} attention)",
             attention_backend=be,
+            max_num_seqs=64,
+            max_num_batched_tokens=args.budget[0],
+        )
+    # The headline system with its forward passes split between processes, one thread each.
+    for processes in args.processes:
+        systems[f"continuous/{args.budget[0]}/{processes}p"] = lambda p=processes: run_engine(
+            model,
+            requests,
+            f"minivllm continuous (64 slots, budget {args.budget[0]}, {p} procs)",
+            forward_processes=p,
             max_num_seqs=64,
             max_num_batched_tokens=args.budget[0],
         )
@@ -650,6 +692,7 @@ def main() -> None:
     order = [
         f"continuous/{args.budget[0]}",
         *(f"continuous/{args.budget[0]}/{backend}" for backend in args.backends),
+        *(f"continuous/{args.budget[0]}/{p}p" for p in args.processes),
         "static/all",
         "continuous/small",
         "static/small",
@@ -712,17 +755,23 @@ def main() -> None:
                 f"{r['tokens'] / r['median_seconds']:7.1f}), {r['steps']} steps"
             )
 
-    def ratio_goal(prefix: str, goal: float) -> dict | None:
+    def ratio_goal(prefix: str, goal: float, system: dict = continuous) -> dict | None:
         match = next((r for r in results if r["system"].startswith(prefix)), None)
         if match is None:
             return None
-        value = round(cont_tps / tps[match["system"]], 3)
+        value = round(tps[system["system"]] / tps[match["system"]], 3)
         return {"goal": goal, "value": value, "met": value >= goal, "against": match["system"]}
 
     ov = continuous["overhead"]
     big = ov[f"decodes_ge_{BIG_BATCH_DECODES}"]["overhead"]
     goals = {
         "continuous_over_hf_batched": ratio_goal("HF generate, batched", 2.0),
+        **{
+            f"continuous_{p}_processes_over_hf_batched": ratio_goal(
+                "HF generate, batched", 2.0, best[f"continuous/{args.budget[0]}/{p}p"]
+            )
+            for p in args.processes
+        },
         "continuous_over_naive_sequential": ratio_goal("naive sequential", 15.0),
         f"overhead_at_decodes_ge_{BIG_BATCH_DECODES}": (
             {"goal": 0.10, "value": big, "met": big <= 0.10} if big is not None else None

@@ -1,7 +1,8 @@
 """vLLM as a peer: vLLM's CPU build and minivllm on one seeded workload (optional, not in tests).
 
     python benchmarks/vllm_peer.py [--requests 256] [--seed 0] [--repeats 3]
-    [--backends auto|torch numba ...] [--vllm-modes compiled eager] [--vllm-python PATH]
+    [--backends auto|torch numba ...] [--processes 1 2] [--vllm-modes compiled eager]
+    [--vllm-python PATH]
     [--threads 2] [--out PATH]
 
 The workload of benchmarks/throughput.py at 256 requests -- `make_workload(256, seed)`: prompts are
@@ -24,7 +25,9 @@ Llama safetensors) by
   `compiled-passive` runs the compiled mode with `OMP_WAIT_POLICY=PASSIVE`, the setting minivllm
   makes when it is imported;
 * minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
-  on each attention backend of `--backends`.
+  on each attention backend of `--backends`, with each number of forward processes of
+  `--processes` (`EngineConfig.forward_processes`; 2: each pass split by sequence between this
+  process and a worker, one thread each -- the same 2 cores; CPU seconds then count both).
 
 Each system warms up (vLLM after start-up, minivllm once per backend), then one `generate` over the
 whole workload is timed with the wall clock (start-up and compilation not counted). The systems
@@ -256,7 +259,9 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
 
 
 # -- the minivllm side: runs in this repository's venv ---------------------------------------------
-def run_minivllm(model, requests, backend: str) -> dict:
+def run_minivllm(model, requests, backend: str, processes: int = 1) -> dict:
+    from _common import cpu_seconds_of
+
     from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sched.scheduler import SchedulerConfig
@@ -270,25 +275,35 @@ def run_minivllm(model, requests, backend: str) -> dict:
             max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS
         ),
         attention_backend=backend,
+        forward_processes=processes,
     )
     engine = LLMEngine(model, config)
+    workers = engine.runner.workers.pids if engine.runner.workers else []
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests
     ]
-    load_before, cpu = load_str(), time.process_time()
+    load_before, cpu, worker_cpu = load_str(), time.process_time(), cpu_seconds_of(workers)
     started = time.perf_counter()
     outputs = engine.generate([r.prompt_ids for r in requests], params)
     seconds = time.perf_counter() - started
+    cpu = time.process_time() - cpu + cpu_seconds_of(workers) - worker_cpu
+    engine.close()
     tokens = [list(o.token_ids) for o in outputs]
+    label = f"{backend} attention" + (f", {processes} processes" if processes > 1 else "")
     return {
-        "system": f"minivllm ({backend} attention)",
+        "system": f"minivllm ({label})",
+        "forward_processes": processes,
         "seconds": seconds,
         "tokens": sum(map(len, tokens)),
-        "cpu_seconds": round(time.process_time() - cpu, 3),
+        "cpu_seconds": round(cpu, 3),
         "load_before": load_before,
         "load_after": load_str(),
         "_tokens": tokens,
     }
+
+
+def minivllm_key(backend: str, processes: int) -> str:
+    return f"minivllm/{backend}" + (f"/{processes}p" if processes > 1 else "")
 
 
 def warm_minivllm(model, requests, backend: str) -> None:
@@ -365,6 +380,14 @@ def main() -> int:
         help="minivllm attention backends to run (auto, torch, numba, ...)",
     )
     parser.add_argument(
+        "--processes",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="minivllm forward processes to run each backend with (EngineConfig.forward_processes: "
+        "2 splits each pass by sequence between this process and a worker, one thread each)",
+    )
+    parser.add_argument(
         "--vllm-modes",
         nargs="+",
         choices=["compiled", "eager", "compiled-passive"],
@@ -436,8 +459,9 @@ def main() -> int:
                     for mode in args.vllm_modes
                 ),
                 *(
-                    (f"minivllm/{b}", lambda b=b: run_minivllm(model, requests, b))
+                    (minivllm_key(b, p), lambda b=b, p=p: run_minivllm(model, requests, b, p))
                     for b in args.backends
+                    for p in args.processes
                 ),
             ]:
                 r = run()
@@ -447,7 +471,7 @@ def main() -> int:
 
     results = {key: summary(rs) for key, rs in runs.items()}
     vllm_keys = [f"vllm/{m}" for m in args.vllm_modes]
-    mini_keys = [f"minivllm/{b}" for b in args.backends]
+    mini_keys = [minivllm_key(b, p) for b in args.backends for p in args.processes]
     if any(r["tokens"] != sum(out_lens) for rs in runs.values() for r in rs):
         print("  note: a system generated a different number of tokens than asked for")
 

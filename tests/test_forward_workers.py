@@ -1,10 +1,10 @@
 """Forward workers (runner/workers.py): one forward pass split between processes by sequence.
 
 The split itself (`split_sequences`, `balanced_bounds`) against the whole batch: the parts' logits,
-concatenated, are the whole pass's rows in order, to a matmul's rounding. Then an engine with a worker process
-against one without: the same greedy and seeded tokens through chunked prefills and decodes; a
-worker's error comes back as the step's error; a dead worker or a closed engine is a clear error,
-not a hang.
+concatenated, are the whole pass's rows in order, to a matmul's rounding. Then an engine with a
+worker process against one without: the same greedy and seeded tokens through chunked prefills and
+decodes; a worker's error comes back as the step's error; a dead worker or a closed engine is a
+clear error, not a hang.
 """
 
 from __future__ import annotations

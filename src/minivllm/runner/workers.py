@@ -256,5 +256,10 @@ class ForwardWorkers:
         self._finalizer()
 
     @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids (benchmarks add up their CPU time)."""
+        return [worker.pid for worker in self._workers]
+
+    @property
     def alive(self) -> bool:
         return self._finalizer.alive and all(w.is_alive() for w in self._workers)
