@@ -48,6 +48,7 @@ import minivllm
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.attention import backend as attention_backend
 from minivllm.attention.backend import AttentionBackend, resolve_backend_name
+from minivllm.attention.batch import split_sequences
 from minivllm.attention.cuda.backend import CudaPagedAttention, KernelDecodeAttention
 from minivllm.attention.cuda.grouped import (
     default_lanes_per_token,
@@ -68,6 +69,7 @@ from minivllm.attention.cuda.occupancy import H100_SXM, occupancy
 from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE
 from minivllm.attention.numba_cpu import (
     _attend,
+    _attend_units,
     _exp_in_place,
     _paged_attention_kernel,
     _prefetch_block,
@@ -88,10 +90,11 @@ from minivllm.book import kernel_check, show, source, use_book_style
 from minivllm.book.figures.kernels import draw_cache_reads, draw_execution_model, draw_work_plan
 from minivllm.book.kernel_check import kernel_error, random_inputs, reference_attention
 from minivllm.book.kernel_trace import reads_by_thread, recorded
-from minivllm.book.step_timing import decode_engine, time_decode_steps
+from minivllm.book.step_timing import decode_engine, time_decode_steps, time_thread_counts
 from minivllm.model.checkpoint import load_model
 from minivllm.model.fused import fuse_projections
 from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.runner.workers import ForwardWorkers, balanced_bounds
 from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
@@ -324,9 +327,16 @@ print(
 #
 # ### The kernel: write, then attend, on every core
 #
+# A thread runs its list of units with its scratch allocated once, sized for the largest:
+
+# %%
+show(_attend_units)
+
+# %% [markdown]
 # The compiled entry point takes one layer's whole batch. It first writes the new rows' keys and
 # values to their slots (the {term}`slot mapping` of chapter 04 — the same call, no separate
-# scatter), then runs the units of work, each thread its own list, with its scratch allocated once:
+# scatter), then gives each thread its list. (Its twin `_paged_attention_serial` runs all the units
+# on the calling thread, for a process that has one core; the end of Part 1 has such processes.)
 
 # %%
 show(_paged_attention_kernel)
@@ -535,6 +545,114 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # busy one the spinning threads hold cores the threads with work are waiting for, and the same run
 # can take many times longer; run this cell while something else keeps the machine busy to see it.
 # The benchmarks record the policy and the load average beside every run.
+#
+# ### The second core: whole sequences, not halves of operations
+#
+# Everything so far used the second core the usual way: each matmul and each kernel call splits
+# its own work between two threads. What is that worth here? The 64-request decode step again, on
+# one thread and on two, alternating:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+by_threads = time_thread_counts(decode_engine(target, "numba"), counts=(1, 2))
+for threads, ms in by_threads.items():
+    print(f"{threads} thread{'s' * (threads > 1)}: step {ms:5.1f} ms")
+print(f"the second thread saves {1 - by_threads[2] / by_threads[1]:.0%} of the step")
+
+# %% [markdown]
+# Little, on a small machine — run it on yours. A step is some two hundred small operations: 25
+# matmuls of a few million multiply-adds each, six attention calls, and elementwise work on 64 × 256
+# floats, which torch does not split at all below its grain size. Splitting a matmul that takes a
+# core 100–400 µs means waking the other core's thread, handing it half, and waiting for both at the
+# end, about thirty times a step; on a virtual machine a wake-up alone can cost tens of
+# microseconds, and a half-size matmul is less efficient than a whole one.
+#
+# The split that needs no meeting inside the step is coarser: **by sequence**. Attention keeps
+# sequences apart, and every other layer works on each token's row alone, so a batch cut between
+# sequences gives parts that need nothing from each other until their logits come back. Each part
+# runs the whole model, on one thread, on a core of its own. This is data parallelism inside one
+# step: one scheduler, one block manager, one K/V pool. `split_sequences` cuts a `VarlenBatch`:
+
+# %%
+show(split_sequences)
+
+# %% [markdown]
+# Where to cut: each part should take as long as the other. A sequence's work is its new tokens
+# times the keys each sees, plus its matmuls (counted in keys: a token's multiply-adds over a
+# key's, and over how much slower the attention kernel does its multiply-adds). A prefill chunk is
+# never cut in two — its later tokens attend to its earlier ones, layer by layer — so the cut goes
+# at the sequence boundary nearest to half the work:
+
+# %%
+show(balanced_bounds)
+
+# %% [markdown]
+# The parts run in **processes**, not threads: a part is a few hundred small torch calls, and each
+# call holds Python's interpreter lock while it is dispatched, so two threads would take turns at
+# it. `ForwardWorkers` spawns the workers when the engine starts (`EngineConfig(forward_processes=2)`)
+# and moves the weights and the K/V pool into shared memory, so every process reads and writes the
+# same blocks; each step sends a worker only its part's metadata — token ids, positions, slots,
+# block tables, a few KiB — and gets back its logits:
+
+# %%
+show(ForwardWorkers.forward)
+
+# %% [markdown]
+# The check, as for every change to the engine: the same prompts as above, greedy, on one process
+# and on two.
+
+# %%
+split_greedy = {}
+for processes in (1, 2):
+    with LLMEngine(
+        target,
+        EngineConfig(
+            num_blocks=128, block_size=16, attention_backend="numba", forward_processes=processes
+        ),
+    ) as engine:
+        split_greedy[processes] = [o.token_ids for o in engine.generate(prompts, params)]
+same = sum(a == b for a, b in zip(split_greedy[1], split_greedy[2]))
+print(f"{same} of {len(prompts)} requests: identical greedy tokens on one process and on two")
+assert same == len(prompts)
+
+# %% [markdown]
+# A row's logits are what a one-thread pass over its part gives. They can move in the last bits
+# with the cut — a matmul's rounding depends on how many rows it has — as they do from one step to
+# the next in any engine, whose batch changes every step; a greedy token could change only at a
+# near-tie, and `tests/test_forward_workers.py` compares tokens on both. The decode step, one
+# process on two threads against two processes on one thread each, alternating (two fresh engines,
+# so both decode at the same context lengths):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+with decode_engine(target, "numba", forward_processes=2) as split_engine:
+    by_split = time_decode_steps(
+        {"1 process, 2 threads": decode_engine(target, "numba"), "2 processes": split_engine}
+    )
+    part_ms = []  # each process's forward time for its part, over a few more steps
+    for _ in range(5):
+        split_engine.step()
+        part_ms.append([1e3 * s for s in split_engine.runner.workers.part_seconds])
+for name, t in by_split.items():
+    print(f"{name:>20}: step {t['step_ms']:5.1f} ms")
+print(
+    f"two processes: the step "
+    f"{by_split['1 process, 2 threads']['step_ms'] / by_split['2 processes']['step_ms']:.2f}x faster"
+)
+engine_part, worker_part = np.median(part_ms, axis=0)
+print(f"the parts: {engine_part:.1f} ms in the engine's process, {worker_part:.1f} ms in the worker")
+
+# %% [markdown]
+# One condition: nothing else may keep the worker's core busy. torch's spinning OpenMP threads
+# (the wait policy above) would: after each two-thread operation of the engine's own work — the
+# sampler, between passes — an idle thread busy-waits on the very core the worker computes on, and
+# the worker's part, not the engine's, comes back late. Without `OMP_WAIT_POLICY=PASSIVE` two
+# processes can lose to one; `ForwardWorkers` warns when the policy is not passive.
+#
+# The whole workloads, against Hugging Face and vLLM, are the benchmarks' `--processes 2` rows
+# (`benchmarks/throughput.py --processes 2`, `benchmarks/vllm_peer.py --processes 1 2`): the
+# scheduler, the sampler and the output processing still run in the engine's process between
+# passes, while the worker waits.
 #
 # ## Part 2 — the same algorithm in CUDA's execution model
 #
@@ -1102,6 +1220,17 @@ for batch, context in ((1, 4096), (64, 1024), (64, 4096)):
 # 6. *(Explore, no test.)* Replace `plan_work`'s deal by cost with an even split by count (the
 #    figure's first bar) and time a decode step with two 128-token prefill chunks in it, both ways.
 #    Hint: `book/step_timing.time_decode_steps` alternates engines for you.
+# 7. *(Explore, no test.)* After each pass, `engine.runner.workers.part_seconds` holds each
+#    process's forward time for its part. Step a `decode_engine(target, "numba",
+#    forward_processes=2)` and collect them: are the parts even? Then add four requests with
+#    300-token prompts to it, so that prefill chunks join the decodes, and collect them again. The
+#    cut weighs a token's matmuls as `engine.runner.workers.per_token` keys: which value evens the
+#    parts of the mixed steps on your machine, and what does it say about how fast the attention
+#    kernel does a multiply-add compared with a matmul?
+#
+#    *Hint:* Compare the medians of the first part's time over the second's, per kind of step. A
+#    chunk is never cut, so a step with one long chunk cannot be even whatever the weight: look at
+#    steps with several.
 #
 # ## Summary
 #
@@ -1110,7 +1239,9 @@ for batch, context in ((1, 4096), (64, 1024), (64, 4096)):
 # of the step in one call: all the scores, their softmax, then the values, each K/V row read once
 # for its whole query-head group, the arithmetic laid onto 8-lane vectors by hand and the next block
 # prefetched, the work dealt to the cores by cost — and the greedy tokens are the reference's, token
-# for token. On a GPU the same algorithm becomes thread blocks, warps and shuffles: v1 and v2 as
+# for token. Where a second thread inside each small operation hardly pays, the second core takes
+# whole sequences instead: the batch is cut between sequences and each part runs the whole model in
+# a process of its own, over the same K/V pool in shared memory. On a GPU the same algorithm becomes thread blocks, warps and shuffles: v1 and v2 as
 # vLLM first wrote them, then v3, one block per K/V head reading each row once for its group in one
 # pass with several tokens in flight — all checked in the simulator against the same reference, and
 # ready to be measured by `benchmarks/paged_attention.py` on a GPU. The number that says why it

@@ -29,7 +29,9 @@ Compilation happens once per machine: `cache=True` keeps the machine code next t
 `warm_up()` compiles (or loads) it ahead of the first step. Threads: numba's parallel loops and
 torch's matmuls take turns, never overlap, so each may use every core torch is allowed; the layer
 is numba's **workqueue**, whose threads sleep between kernels (an OpenMP layer's would spin on, on
-the cores torch's own OpenMP threads need next).
+the cores torch's own OpenMP threads need next). With one thread -- a forward worker
+(`runner/workers.py`), or an engine told to use one -- `_paged_attention_serial` runs the same
+units on the calling thread and numba's thread pool never starts.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ until every prompt is prefilled, so each following step is pure decoding at that
 `time_decode_steps` then times steps of one or more such engines **alternately** (a shared machine
 drifts; alternating puts every system under the same drift) and reports medians: the step, and the
 part of it spent inside the attention backend -- writing the new K/V and attending, every layer.
+`time_thread_counts` times one engine's steps on one thread and on two, alternately: what a second
+core is worth inside each operation of the step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import statistics
 import time
 
 import numpy as np
+import torch
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -57,9 +60,11 @@ def decode_engine(
     num_seqs: int = 64,
     prompt_chars: tuple[int, int] = (16, 320),
     seed: int = 0,
+    forward_processes: int = 1,
 ) -> LLMEngine:
     """An engine with `num_seqs` greedy requests (prompts of `prompt_chars` characters of the
-    validation text, lengths and offsets seeded), stepped until all are decoding."""
+    validation text, lengths and offsets seeded), stepped until all are decoding. With
+    `forward_processes` > 1 its passes are split between processes: `close()` it when done."""
     text = shipped_validation_text()
     rng = np.random.default_rng(seed)
     lengths = rng.integers(prompt_chars[0], prompt_chars[1] + 1, num_seqs)
@@ -71,6 +76,7 @@ def decode_engine(
             block_size=16,
             attention_backend=attention_backend,
             scheduler=SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=512),
+            forward_processes=forward_processes,
         ),
     )
     tokenizer = ByteTokenizer()
@@ -109,3 +115,23 @@ def time_decode_steps(engines: dict[str, LLMEngine], steps: int = 10, rounds: in
             "attention_share": attention / step,
         }
     return result
+
+
+def time_thread_counts(
+    engine: LLMEngine, counts: tuple[int, ...] = (1, 2), steps: int = 10, rounds: int = 3
+) -> dict[int, float]:
+    """The median step time (ms) of one engine with torch (and so the numba kernel) on each thread
+    count of `counts`, alternating `rounds` times; torch's setting is restored after."""
+    before = torch.get_num_threads()
+    step_ms: dict[int, list[float]] = {count: [] for count in counts}
+    try:
+        for _ in range(rounds):
+            for count in counts:
+                torch.set_num_threads(count)
+                started = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                step_ms[count].append(1e3 * (time.perf_counter() - started) / steps)
+    finally:
+        torch.set_num_threads(before)
+    return {count: statistics.median(ms) for count, ms in step_ms.items()}

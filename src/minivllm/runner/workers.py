@@ -3,12 +3,14 @@
 At batch 64 a decode step of the target model is some 200 small operations: 25 matmuls of a few
 million multiply-adds, six attention calls, and elementwise work on 64 x 256 floats. Two threads
 inside each of them hardly pay on a small machine: every operation that splits its work wakes the
-other core and waits for it at the end, and on a virtual machine a wake-up costs tens of
-microseconds, about what a small matmul's second half saves (chapter 07 measures one thread against
-two). The other way to use a second core is coarser: give it whole sequences. Attention keeps
-sequences apart, and every other layer works row by row, so the batch splits between sequences
-into parts that need nothing from each other; each part runs the whole model on a core of its own,
-with one thread, and meets the others once per step, when the logits come back. This is data
+other core and waits for it at the end. On the 2-core virtual machine this was written on, a
+one-sequence pass, with nothing worth splitting, took about 20 % longer on two threads than on one
+(some 30 µs per operation that splits), and the batch-64 step hardly gained from the second thread
+(chapter 07 measures it live). The other way to use a second core is coarser: give it whole
+sequences. Attention keeps sequences apart, and every other layer works row by row, so the batch
+splits between sequences into parts that need nothing from each other; each part runs the whole
+model on a core of its own, with one thread, and meets the others once per step, when the logits
+come back. This is data
 parallelism inside a step, over one scheduler, one block manager and one K/V pool -- the pool and
 the weights live in shared memory, so every process reads and writes the same blocks.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 import weakref
 from multiprocessing.connection import Connection
 
@@ -173,6 +176,15 @@ class ForwardWorkers:
         if storage.kv.device.type != "cpu":
             raise ValueError(
                 f"forward workers share a cache in CPU memory, not on {storage.kv.device}"
+            )
+        if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+            # torch loaded before minivllm could set it (or it was set otherwise): this process's
+            # idle OpenMP threads spin after each parallel op, on the core the worker computes on
+            warnings.warn(
+                "OMP_WAIT_POLICY is not PASSIVE: torch's idle threads in this process spin on the "
+                "core a forward worker needs, and can make the split slower than no split. Import "
+                "minivllm before torch, or export OMP_WAIT_POLICY=PASSIVE (the Makefile does).",
+                stacklevel=3,
             )
         self.model, self.storage, self.processes = model, storage, processes
         self.per_token = matmul_keys_per_token(model.config)
