@@ -315,10 +315,11 @@ def vllm_row() -> dict | None:
         return None
     peer = json.loads(VLLM_PEER.read_text())
     results = peer["results"]
-    vllm = next((v for k, v in results.items() if k.startswith("vllm/")), None)
-    mini = results.get("minivllm/numba")
+    vllm_key = next((k for k in results if k.startswith("vllm/")), None)
+    vllm, mini = results.get(vllm_key), results.get("minivllm/numba")
     if vllm is None or mini is None:
         return None
+    split = results.get("minivllm/numba/2p")  # forward_processes=2, where the run had one
     return {
         "source": "benchmarks/results/vllm_peer.json",
         "workload": peer["workload"],
@@ -336,9 +337,20 @@ def vllm_row() -> dict | None:
         "minivllm_over_vllm_median": round(
             mini["tokens_per_second_median"] / vllm["tokens_per_second_median"], 3
         ),
-        "greedy_agreement": peer.get("greedy_agreement", {}).get(
-            "minivllm/numba vs " + next(k for k in results if k.startswith("vllm/"))
-        ),
+        "greedy_agreement": peer.get("greedy_agreement", {}).get(f"minivllm/numba vs {vllm_key}"),
+        "minivllm_split": None
+        if split is None
+        else {
+            "system": split["system"],
+            "tokens_per_s_median": split["tokens_per_second_median"],
+            "tokens_per_s_best": split["tokens_per_second_best"],
+            "over_vllm_median": round(
+                split["tokens_per_second_median"] / vllm["tokens_per_second_median"], 3
+            ),
+            "greedy_agreement": peer.get("greedy_agreement", {}).get(
+                f"minivllm/numba/2p vs {vllm_key}"
+            ),
+        },
         "load_average": peer.get("load_average"),
         "machine": {k: peer["machine"].get(k) for k in ("cpus", "torch", "vllm", "platform")},
     }
@@ -434,6 +446,12 @@ def main() -> None:
             f"{peer['minivllm']['system']} {peer['minivllm']['tokens_per_s_median']:.1f} tokens/s "
             f"in the same run: minivllm / vLLM = {peer['minivllm_over_vllm_median']:.2f}"
         )
+        if peer["minivllm_split"] is not None:
+            split = peer["minivllm_split"]
+            print(
+                f"  {split['system']} {split['tokens_per_s_median']:.1f} tokens/s: "
+                f"minivllm / vLLM = {split['over_vllm_median']:.2f}"
+            )
     elapsed = time.perf_counter() - started
     print(f"\nload average {load_at_start} -> {load_str()}; {elapsed:.0f} s in all")
     if args.out_path is None:

@@ -200,18 +200,30 @@ if peer is None:
 else:
     peer_workload = peer["workload"]
     agreement = peer["greedy_agreement"]
+    peer_rows = [
+        [peer["vllm"]["system"], f"{peer['vllm']['tokens_per_s_median']:,.1f}", "", ""],
+        [
+            peer["minivllm"]["system"],
+            f"{peer['minivllm']['tokens_per_s_median']:,.1f}",
+            f"{peer['minivllm_over_vllm_median']:.2f}",
+            f"{agreement['identical']} of {agreement['requests']}",
+        ],
+    ]
+    split = peer.get("minivllm_split")  # the same engine, each pass split between 2 processes
+    if split is not None:
+        peer_rows.append(
+            [
+                split["system"],
+                f"{split['tokens_per_s_median']:,.1f}",
+                f"{split['over_vllm_median']:.2f}",
+                f"{split['greedy_agreement']['identical']} of "
+                f"{split['greedy_agreement']['requests']}",
+            ]
+        )
     display(
         html_table(
             ["system (its own workload)", "tokens/s", "minivllm / vLLM", "tokens identical"],
-            [
-                [peer["vllm"]["system"], f"{peer['vllm']['tokens_per_s_median']:,.1f}", "", ""],
-                [
-                    peer["minivllm"]["system"],
-                    f"{peer['minivllm']['tokens_per_s_median']:,.1f}",
-                    f"{peer['minivllm_over_vllm_median']:.2f}",
-                    f"{agreement['identical']} of {agreement['requests']}",
-                ],
-            ],
+            peer_rows,
             right={1, 2},
         )
     )

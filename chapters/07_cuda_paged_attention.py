@@ -640,7 +640,9 @@ print(
     f"{by_split['1 process, 2 threads']['step_ms'] / by_split['2 processes']['step_ms']:.2f}x faster"
 )
 engine_part, worker_part = np.median(part_ms, axis=0)
-print(f"the parts: {engine_part:.1f} ms in the engine's process, {worker_part:.1f} ms in the worker")
+print(
+    f"the parts: {engine_part:.1f} ms in the engine's process, {worker_part:.1f} ms in the worker"
+)
 
 # %% [markdown]
 # One condition: nothing else may keep the worker's core busy. torch's spinning OpenMP threads

@@ -21,7 +21,7 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.fused import fuse_projections
 from minivllm.runner.batch import BatchPiece, pack_batch, run_model
-from minivllm.runner.workers import balanced_bounds
+from minivllm.runner.workers import balanced_bounds, warn_if_threads_spin
 from minivllm.training.corpus import shipped_validation_text
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -148,6 +148,18 @@ def test_a_dead_worker_or_a_closed_engine_is_a_clear_error(target) -> None:
     assert not split.runner.workers.alive
     with pytest.raises(RuntimeError, match="closed"):
         split.runner.workers.forward(None, split.runner.backend)
+
+
+@pytest.mark.parametrize("policy", [None, "active", "ACTIVE"])
+def test_workers_warn_when_torchs_threads_may_spin(monkeypatch, policy) -> None:
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    with pytest.warns(UserWarning, match="OMP_WAIT_POLICY is not PASSIVE"):
+        assert warn_if_threads_spin()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert not warn_if_threads_spin()
 
 
 @pytest.mark.parametrize("processes", [0, -1, 1.5, "2"])

@@ -128,6 +128,21 @@ def _serve(conn: Connection, model: Transformer, storage: PagedKVStorage, backen
             conn.send(("error", f"{type(error).__name__}: {error}"))
 
 
+def warn_if_threads_spin() -> bool:
+    """Warn (and say so) when torch's idle OpenMP threads in this process may spin: torch loaded
+    before minivllm could set OMP_WAIT_POLICY=PASSIVE, or it was set otherwise. After each
+    parallel op a spinning thread busy-waits on the core a forward worker computes on."""
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        return False
+    warnings.warn(
+        "OMP_WAIT_POLICY is not PASSIVE: torch's idle threads in this process spin on the core a "
+        "forward worker needs, and can make the split slower than no split. Import minivllm "
+        "before torch, or export OMP_WAIT_POLICY=PASSIVE (the Makefile does).",
+        stacklevel=3,
+    )
+    return True
+
+
 @contextlib.contextmanager
 def _one_thread_children():
     """Processes started inside inherit an environment of one thread for OpenMP, MKL and numba:
@@ -177,15 +192,7 @@ class ForwardWorkers:
             raise ValueError(
                 f"forward workers share a cache in CPU memory, not on {storage.kv.device}"
             )
-        if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
-            # torch loaded before minivllm could set it (or it was set otherwise): this process's
-            # idle OpenMP threads spin after each parallel op, on the core the worker computes on
-            warnings.warn(
-                "OMP_WAIT_POLICY is not PASSIVE: torch's idle threads in this process spin on the "
-                "core a forward worker needs, and can make the split slower than no split. Import "
-                "minivllm before torch, or export OMP_WAIT_POLICY=PASSIVE (the Makefile does).",
-                stacklevel=3,
-            )
+        warn_if_threads_spin()
         self.model, self.storage, self.processes = model, storage, processes
         self.per_token = matmul_keys_per_token(model.config)
         self.part_seconds: list[float] = []  # the last pass: each part's forward time, in order
