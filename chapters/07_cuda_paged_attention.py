@@ -645,6 +645,30 @@ print(
 )
 
 # %% [markdown]
+# Why not twice as fast? Part of every pass does not shrink with its batch: a few hundred torch
+# calls dispatched from Python, every weight read from memory once, six kernel calls. Two parts
+# pay it twice. One thread, steps of 1, 32 and 64 decoding sequences:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+one_thread = {
+    n: time_thread_counts(decode_engine(target, "numba", num_seqs=n), counts=(1,))[1]
+    for n in (1, 32, 64)
+}
+for n, ms in one_thread.items():
+    print(f"{n:2d} sequences, one thread: step {ms:5.1f} ms")
+print(
+    f"a step of one sequence costs {one_thread[1] / one_thread[64]:.0%} of a step of 64; "
+    f"half the batch costs {one_thread[32] / one_thread[64]:.0%} of it"
+)
+
+# %% [markdown]
+# The one-sequence step is the cost that does not shrink with the batch, and each of two
+# processes pays it for its half; the host work between passes (scheduling, building the batch,
+# sampling) runs in the engine's process alone while the worker waits. vLLM's CPU build works on
+# the fixed cost instead: it compiles the model with `torch.compile`, which fuses the elementwise
+# calls into generated C++ loops.
+#
 # One condition: nothing else may keep the worker's core busy. torch's spinning OpenMP threads
 # (the wait policy above) would: after each two-thread operation of the engine's own work — the
 # sampler, between passes — an idle thread busy-waits on the very core the worker computes on, and

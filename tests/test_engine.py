@@ -702,6 +702,10 @@ def test_execute_runs_a_plan_and_samples_each_sampling_chunk(target) -> None:
     # The same batch again writes the same K/V and gives the same logits.
     logits = engine.runner.forward(build_batch(plan, sequences, engine.manager))
     assert result.tokens == {0: int(logits[0].argmax())}
+    # The pass runs in inference mode; its logits leave it as an ordinary tensor, which the
+    # sampler may edit in place (bans, biases) -- an inference tensor would refuse.
+    assert not logits.is_inference()
+    logits[0, 0] = float("-inf")
     assert result.speculated == () and result.forward_s > 0
     assert engine.runner.execute(StepPlan(plan.step, ()), sequences) == RunnerOutput({})
     engine.scheduler.update(plan, result.tokens)

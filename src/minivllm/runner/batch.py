@@ -125,7 +125,6 @@ def _leading_single_tokens(pieces: SequenceOf[BatchPiece]) -> int:
     return count
 
 
-@torch.no_grad()
 def run_model(
     model: Transformer,
     storage: PagedKVStorage,
@@ -136,5 +135,11 @@ def run_model(
     (see `minivllm.attention.backend`); the logits of the rows it asks for, `[S, vocab]`, back on
     the CPU, where sampling happens."""
     batch = batch.to(storage.kv.device)
-    logits = model(batch.input_ids, batch.positions, backend(storage, batch))
-    return logits[batch.logits_indices].float().cpu()
+    # Inference mode, not just no_grad: autograd keeps no version counters or view metadata on
+    # the pass's few hundred small operations, a few percent of a CPU decode step.
+    with torch.inference_mode():
+        logits = model(batch.input_ids, batch.positions, backend(storage, batch))
+        rows = logits[batch.logits_indices]
+    # Copied out of inference mode: the sampler edits its logits in place (bans, biases), which
+    # an inference tensor refuses outside it.
+    return rows.to("cpu", torch.float32, copy=True)
