@@ -53,9 +53,11 @@ one this script says how to build it and exits 0 without writing anything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -196,6 +198,27 @@ def cpu_bind(threads: int) -> str:
     return ",".join(map(str, cpus))
 
 
+def run_as_group(command: list[str], timeout: float, **popen) -> subprocess.CompletedProcess:
+    """Run `command` to the end in a process group of its own, its output captured, then kill
+    whatever is left of the group -- also on a timeout, an error or an interrupt. vLLM's engine
+    core and workers are grandchildren that outlive a killed parent: an interrupted run once left
+    them busy through the next benchmark."""
+    process = subprocess.Popen(
+        command,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout: float) -> dict:
     """One vLLM run: a fresh process in vLLM's venv (start-up, warm-up, one timed generate)."""
     env = dict(os.environ)
@@ -214,15 +237,7 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
     env.pop("VIRTUAL_ENV", None)
     command = [python, str(Path(__file__).resolve()), "--worker", "vllm"]
     command += ["--workload", str(workload_path), "--vllm-mode", mode]
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    done = run_as_group(command, timeout, cwd=ROOT, env=env)
     lines = (done.stdout + "\n" + done.stderr).splitlines()
     found = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
     if done.returncode != 0 or not found:
@@ -369,6 +384,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def main() -> int:
+    # A SIGTERM ends the run through `finally` blocks, so the vLLM process group goes with it.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
