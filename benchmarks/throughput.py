@@ -579,6 +579,8 @@ def main() -> None:
         "given)",
     )
     args = parser.parse_args()
+    # one process is the headline system itself: no second row for it
+    args.processes = sorted({p for p in args.processes if p > 1})
 
     torch.set_num_threads(THREADS)
     output_range = (8, 32) if args.quick else (32, 256)
@@ -613,25 +615,23 @@ def main() -> None:
             max_num_seqs=64,
             max_num_batched_tokens=b,
         )
+
+    def headline_with(label: str, **config):
+        """The headline continuous system with one setting changed."""
+        name = f"minivllm continuous (64 slots, budget {args.budget[0]}, {label})"
+        return lambda: run_engine(
+            model, requests, name, max_num_seqs=64, max_num_batched_tokens=args.budget[0], **config
+        )
+
     # The headline system on every other attention backend asked for (e.g. the native CPU kernel).
     for backend in args.backends:
-        systems[f"continuous/{args.budget[0]}/{backend}"] = lambda be=backend: run_engine(
-            model,
-            requests,
-            f"minivllm continuous (64 slots, budget {args.budget[0]}, {be} attention)",
-            attention_backend=be,
-            max_num_seqs=64,
-            max_num_batched_tokens=args.budget[0],
+        systems[f"continuous/{args.budget[0]}/{backend}"] = headline_with(
+            f"{backend} attention", attention_backend=backend
         )
     # The headline system with its forward passes split between processes, one thread each.
     for processes in args.processes:
-        systems[f"continuous/{args.budget[0]}/{processes}p"] = lambda p=processes: run_engine(
-            model,
-            requests,
-            f"minivllm continuous (64 slots, budget {args.budget[0]}, {p} procs)",
-            forward_processes=p,
-            max_num_seqs=64,
-            max_num_batched_tokens=args.budget[0],
+        systems[f"continuous/{args.budget[0]}/{processes}p"] = headline_with(
+            f"{processes} procs", forward_processes=processes
         )
     # Static admits a batch only into an empty engine, so its budget must hold the whole batch's
     # prompts.

@@ -560,12 +560,13 @@ for threads, ms in by_threads.items():
 print(f"the second thread saves {1 - by_threads[2] / by_threads[1]:.0%} of the step")
 
 # %% [markdown]
-# Little, on a small machine — run it on yours. A step is some two hundred small operations: 25
-# matmuls of a few million multiply-adds each, six attention calls, and elementwise work on 64 × 256
-# floats, which torch does not split at all below its grain size. Splitting a matmul that takes a
-# core 100–400 µs means waking the other core's thread, handing it half, and waiting for both at the
-# end, about thirty times a step; on a virtual machine a wake-up alone can cost tens of
-# microseconds, and a half-size matmul is less efficient than a whole one.
+# Little or nothing, on a small machine — run it on yours. A step is a few hundred small
+# operations: 25 matmuls of a few million multiply-adds each, six attention calls, and elementwise
+# work on 64 × 256 floats, which torch does not split at all below its grain size. Splitting a
+# matmul that takes one core a fraction of a millisecond means waking the other core's thread,
+# handing it half, and waiting for both at the end, for each of the 25; on a virtual machine a
+# wake-up alone can eat much of what the split saves, and a half-size matmul is less efficient than
+# a whole one.
 #
 # The split that needs no meeting inside the step is coarser: **by sequence**. Attention keeps
 # sequences apart, and every other layer works on each token's row alone, so a batch cut between

@@ -21,7 +21,7 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.fused import fuse_projections
 from minivllm.runner.batch import BatchPiece, pack_batch, run_model
-from minivllm.runner.workers import balanced_bounds, warn_if_threads_spin
+from minivllm.runner.workers import ForwardWorkers, balanced_bounds, warn_if_threads_spin
 from minivllm.training.corpus import shipped_validation_text
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -160,6 +160,12 @@ def test_workers_warn_when_torchs_threads_may_spin(monkeypatch, policy) -> None:
         assert warn_if_threads_spin()
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     assert not warn_if_threads_spin()
+
+
+def test_workers_refuse_a_cache_off_the_cpu(target) -> None:
+    storage = PagedKVStorage(target.config, 4, 16, device="meta")  # no memory, not the CPU's
+    with pytest.raises(ValueError, match="forward_processes > 1 is for a CPU engine"):
+        ForwardWorkers(target, storage, "torch", 2)
 
 
 @pytest.mark.parametrize("processes", [0, -1, 1.5, "2"])

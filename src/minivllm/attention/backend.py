@@ -104,6 +104,14 @@ def get_backend(name: str) -> BackendFactory:
     return entry.factory
 
 
+def warm_up_backend(factory: BackendFactory, threads: int | None = None) -> None:
+    """Compile (or load) a backend's kernel for `threads` (default: torch's count) now, rather
+    than in the first step, where the backend has one (a `warm_up` static method)."""
+    warm_up = getattr(factory, "warm_up", None)
+    if warm_up is not None:
+        warm_up(threads)
+
+
 def is_loaded(name: str) -> bool:
     """Whether the backend's code has been imported (false for a path not yet asked for)."""
     return not isinstance(_entry(name).factory, str)

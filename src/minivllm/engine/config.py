@@ -41,8 +41,6 @@ class EngineConfig:
                 f"EngineConfig.forward_processes must be an int >= 1, got "
                 f"{self.forward_processes!r}"
             )
-        if self.forward_processes > 1 and self.device == "cuda":
-            raise ValueError("EngineConfig.forward_processes > 1 is for a CPU engine, not 'cuda'")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(
                 f"EngineConfig.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}"

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 
-from minivllm.attention.backend import get_backend, resolve_backend_name
+from minivllm.attention.backend import get_backend, resolve_backend_name, warm_up_backend
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.engine.config import EngineConfig, _resolve_device
 from minivllm.engine.processing import (
@@ -59,9 +59,7 @@ class LLMEngine:
         self.model = model = placed_on(model, self.device)  # the caller's stays where it was
         backend_name = resolve_backend_name(config.attention_backend, self.device, config.dtype)
         backend = get_backend(backend_name)
-        warm_up = getattr(backend, "warm_up", None)  # a kernel compiled now, not in the first step
-        if warm_up is not None:
-            warm_up()
+        warm_up_backend(backend)
         self.manager = BlockManager(config.num_blocks, config.block_size)
         self.storage = PagedKVStorage(
             model.config, config.num_blocks, config.block_size, config.dtype, self.device
@@ -83,12 +81,7 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.manager)
         runner_model = fuse_projections(model) if config.fuse_projections else model
         self.runner = ModelRunner(runner_model, self.storage, self.manager, backend, self.drafter)
-        if config.forward_processes > 1:
-            if self.device != "cpu":
-                raise ValueError(
-                    f"EngineConfig.forward_processes > 1 is for a CPU engine; this one runs on "
-                    f"{self.device}"
-                )
+        if config.forward_processes > 1:  # ForwardWorkers refuses a cache off the CPU
             self.runner.workers = ForwardWorkers(
                 runner_model, self.storage, backend_name, config.forward_processes, backend
             )

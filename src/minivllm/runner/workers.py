@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from minivllm.attention.backend import BackendFactory, get_backend
+from minivllm.attention.backend import BackendFactory, get_backend, warm_up_backend
 from minivllm.attention.batch import VarlenBatch, split_sequences
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.model.transformer import ModelConfig, Transformer
@@ -99,19 +99,12 @@ def _unpacked(fields: dict) -> VarlenBatch:
     )
 
 
-def _warm_up(factory, threads: int) -> None:
-    """Compile (or load) a backend's kernel for `threads` now, where it has one to compile."""
-    warm_up = getattr(factory, "warm_up", None)
-    if warm_up is not None:
-        warm_up(threads)
-
-
 def _serve(conn: Connection, model: Transformer, storage: PagedKVStorage, backend: str) -> None:
     """A worker's life: one thread, the backend warmed up, then parts in and logits out until the
     pipe closes or says stop (None)."""
     torch.set_num_threads(1)
     factory = get_backend(backend)
-    _warm_up(factory, threads=1)
+    warm_up_backend(factory, threads=1)
     conn.send(_READY)
     while True:
         try:
@@ -190,7 +183,8 @@ class ForwardWorkers:
             raise ValueError(f"ForwardWorkers needs 2 processes or more, got {processes}")
         if storage.kv.device.type != "cpu":
             raise ValueError(
-                f"forward workers share a cache in CPU memory, not on {storage.kv.device}"
+                f"forward_processes > 1 is for a CPU engine: forward workers share a cache in "
+                f"CPU memory, not on {storage.kv.device}"
             )
         warn_if_threads_spin()
         self.model, self.storage, self.processes = model, storage, processes
@@ -201,7 +195,7 @@ class ForwardWorkers:
         model.share_memory()
         storage.kv.share_memory_()
         # this process's part runs on one thread too
-        _warm_up(main_backend or get_backend(backend), threads=1)
+        warm_up_backend(main_backend or get_backend(backend), threads=1)
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._workers = []
