@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 2
 export OMP_WAIT_POLICY ?= PASSIVE
 export PYTHONHASHSEED := 0
 
-.PHONY: book test lint lab notebooks student bench serve check-notebooks clean help
+.PHONY: book test lint lab notebooks student bench serve check-notebooks clean help gpu-check
 
 help:
 	@echo "make book       install, execute every chapter, build the HTML book (book/_build/html)"
@@ -27,6 +27,7 @@ help:
 	@echo "                HTML book without their solutions (DEST/book/_build/html)"
 	@echo "make bench      run the benchmarks (tables + JSON in benchmarks/results/)"
 	@echo "make serve      the OpenAI-compatible server on http://127.0.0.1:8000 (PORT=..., Ctrl-C to stop)"
+	@echo "make gpu-check  on an NVIDIA GPU machine: CUDA tests, engine tests, chapters, GPU benchmarks"
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,3 +76,10 @@ serve: $(BOOK_STAMP)
 
 clean:
 	rm -rf book/_build book/chapters
+
+# On a machine with an NVIDIA GPU: the kernel grid, the engine's tests, the chapters and the GPU
+# benchmarks in one command, JSON in benchmarks/results/gpu_check.json (tools/gpu_check.py says how
+# to bring the pinned wheels to a machine without network). The GPU machines' own python3.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py $(GPU_CHECK_FLAGS)

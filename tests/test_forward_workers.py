@@ -95,7 +95,10 @@ def workload(count: int = 12, seed: int = 0) -> list[list[int]]:
 def engine(model, processes: int) -> LLMEngine:
     # a small token budget: prompts are prefilled in chunks, beside other sequences' decodes
     scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
-    config = EngineConfig(num_blocks=256, scheduler=scheduler, forward_processes=processes)
+    # device="cpu": forward workers share a K/V pool in CPU memory (on a GPU machine too)
+    config = EngineConfig(
+        num_blocks=256, scheduler=scheduler, forward_processes=processes, device="cpu"
+    )
     return LLMEngine(model, config)
 
 

@@ -281,6 +281,7 @@ def test_the_engine_on_the_kernel_gives_the_torch_backends_greedy_tokens(target)
 
     def run(backend: str):
         config = EngineConfig(
+            device="cpu",  # the numba kernel is a CPU kernel, on a GPU machine too
             num_blocks=128,
             block_size=16,
             attention_backend=backend,

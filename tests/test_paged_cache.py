@@ -208,7 +208,10 @@ def test_prefix_hit_gives_the_logits_and_tokens_of_a_full_prefill(target):
     assert cached >= 2 * bs and cached == (len(tok.encode(SHARED, add_bos=True)) // bs) * bs
     with torch.no_grad():
         logits = attention.forward(target, second[cached:], cached)  # only the uncached suffix
-    assert (logits - scratch_logits(target, second)[cached:]).abs().max() < 1e-5
+    expected = scratch_logits(target, second)[cached:]
+    # relative to the logits' size: the suffix-only and the whole prefill multiply matrices of
+    # other shapes, so their float32 sums round differently, by how much depends on the CPU
+    assert (logits - expected).abs().max() < 1e-5 * expected.abs().max()
     manager.free(1)
 
     expected = generate_cached(target, second, 20, ContiguousKVCache(target.config, "concat"))

@@ -1,0 +1,243 @@
+"""The engine on a GPU: minivllm on each attention backend against Hugging Face `generate`, on the
+same GPU and workload (issue 34, `make gpu-check`).
+
+    python benchmarks/gpu_engine.py [--requests 64] [--seed 0] [--repeats 3] [--dtype float32]
+        [--out benchmarks/results/gpu_engine.json]
+
+The workload is `throughput.py`'s: prompts are 16-200-byte slices of the shipped validation text,
+outputs 32-256 tokens, greedy, `ignore_eos`, on the shipped target model. Systems:
+
+* minivllm `LLMEngine(device="cuda")` with the `torch` attention backend (gather through the block
+  table, then SDPA) and with the `cuda` backend (chapter 07's numba-cuda kernels);
+* Hugging Face `LlamaForCausalLM.generate` holding the same tensors, on the same GPU: all requests
+  in one left-padded batch (each batch runs to its longest request; only a request's own tokens
+  count).
+
+Every system runs `--repeats` times, round-robin, after one warm-up run each (kernel compilation and
+CUDA context set-up stay out of the numbers); the table shows the median tokens/s and the best.
+Greedy tokens are compared with the torch backend: reported, not asserted (a near-tie can flip with
+the summation order, which differs between kernels).
+
+Then, where the time goes: a stretch of pure decode steps at batch 64 (every prompt prefilled),
+each backend under `torch.profiler` -- wall milliseconds per step, GPU kernel time per step (how
+busy the GPU is), kernel launches per step, host-device synchronisations per step (the calls that
+make the CPU wait for the GPU), and the operators that cost the CPU most.
+
+On a machine without a CUDA GPU the script says so and exits 0 without writing anything.
+"""
+
+from __future__ import annotations
+
+import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
+# isort: split
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from _common import machine_record, make_workload
+from throughput import build_hf, compare, greedy
+
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.checkpoint import load_model
+from minivllm.model.tokenizer import PAD_ID
+
+RESULTS = Path(__file__).parent / "results" / "gpu_engine.json"
+
+
+def engine_system(model, requests, backend: str, dtype: torch.dtype):
+    blocks = max(2048, sum(-(-(len(r.prompt_ids) + r.max_tokens) // 16) for r in requests))
+    engine = LLMEngine(
+        model,
+        EngineConfig(num_blocks=blocks, device="cuda", attention_backend=backend, dtype=dtype),
+    )
+
+    def run() -> list[list[int]]:
+        outputs = engine.generate(
+            [r.prompt_ids for r in requests], [greedy(r.max_tokens) for r in requests]
+        )
+        return [list(o.token_ids) for o in outputs]
+
+    return engine, run
+
+
+@torch.no_grad()
+def hf_system(hf, requests):
+    def run() -> list[list[int]]:
+        prompts = [r.prompt_ids for r in requests]
+        width, longest = max(map(len, prompts)), max(r.max_tokens for r in requests)
+        ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        out = hf.generate(
+            input_ids=ids.cuda(),
+            attention_mask=mask.cuda(),
+            do_sample=False,
+            max_new_tokens=longest,
+            eos_token_id=None,
+            pad_token_id=PAD_ID,
+        )
+        rows = out[:, width:].tolist()
+        return [row[: r.max_tokens] for row, r in zip(rows, requests)]
+
+    return run
+
+
+def decode_profile(model, requests, backend: str, dtype: torch.dtype, steps: int = 20) -> dict:
+    """Profile `steps` pure decode steps at the workload's batch size on one backend."""
+    from torch.profiler import ProfilerActivity, profile
+
+    longest = [replace(r, max_tokens=256) for r in requests]
+    engine, _ = engine_system(model, longest, backend, dtype)
+    for r in longest:
+        engine.add_request(r.prompt_ids, greedy(r.max_tokens))
+    while engine.scheduler.waiting or any(
+        s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
+    ):
+        engine.step()
+    for _ in range(3):  # warm: every decode shape compiled
+        engine.step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - started) / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    gpu_us = sum(e.self_device_time_total for e in kernels) / steps
+    launches = sum(
+        e.count
+        for e in events
+        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+    )
+    syncs = {
+        e.key: e.count / steps
+        for e in events
+        if "Synchronize" in e.key or "Memcpy" in e.key or e.key == "aten::item"
+    }
+    top = sorted(
+        (e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total
+    )[:15]
+    return {
+        "backend": backend,
+        "batch": len(engine.scheduler.running),
+        "ms_per_step": round(wall * 1e3, 3),
+        "gpu_kernel_ms_per_step": round(gpu_us / 1e3, 3),
+        "gpu_busy_share": round(gpu_us / 1e6 / wall, 3),
+        "kernel_launches_per_step": round(launches / steps, 1),
+        "syncs_and_copies_per_step": syncs,
+        "top_cpu_ops_us_per_step": {e.key: round(e.self_cpu_time_total / steps, 1) for e in top},
+    }
+
+
+def timed(run) -> tuple[float, list[list[int]]]:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    tokens = run()
+    torch.cuda.synchronize()
+    return time.perf_counter() - started, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here: the engine-on-GPU comparison needs one; nothing measured")
+        return
+    dtype = getattr(torch, args.dtype)
+    requests = make_workload(args.requests, args.seed)
+    model = load_model("target")
+    systems = {}
+    for backend in ("torch", "cuda"):
+        engine, run = engine_system(model, requests, backend, dtype)
+        systems[f"minivllm {backend} backend"] = run
+    hf, hf_version = build_hf(load_model("target"))
+    hf = hf.to(device="cuda", dtype=dtype)
+    systems["HF generate (one batch)"] = hf_system(hf, requests)
+
+    for name, run in systems.items():  # warm-up: compilation, context, allocator
+        timed(run)
+        print(f"warmed up {name}", flush=True)
+    seconds = {name: [] for name in systems}
+    tokens = {}
+    for _ in range(args.repeats):
+        for name, run in systems.items():
+            elapsed, tokens[name] = timed(run)
+            seconds[name].append(elapsed)
+    reference = "minivllm torch backend"
+    total = sum(r.max_tokens for r in requests)
+    rows = []
+    for name, runs in seconds.items():
+        agreement = compare(
+            {"system": reference, "_tokens": tokens[reference]},
+            {"system": name, "_tokens": tokens[name]},
+            requests,
+        )
+        rows.append(
+            {
+                "system": name,
+                "tokens": total,
+                "seconds": runs,
+                "median_tokens_per_s": total / statistics.median(runs),
+                "best_tokens_per_s": total / min(runs),
+                "requests_differing_from_torch_backend": agreement["requests_differing"],
+                "first_differing_token": agreement["first_differing_token"],
+            }
+        )
+    hf_tps = rows[-1]["median_tokens_per_s"]
+    device = torch.cuda.get_device_name()
+    print(f"\n{args.requests} requests, {total} tokens, {args.dtype}, {device}")
+    print(f"{'system':<28}{'median tok/s':>14}{'best tok/s':>12}{'x HF':>7}{'differ':>8}")
+    for row in rows:
+        print(
+            f"{row['system']:<28}{row['median_tokens_per_s']:>14,.0f}"
+            f"{row['best_tokens_per_s']:>12,.0f}{row['median_tokens_per_s'] / hf_tps:>7.2f}"
+            f"{row['requests_differing_from_torch_backend']:>8}"
+        )
+    profiles = [decode_profile(model, requests, backend, dtype) for backend in ("torch", "cuda")]
+    print("\ndecode steps at batch 64, under torch.profiler:")
+    for prof in profiles:
+        print(
+            f"  {prof['backend']:<6} {prof['ms_per_step']:7.2f} ms/step, GPU kernels "
+            f"{prof['gpu_kernel_ms_per_step']:.2f} ms ({prof['gpu_busy_share']:.0%} busy), "
+            f"{prof['kernel_launches_per_step']:.0f} launches, syncs/copies "
+            f"{prof['syncs_and_copies_per_step']}"
+        )
+        for name, us in list(prof["top_cpu_ops_us_per_step"].items())[:8]:
+            print(f"      {us:9.1f} us  {name}")
+    record = {
+        "decode_profiles": profiles,
+        "machine": machine_record(
+            "engine on the GPU against HF generate, same GPU and workload",
+            device=torch.cuda.get_device_name(),
+            cuda_runtime=torch.version.cuda,
+            transformers=hf_version,
+        ),
+        "workload": {"requests": args.requests, "seed": args.seed, "dtype": args.dtype},
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
