@@ -25,7 +25,8 @@ help:
 	@echo "make student DEST=dir [EXERCISES=ch03.1,ch05.2] [STUDENT_FLAGS=--force]"
 	@echo "                a course copy with those exercises (default: all) stubbed, and its own"
 	@echo "                HTML book without their solutions (DEST/book/_build/html)"
-	@echo "make bench      run the benchmarks (tables + JSON in benchmarks/results/)"
+	@echo "make bench      run the benchmarks (tables + JSON in benchmarks/results/); vllm_peer.py only"
+	@echo "                where vLLM's venv exists (VLLM_PEER_PYTHON=...), then the scoreboard"
 	@echo "make serve      the OpenAI-compatible server on http://127.0.0.1:8000 (PORT=..., Ctrl-C to stop)"
 	@echo "make gpu-check  on an NVIDIA GPU machine: CUDA tests, engine tests, chapters, GPU benchmarks"
 
@@ -67,8 +68,28 @@ check-notebooks: $(BOOK_STAMP)
 student: $(BOOK_STAMP)
 	$(PY) tools/student.py $(DEST) --book $(if $(EXERCISES),--exercises $(EXERCISES)) $(STUDENT_FLAGS)
 
+# vLLM's own virtualenv for benchmarks/vllm_peer.py: VLLM_PEER_PYTHON (the script reads it too), or
+# the script's DEFAULT_VLLM_PYTHON. Its docstring says how to build it.
+VLLM_PEER_PYTHON ?= $(shell sed -n 's/^DEFAULT_VLLM_PYTHON = "\(.*\)"$$/\1/p' benchmarks/vllm_peer.py)
+# the runs the scoreboard's vLLM rows read: one and two forward processes
+VLLM_PEER_ARGS ?= --processes 1 2
+
+# Every benchmark in alphabetical order, except that scoreboard.py goes last, after vllm_peer.py
+# has written the results/vllm_peer.json it reads (vllm_peer.py only where vLLM's venv exists).
 bench: $(DEV_STAMP)  # the dev extra brings transformers, for the Hugging Face rows of throughput.py
-	@for script in benchmarks/[!_]*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+	@set -e; for script in benchmarks/[!_]*.py; do \
+		case $$script in */scoreboard.py|*/vllm_peer.py) continue;; esac; \
+		echo "== $$script"; $(PY) $$script; \
+	done; \
+	if [ -x "$(VLLM_PEER_PYTHON)" ]; then \
+		echo "== benchmarks/vllm_peer.py"; \
+		VLLM_PEER_PYTHON="$(VLLM_PEER_PYTHON)" $(PY) benchmarks/vllm_peer.py $(VLLM_PEER_ARGS); \
+	else \
+		echo "== benchmarks/vllm_peer.py skipped: no vLLM virtualenv at $(VLLM_PEER_PYTHON) (set" \
+			"VLLM_PEER_PYTHON, or build it as benchmarks/vllm_peer.py's docstring says);" \
+			"the scoreboard keeps the recorded benchmarks/results/vllm_peer.json"; \
+	fi; \
+	echo "== benchmarks/scoreboard.py"; $(PY) benchmarks/scoreboard.py
 
 PORT ?= 8000
 serve: $(BOOK_STAMP)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -152,3 +155,30 @@ def test_make_test_uses_the_sanitize_file_and_make_student_the_tool() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "--nbval-sanitize-with tests/nbval_sanitize.cfg" in makefile
     assert "tools/student.py $(DEST)" in makefile
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+@pytest.mark.parametrize("venv", ["present", "absent"])
+def test_make_bench_runs_vllm_peer_before_the_scoreboard_that_reads_it(
+    venv: str, tmp_path: Path
+) -> None:
+    """Every benchmark alphabetically, but vllm_peer.py (only where vLLM's venv exists) and then
+    scoreboard.py last: the scoreboard reads results/vllm_peer.json. A dry run: PY echoes."""
+    vllm_python = sys.executable if venv == "present" else tmp_path / "no-venv" / "python"
+    done = subprocess.run(
+        ["make", "--no-print-directory", "-o", ".venv/.installed-dev", "bench"]
+        + ["PY=echo RUN", f"VLLM_PEER_PYTHON={vllm_python}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    ran = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("RUN ")]
+    scripts = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("benchmarks/[!_]*.py"))
+    peer, scoreboard = "benchmarks/vllm_peer.py", "benchmarks/scoreboard.py"
+    others = [s for s in scripts if s not in (peer, scoreboard)]
+    if venv == "present":
+        assert ran == [*others, peer, scoreboard]
+    else:
+        assert ran == [*others, scoreboard]
+        assert f"vllm_peer.py skipped: no vLLM virtualenv at {vllm_python}" in done.stdout

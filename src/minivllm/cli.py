@@ -3,9 +3,11 @@
     minivllm generate "ROMEO:" --max-tokens 200 --temperature 0.8 --seed 1
     minivllm generate "ROMEO:" --speculative draft --num-speculative-tokens 4
     minivllm serve --model target --host 127.0.0.1 --port 8000
+    minivllm chat --temperature 0.8 --max-tokens 128
 
 `generate` streams the continuation to stdout as the engine produces it; `serve` runs the
-OpenAI- and Anthropic-compatible HTTP server (chapter 08) until Ctrl-C. A bad argument or a request
+OpenAI- and Anthropic-compatible HTTP server (chapter 08) until Ctrl-C; `chat` is a conversation in
+the terminal (chat.py: the turn format, Ctrl-C, the commands). A bad argument or a request
 that can never run exits with status 2 and a one-line reason on stderr; a server whose engine died
 exits with status 1, so that a supervisor restarts it.
 """
@@ -105,7 +107,34 @@ def build_parser() -> argparse.ArgumentParser:
             help=help_text if default is None else f"{help_text} (default: {default})",
         )
     add_engine_arguments(srv)
+    add_chat_parser(commands)
     return parser
+
+
+def add_chat_parser(commands) -> None:
+    chat = commands.add_parser(
+        "chat",
+        help="talk with the model in the terminal: multi-turn, streamed (/help inside)",
+        description="A conversation with the model, streamed token by token. Ctrl-C stops an "
+        "answer; Ctrl-D, Ctrl-C at the prompt or /exit leaves; /reset, /prompt, /help. A model "
+        "without a chat template (the shipped ones) reads the chat as a play: you are ROMEO, it "
+        "is JULIET.",
+    )
+    chat.add_argument("--model", default="target", help="'target', 'draft', or a weights directory")
+    chat.add_argument("--max-tokens", type=int, default=128, help="per answer")
+    chat.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    chat.add_argument("--top-k", type=int, default=0, help="0 = off")
+    chat.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    chat.add_argument(
+        "--seed", type=int, default=0, help="the whole conversation repeats with the same seed"
+    )
+    chat.add_argument("--system", default=None, help="a system line (in a play: the Chorus)")
+    chat.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="recompute the whole conversation every turn (default: reuse its cached K/V)",
+    )
+    add_engine_arguments(chat)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -200,10 +229,60 @@ def serve(args: argparse.Namespace) -> int:
     )
 
 
+def build_chat_engine(args: argparse.Namespace) -> LLMEngine:
+    """`generate`'s engine, with prefix caching: every turn re-reads the conversation so far."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    scheduler = SchedulerConfig(enable_prefix_caching=not args.no_prefix_caching)
+    config = EngineConfig(scheduler=scheduler, speculative=speculative_config(args))
+    return LLMEngine(load_model(args.model), config)
+
+
+def chat(args: argparse.Namespace) -> int:
+    from minivllm.chat import Chat, chat_format_for, repl
+
+    params = SamplingParams(  # checked before the model loads
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    with build_chat_engine(args) as engine:
+        fmt = chat_format_for(engine.tokenizer)
+        conversation = Chat(engine, params, fmt, system=args.system)
+        banner = (
+            f"minivllm chat with {args.model}: you are {fmt.user_label}, the model is "
+            f"{fmt.assistant_label}. /help for commands; Ctrl-C stops an answer, Ctrl-D leaves."
+        )
+        return repl(conversation, read_line(), sys.stdout, banner)
+
+
+def read_line():
+    """`input` in a terminal (with line editing where readline exists); from a pipe, the prompt
+    and the line read are both written out, so the transcript shows what was said."""
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401 -- input() gains editing and history
+        except ImportError:
+            pass
+        return input
+
+    def echoing(prompt: str) -> str:
+        sys.stdout.write(prompt)
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        sys.stdout.write(line if line.endswith("\n") else line + "\n")
+        return line
+
+    return echoing
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        status = {"generate": generate, "serve": serve}[args.command](args)
+        status = {"generate": generate, "serve": serve, "chat": chat}[args.command](args)
     except (ValueError, TypeError, CheckpointError, FileNotFoundError) as error:
         print(f"minivllm: error: {error}", file=sys.stderr)
         return 2
