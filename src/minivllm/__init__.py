@@ -32,6 +32,7 @@ _HOMES = {
     "LLM": "minivllm.engine.llm_engine",
     "LLMEngine": "minivllm.engine.llm_engine",
     "EngineConfig": "minivllm.engine.config",
+    "InferenceEngine": "minivllm.serving.facade",
     "RequestOutput": "minivllm.engine.processing",
     "SamplingParams": "minivllm.sched.sequence",
     "SchedulerConfig": "minivllm.sched.scheduler",
@@ -40,6 +41,7 @@ _HOMES = {
 __all__ = [
     "LLM",
     "EngineConfig",
+    "InferenceEngine",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from minivllm.runner.speculative import SpeculativeConfig
     from minivllm.sched.scheduler import SchedulerConfig
     from minivllm.sched.sequence import SamplingParams
+    from minivllm.serving.facade import InferenceEngine
 
 
 def __getattr__(name: str):
