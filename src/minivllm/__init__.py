@@ -8,6 +8,13 @@ The public surface is vLLM's:
     for out in llm.generate(["ROMEO:\\n"], SamplingParams(max_tokens=60, temperature=0.8, seed=1)):
         print(out.text)
 
+And astrai's facade, for callers that come and go (threads, coroutines: they share one batch):
+
+    from minivllm import InferenceEngine
+
+    with InferenceEngine("target") as engine:
+        print(engine.generate("ROMEO:\\n", max_tokens=60, seed=1))
+
 The names below are imported on first use (PEP 562), not here: `import minivllm.kv` must stay free
 of torch, and the package's `__init__` runs before every submodule. ARCHITECTURE.md maps the rest.
 """

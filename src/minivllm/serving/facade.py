@@ -1,14 +1,14 @@
 """astrai's front door: `InferenceEngine`, a small facade beside `LLM` (chapter 08).
 
-    engine = InferenceEngine("target")                     # or InferenceEngine(LLMEngine(...))
-    engine.generate("ROMEO:\\n", max_tokens=40)             # -> str
-    engine.generate(["ROMEO:\\n", "JULIET:\\n"], seed=1)      # -> [str, str], in prompt order
-    for piece in engine.generate("ROMEO:\\n", stream=True):  # -> the text, piece by piece
+    engine = InferenceEngine("target")  # or InferenceEngine(LLMEngine(...)), adapted as it is
+    engine.generate("ROMEO:\\n", max_tokens=40)  # -> str
+    engine.generate(["ROMEO:\\n", "JULIET:\\n"], seed=1)  # -> [str, str], in prompt order
+    for piece in engine.generate("ROMEO:\\n", stream=True):  # the text, piece by piece
         print(piece, end="")
-    await engine.generate_async("ROMEO:\\n")                # -> str (a list for a list)
+    await engine.generate_async("ROMEO:\\n")  # -> str (a list for a list)
     async for piece in engine.generate_async("ROMEO:\\n", stream=True): ...
-    engine.get_stats()                                     # -> the dict GET /stats answers
-    engine.shutdown()                                      # or leave a `with` block
+    engine.get_stats()  # -> the numbers GET /stats answers
+    engine.shutdown()  # or leave a `with` block
 
 The keywords are `SamplingParams`' fields (`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
 `stop`, ...). A list of prompts streams `(index, piece)` pairs, as astrai's does. A prompt is text
@@ -21,7 +21,9 @@ concurrent calls are batched together step by step, a caller that stops early (a
 Ctrl-C) aborts its requests and frees their blocks, and `get_stats` reads the engine between two
 steps. The AsyncEngine's streams live on an event loop; the synchronous calls use one of the
 facade's own, on a thread of its own (a caller's loop may already be running, as a notebook's is),
-while `generate_async` runs on the caller's loop.
+while `generate_async` runs on the caller's loop. The facade stands beside `LLM` in the package's
+surface (`from minivllm import InferenceEngine`), but lives here, next to the AsyncEngine it
+adapts: `engine/` may not import upward.
 """
 
 from __future__ import annotations
@@ -116,8 +118,6 @@ class InferenceEngine:
         """`generate` for asyncio code, on the caller's event loop: `await` it for the text (a list
         for a list), or, with `stream=True`, `async for` over the pieces."""
         prompts, params, many = self._request(prompt, sampling)
-        if self._closed:
-            raise EngineDeadError("the engine was shut down")
         if stream:
             return self._pieces_async(prompts, params, many)
         return self._texts_async(prompts, params, many)
@@ -176,10 +176,13 @@ class InferenceEngine:
             future.cancel()
             raise
 
-    @staticmethod
-    def _request(prompt: Prompts, sampling: dict) -> tuple[list[Prompt], SamplingParams, bool]:
+    def _request(
+        self, prompt: Prompts, sampling: dict
+    ) -> tuple[list[Prompt], SamplingParams, bool]:
         """The prompts as a list, the SamplingParams (checked: a ValueError or TypeError names a
-        bad keyword), and whether a list came in."""
+        bad keyword), and whether a list came in; EngineDeadError after `shutdown`."""
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
         many = not isinstance(prompt, str)
         prompts = list(prompt) if many else [prompt]
         if not prompts:
