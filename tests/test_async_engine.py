@@ -140,6 +140,27 @@ def test_an_abort_takes_effect_within_one_step(engine: AsyncEngine) -> None:
     assert len(after) <= 1  # at most the step that started before the abort reached the engine
 
 
+def test_stats_are_read_on_the_engine_thread(engine: AsyncEngine) -> None:
+    """GET /stats never reads the engine from the event loop while it steps: the read goes through
+    the inbox, between two steps."""
+    readers = []
+    stats = engine.engine.stats
+    engine.engine.stats = lambda: (readers.append(threading.current_thread().name), stats())[1]
+
+    async def main():
+        before = await engine.stats()
+        (out,) = (await texts(await engine.add_request("ROMEO:\n", GREEDY))).values()
+        return before, len(out[1]), await engine.stats()
+
+    try:
+        before, generated, after = asyncio.run(main())
+    finally:
+        del engine.engine.stats
+    assert readers == ["minivllm-engine"] * 2
+    assert after.num_requests == before.num_requests + 1
+    assert after.num_generated_tokens == before.num_generated_tokens + generated > 0
+
+
 def test_a_failing_engine_ends_every_stream_and_refuses_new_work(target) -> None:
     threads = set(threading.enumerate())
     llm = LLMEngine(target)

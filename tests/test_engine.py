@@ -589,6 +589,29 @@ def test_llm_front_door(target) -> None:
     assert out.token_ids == want
 
 
+def test_stats_count_requests_and_generated_tokens(target) -> None:
+    """What /stats and InferenceEngine.get_stats() report: requests added (n samples: one request),
+    tokens generated (every sample's), and nothing held once they are done."""
+    engine = make_engine(target, num_blocks=32)
+    assert (engine.stats().num_requests, engine.stats().num_generated_tokens) == (0, 0)
+    engine.generate(["ROMEO:", "JULIET:"], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.generate(["HAMLET:"], SamplingParams(max_tokens=3, ignore_eos=True, n=2))
+    request_id = engine.add_request("To be", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()  # its prefill and first token
+    running = engine.stats()
+    assert (running.num_requests, running.num_generated_tokens) == (4, 2 * 5 + 2 * 3 + 1)
+    assert running.num_running == 1 and running.blocks_used > 0
+    engine.abort(request_id)
+    done = engine.stats()
+    assert (done.num_running, done.num_waiting, done.blocks_used, done.kv_cache_usage) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert done.num_generated_tokens == 17 and done.peak_blocks_used > 0
+
+
 def test_an_idle_engine_steps_to_nothing(target) -> None:
     engine = make_engine(target, num_blocks=16)
     assert engine.step() == [] and engine.trace == []

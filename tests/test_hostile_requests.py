@@ -2,10 +2,10 @@
 
 Each hostile request -- wrong types, out-of-range and huge numbers, NaN, bad encodings, truncated or
 deeply nested JSON, the wrong content type, bodies and lists past the limits, unknown fields --
-gets a 4xx with a conforming error body (OpenAI's on the OpenAI endpoints, Anthropic's on
-/v1/messages), a message of bounded length, the engine left exactly as it was, and the server then
-serves a normal request as before. The first cases are the ones that, before, killed the engine,
-answered 500 or took seconds to refuse.
+gets a 4xx with a conforming error body (OpenAI's on the OpenAI endpoints and on forge-infer's
+/generate, Anthropic's on /v1/messages), a message of bounded length, the engine left exactly as it
+was, and the server then serves a normal request as before. The first cases are the ones that,
+before, killed the engine, answered 500 or took seconds to refuse.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ LIMITS = ServerLimits(
 OK = {"model": "target", "prompt": "ROMEO:", "max_tokens": 2}
 CHAT = {"model": "target", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 ANTHROPIC = {"model": "target", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
-C, CC, M = "/v1/completions", "/v1/chat/completions", "/v1/messages"
+GEN = {"prompt": "ROMEO:", "max_tokens": 2}  # forge-infer's /generate: no model needed
+C, CC, M, G = "/v1/completions", "/v1/chat/completions", "/v1/messages", "/generate"
 DEEP = "[" * 30_000 + "]" * 30_000  # past Python's recursion limit, within the body limit
 NEARLY_DEEP = "[" * 900 + "]" * 900  # parses; must not break what reads it later (a repr)
 HUGE_INT = "1" + "0" * 5000  # past Python's 4,300-digit limit for int()
@@ -98,10 +99,10 @@ CASES = [
         id="multipart",
     ),
     # -- types
-    case(C, {"prompt": "x"}, 400, "model: Field required", "model", id="no-model"),
+    case(C, {**OK, "model": ""}, 404, "does not exist", "model", id="model-empty"),
     case(C, {"model": "target"}, 400, "prompt: Field required", "prompt", id="no-prompt"),
     case(C, {**OK, "model": 5}, 400, "valid string", "model", id="model-int"),
-    case(C, {**OK, "model": None}, 400, "valid string", "model", id="model-null"),
+    case(C, {**OK, "model": ["target"]}, 400, "valid string", "model", id="model-list"),
     case(
         C,
         {**OK, "prompt": 5},
@@ -543,6 +544,34 @@ CASES = [
         id="messages-text-plain",
     ),
     case(M, {**ANTHROPIC, "pad": "x" * 70_000}, 413, "at most 65536", id="messages-too-large"),
+    # -- forge-infer's native /generate: the same checks and limits (the same code as above: a
+    # sample of each kind, and what is its own -- one prompt, text or ids, and n = 1)
+    case(G, "{", 400, "not valid JSON", id="generate-truncated-json"),
+    case(G, {"max_tokens": 2}, 400, "prompt: Field required", "prompt", id="generate-no-prompt"),
+    case(G, {**GEN, "prompt": 5}, 400, "valid string", "prompt", id="generate-prompt-int"),
+    case(G, {**GEN, "prompt": []}, 400, "at least 1 item", "prompt", id="generate-prompt-empty"),
+    case(G, {**GEN, "prompt": ["a"]}, 400, "valid integer", "prompt", id="generate-prompt-list"),
+    case(G, {**GEN, "prompt": [300]}, 400, "outside the vocabulary", "prompt", id="generate-id"),
+    case(G, {**GEN, "prompt": "x" * 600}, 400, "context of 512", "prompt", id="generate-long"),
+    case(G, {**GEN, "model": "gpt-4"}, 404, "does not exist", "model", id="generate-model"),
+    case(G, {**GEN, "max_tokens": "8"}, 400, "valid integer", "max_tokens", id="generate-mt-str"),
+    case(G, {**GEN, "max_tokens": 510}, 400, "lower max_tokens", "prompt", id="generate-mt-long"),
+    case(G, {**GEN, "top_k": 2**63}, 400, "less than", "top_k", id="generate-top_k"),
+    case(G, '{"prompt": "x", "temperature": NaN}', 400, "NaN", id="generate-nan"),
+    case(G, {**GEN, "n": 2}, 400, "n must be 1", "n", id="generate-n"),
+    case(G, {**GEN, "stop": ["s"] * 5}, 400, "at most 4", "stop", id="generate-5-stops"),
+    case(G, {**GEN, "bad_words": ["w"] * 5}, 400, "at most 4", "bad_words", id="generate-bad"),
+    case(
+        G,
+        {**GEN, "stop_token_ids": [300]},
+        400,
+        "outside the vocabulary",
+        "stop_token_ids",
+        id="generate-stop_token_ids",
+    ),
+    case(G, {**GEN, "echo": True}, 400, "unknown field 'echo'", "echo", id="generate-echo"),
+    # -- astrai's /stats is GET only
+    case("/stats", OK, 405, "Method Not Allowed", id="post-to-stats"),
     # -- vLLM's extras and the routes
     case("/tokenize", {"model": "target"}, 400, "either prompt or messages", id="tokenize-none"),
     case(
@@ -634,21 +663,20 @@ def test_strange_but_valid_text_is_served(server, prompt: str) -> None:
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"]
 
 
-def test_a_body_larger_than_it_says_is_cut_off_at_the_limit(server) -> None:
+@pytest.mark.parametrize("path", [C, G])
+def test_a_body_larger_than_it_says_is_cut_off_at_the_limit(server, path: str) -> None:
     """A chunked body (no Content-Length) is counted as it arrives."""
 
     def chunks():
-        yield b'{"model": "target", "prompt": "'
+        yield b'{"prompt": "'
         for _ in range(100):
             yield b"x" * 1024
         yield b'"}'
 
     response = httpx.post(
-        server.base_url + "/completions",
-        content=chunks(),
-        headers={"content-type": "application/json"},
+        server.url + path, content=chunks(), headers={"content-type": "application/json"}
     )
-    assert response.status_code == 413 and "at most 65536" in assert_conforming(C, response)
+    assert response.status_code == 413 and "at most 65536" in assert_conforming(path, response)
 
 
 def test_error_messages_are_capped() -> None:

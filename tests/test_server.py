@@ -3,7 +3,10 @@
 The official `openai` client works unchanged (completion and chat, streamed and not, and a streamed
 answer is the non-streamed one); what vLLM's users send works as the offline engine does it (n
 samples, logprobs and echo, vLLM's sampling fields, token-id prompts, /tokenize, /detokenize,
-/version, /v1/models/{id}); an API key guards /v1 but not /health or /metrics; 64 concurrent
+/version, /v1/models/{id}); forge-infer's /generate answers the offline engine's text, whole or
+streamed, and a client that leaves it is aborted without disturbing the others; astrai's /stats
+counts what ran and /health says the model is loaded; `model` may be left out of any request; an
+API key guards /v1 and /generate but not /health, /metrics or /stats; 64 concurrent
 streaming clients each get exactly what the offline engine gives for their request, and a seeded
 request is the same alone or in a crowd; every block comes back; a client that disconnects is
 aborted; a failed engine answers 503 and says so in /metrics. With speculative decoding, and with a
@@ -163,7 +166,7 @@ def test_sampled_chat_is_reproducible_from_its_seed(client) -> None:
 
 def test_models_health_and_metrics(client, server) -> None:
     assert [m.id for m in client.models.list().data] == ["target"]
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "model_loaded": True}
     phases = [
         f"minivllm:request_{phase}_time_seconds_count" for phase in ("queue", "prefill", "decode")
     ]
@@ -346,9 +349,9 @@ def test_an_api_key_guards_v1_but_not_health_or_metrics(target) -> None:
             assert refused.json()["error"]["code"] == "invalid_api_key"
         wrong = httpx.get(server.url + "/v1/models", headers={"authorization": "Bearer nope"})
         assert wrong.status_code == 401
-        refused = httpx.post(server.url + "/tokenize", json={"prompt": "x"})
-        assert refused.status_code == 401
-        for path in ("/health", "/metrics", "/version"):
+        for path in ("/tokenize", "/generate"):
+            assert httpx.post(server.url + path, json={"prompt": "x"}).status_code == 401
+        for path in ("/health", "/metrics", "/version", "/stats"):
             assert httpx.get(server.url + path).status_code == 200
         with openai.OpenAI(base_url=server.base_url, api_key="sesame", max_retries=0) as c:
             assert c.completions.create(model="target", prompt="A", max_tokens=2).choices
@@ -357,6 +360,102 @@ def test_an_api_key_guards_v1_but_not_health_or_metrics(target) -> None:
             pytest.raises(openai.AuthenticationError),
         ):
             c.completions.create(model="target", prompt="A", max_tokens=2)
+
+
+# -- forge-infer's /generate, astrai's /stats, an optional model ----------------------------------
+
+
+def test_generate_whole_and_streamed_is_the_offline_engines_answer(server, target) -> None:
+    body = {"prompt": "ROMEO:\n", "max_tokens": 12, "temperature": 0.8, "seed": 3, "stop": ["!"]}
+    offline = LLMEngine(target).generate(
+        ["ROMEO:\n"], SamplingParams(max_tokens=12, temperature=0.8, seed=3, stop=("!",))
+    )[0]
+    whole = httpx.post(server.url + "/generate", json=body).json()
+    assert whole == {
+        "text": offline.text,
+        "token_ids": offline.token_ids,
+        "finish_reason": offline.finish_reason,
+        "prompt_tokens": 8,
+        "completion_tokens": len(offline.token_ids),
+    }
+    by_ids = {**body, "prompt": [256, *b"ROMEO:\n"], "model": "target"}
+    assert httpx.post(server.url + "/generate", json=by_ids).json() == whole
+    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_data(response.iter_lines())
+    assert len(events) > 1 and all(e["finish_reason"] is None for e in events[:-1])
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert [t for e in events for t in e["token_ids"]] == whole["token_ids"]
+    assert {k: events[-1][k] for k in ("finish_reason", "prompt_tokens", "completion_tokens")} == {
+        k: whole[k] for k in ("finish_reason", "prompt_tokens", "completion_tokens")
+    }
+    assert engine_state(server)[1:] == (0, False)
+
+
+def test_a_generate_client_that_leaves_is_aborted_and_the_others_go_on(server, target) -> None:
+    greedy = {"prompt": "JULIET:\n", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    offline = LLMEngine(target).generate(
+        ["JULIET:\n"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    )[0]
+    long = {"prompt": "ROMEO:\n", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def events(response: httpx.Response):
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line.removeprefix("data: "))
+
+    async def main() -> str:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            async with http.stream("POST", "/generate", json=long) as leaving:
+                leaving_events = events(leaving)
+                await anext(leaving_events)
+                async with http.stream("POST", "/generate", json={**greedy, "stream": True}) as b:
+                    staying = events(b)
+                    text = (await anext(staying))["text"]
+                    assert server.engine.call(lambda e: len(e.scheduler.running)) == 2
+                    await leaving.aclose()  # one client goes away while the other streams
+                    return text + "".join([e["text"] async for e in staying])
+
+    assert asyncio.run(main()) == offline.text
+    wait_until_idle(server)
+
+
+def test_stats_count_what_ran_and_health_says_the_model_is_loaded(server) -> None:
+    wait_until_idle(server)
+    before = httpx.get(server.url + "/stats").json()
+    assert before["model"] == "target" and before["engine_alive"] is True
+    assert (before["active_requests"], before["waiting_requests"], before["cache_usage"]) == (
+        0,
+        0,
+        0,
+    )
+    reply = httpx.post(server.url + "/generate", json={"prompt": "A", "max_tokens": 5}).json()
+    after = httpx.get(server.url + "/stats").json()
+    assert after["total_requests"] == before["total_requests"] + 1
+    assert after["tokens_generated"] == before["tokens_generated"] + reply["completion_tokens"]
+    body = {"prompt": "ROMEO:\n", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as response:
+        lines = response.iter_lines()  # held: dropping it would close the connection
+        next(line for line in lines if line.startswith("data: "))
+        running = httpx.get(server.url + "/stats").json()
+    assert running["active_requests"] == 1 and 0 < running["cache_usage"] < 1
+    assert running["blocks_used"] > 0 and running["num_blocks"] == 2048
+    assert httpx.get(server.url + "/health").json()["model_loaded"] is True
+    wait_until_idle(server)
+
+
+def test_the_model_may_be_left_out(client, server) -> None:
+    """vLLM's rule: no `model` means the served one; a wrong one is still a 404."""
+    served = client.completions.create(model=None, prompt="A", max_tokens=2)  # "model": null
+    assert served.model == "target" and served.usage.completion_tokens == 2
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for path, body in (
+        ("/v1/completions", {"prompt": "A", "max_tokens": 2, "model": None}),
+        ("/v1/chat/completions", chat),
+        ("/v1/messages", chat),
+    ):
+        response = httpx.post(server.url + path, json=body)  # (a wrong one: the hostile suite)
+        assert response.status_code == 200 and response.json()["model"] == "target"
 
 
 # -- many clients at once --------------------------------------------------------------------------
@@ -451,11 +550,12 @@ def test_a_client_that_leaves_frees_every_sample_of_n(server) -> None:
     wait_until_idle(server)
 
 
-def test_a_non_streaming_client_that_gives_up_is_aborted(server) -> None:
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_a_non_streaming_client_that_gives_up_is_aborted(server, path: str) -> None:
     aborted = metric(server, 'minivllm:request_success_total{finished_reason="abort"}')
     body = {"model": "target", "prompt": "JULIET:\n", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+        httpx.post(server.url + path, json=body, timeout=httpx.Timeout(60, read=0.3))
     wait_until_idle(server)
     assert metric(server, 'minivllm:request_success_total{finished_reason="abort"}') == aborted + 1
 
@@ -508,6 +608,8 @@ def test_a_failed_engine_answers_503_and_shuts_down_cleanly(target) -> None:
             assert response.json()["error"]["code"] == "engine_dead"
         assert httpx.get(server.url + "/metrics").status_code == 200
         assert metric(server, "minivllm:engine_alive") == 0
+        assert httpx.get(server.url + "/stats").json()["engine_alive"] is False
+        assert httpx.post(server.url + "/generate", json={"prompt": "x"}).status_code == 503
     assert set(threading.enumerate()) == threads  # uvicorn's thread and the engine thread are gone
 
 

@@ -8,6 +8,13 @@ The public surface is vLLM's:
     for out in llm.generate(["ROMEO:\\n"], SamplingParams(max_tokens=60, temperature=0.8, seed=1)):
         print(out.text)
 
+And astrai's facade, for callers that come and go (threads, coroutines: they share one batch):
+
+    from minivllm import InferenceEngine
+
+    with InferenceEngine("target") as engine:
+        print(engine.generate("ROMEO:\\n", max_tokens=60, seed=1))
+
 The names below are imported on first use (PEP 562), not here: `import minivllm.kv` must stay free
 of torch, and the package's `__init__` runs before every submodule. ARCHITECTURE.md maps the rest.
 """
@@ -32,6 +39,7 @@ _HOMES = {
     "LLM": "minivllm.engine.llm_engine",
     "LLMEngine": "minivllm.engine.llm_engine",
     "EngineConfig": "minivllm.engine.config",
+    "InferenceEngine": "minivllm.serving.facade",
     "RequestOutput": "minivllm.engine.processing",
     "SamplingParams": "minivllm.sched.sequence",
     "SchedulerConfig": "minivllm.sched.scheduler",
@@ -40,6 +48,7 @@ _HOMES = {
 __all__ = [
     "LLM",
     "EngineConfig",
+    "InferenceEngine",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
@@ -54,6 +63,7 @@ if TYPE_CHECKING:
     from minivllm.runner.speculative import SpeculativeConfig
     from minivllm.sched.scheduler import SchedulerConfig
     from minivllm.sched.sequence import SamplingParams
+    from minivllm.serving.facade import InferenceEngine
 
 
 def __getattr__(name: str):

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_VARIABLE),
-        help=f"clients must send it (Bearer, or x-api-key) to /v1/*, /tokenize and /detokenize "
+        help=f"clients must send it (Bearer, or x-api-key) to /v1/*, /tokenize, /detokenize and "
+        f"/generate "
         f"(default: ${API_KEY_VARIABLE}; unset: no key)",
     )
     limits = srv.add_argument_group("limits on one request (refused with 413 or 400)")

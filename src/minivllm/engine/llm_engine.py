@@ -93,6 +93,7 @@ class LLMEngine:
         # seq id is its request id)
         self.groups: dict[int, tuple[int, ...]] = {}
         self.peak_blocks_used = 0  # the most KV-cache blocks in use after any step
+        self.num_requests = 0  # requests added since the engine was built (n samples: one)
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(
@@ -138,6 +139,7 @@ class LLMEngine:
         if params.n > 1:
             self.groups[request_id] = tuple(seq_ids)
         self._next_id = first_sibling + params.n - 1
+        self.num_requests += 1
         return request_id
 
     def abort(self, request_id: int) -> RequestOutput:
@@ -169,7 +171,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        """How the engine stands between two steps, for metrics (the server's /metrics)."""
+        """How the engine stands between two steps, for metrics (the server's /metrics and
+        /stats). Not thread-safe, like the rest of the engine: a server reads it on the engine's
+        own thread (`AsyncEngine.stats`)."""
         used = self.manager.num_used
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -178,6 +182,8 @@ class LLMEngine:
             blocks_used=used,
             kv_cache_usage=used / self.config.num_blocks,
             peak_blocks_used=self.peak_blocks_used,
+            num_requests=self.num_requests,
+            num_generated_tokens=self.outputs.num_tokens,
         )
 
     # -- the step ----------------------------------------------------------------------------------
@@ -340,6 +346,8 @@ class EngineStats:
     blocks_used: int  # blocks held by a sequence; a block shared by forked samples counts once
     kv_cache_usage: float  # fraction of the KV-cache blocks in use
     peak_blocks_used: int = 0  # the most blocks in use after any step's schedule
+    num_requests: int = 0  # requests added since the engine was built (n samples count once)
+    num_generated_tokens: int = 0  # tokens generated since then, every sample's
 
 
 def request_limits(model_config: ModelConfig, config: EngineConfig) -> RequestLimits:

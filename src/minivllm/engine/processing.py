@@ -238,6 +238,7 @@ class OutputProcessor:
 
     def __init__(self) -> None:
         self.cursors: weakref.WeakKeyDictionary[Sequence, _Cursor] = weakref.WeakKeyDictionary()
+        self.num_tokens = 0  # generated tokens handed out so far, every request's (for stats)
 
     def output(self, seq: Sequence) -> RequestOutput:
         """The request's state now, with what is new since its last output."""
@@ -246,6 +247,7 @@ class OutputProcessor:
         if seq.output_logprobs is not None:  # before _take_tokens moves the cursor
             new_logprobs = tuple(seq.output_logprobs[cursor.tokens_sent :])
         new_text, new_token_ids = _take_text(seq, cursor), _take_tokens(seq, cursor)
+        self.num_tokens += len(new_token_ids)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=list(seq.prompt_token_ids),

@@ -67,7 +67,7 @@ class MessagesRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str
+    model: str | None = None  # absent: the served model (Anthropic requires it; we need not)
     max_tokens: int = Field(ge=1, le=MAX_INT)
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None

@@ -41,7 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import EngineStats, LLMEngine
 from minivllm.engine.processing import RequestOutput, TextDelta
 from minivllm.engine.trace import StepRecord
 from minivllm.sched.sequence import SamplingParams
@@ -245,6 +245,11 @@ class AsyncEngine:
     async def render_metrics(self) -> str:
         return await self.acall(self._render_metrics)
 
+    async def stats(self) -> EngineStats:
+        """`LLMEngine.stats()`, read on the engine thread between two steps: one consistent
+        snapshot (the event loop never reads the engine while it steps)."""
+        return await self.acall(lambda engine: engine.stats())
+
     @property
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
@@ -418,6 +423,21 @@ class AsyncEngine:
         stats = engine.stats()
         self.metrics.engine_state(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
         return self.metrics.render()
+
+
+def stats_summary(stats: EngineStats) -> dict:
+    """The engine's stats under astrai's names (GET /stats, `InferenceEngine.get_stats()`), with
+    the block counts beside. A request's n samples are n active requests, as in vLLM V1."""
+    return {
+        "active_requests": stats.num_running,
+        "waiting_requests": stats.num_waiting,
+        "total_requests": stats.num_requests,
+        "cache_usage": stats.kv_cache_usage,
+        "tokens_generated": stats.num_generated_tokens,
+        "num_blocks": stats.num_blocks,
+        "blocks_used": stats.blocks_used,
+        "peak_blocks_used": stats.peak_blocks_used,
+    }
 
 
 def _hand_over(items: list[tuple[RequestStream, TextDelta | BaseException]]) -> None:

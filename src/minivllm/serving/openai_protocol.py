@@ -141,14 +141,15 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 
 
-class _SamplingFields(BaseModel):
-    """What both endpoints share: OpenAI's fields and vLLM's sampling extras, with their bounds. A
-    known field of the wrong type is refused (strict mode refuses "5" for an int and 1 for a bool);
-    an unknown one is refused by `check_extra_fields`, which the server calls."""
+class SamplingFields(BaseModel):
+    """What the endpoints share (both of OpenAI's, and the native /generate of native_protocol.py):
+    OpenAI's fields and vLLM's sampling extras, with their bounds. A known field of the wrong type
+    is refused (strict mode refuses "5" for an int and 1 for a bool); an unknown one is refused by
+    `check_extra_fields`, which the server calls."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: str
+    model: str | None = None  # absent (or null): the served model, as vLLM; a wrong one is a 404
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
     # OpenAI's range; 0 is greedy
     temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
@@ -237,7 +238,7 @@ class _SamplingFields(BaseModel):
 Prompt = str | list[int]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions: continue one prompt, or each of a list of prompts (n choices each). A
     prompt is text, or token ids (a list of ints; several: a list of such lists)."""
 
@@ -289,7 +290,7 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions: the messages become a play; the model answers as the next
     speaker."""
 

@@ -6,17 +6,21 @@
 
 `build_app` makes a FastAPI app with OpenAI's endpoints -- `/v1/completions`,
 `/v1/chat/completions`, `/v1/models` (and `/v1/models/{id}`) --, Anthropic's `/v1/messages`, vLLM's
-`/tokenize`, `/detokenize` and `/version`, and `/health` and `/metrics`. A handler reads the body
-within the server's limits (limits.py), checks it (openai_protocol.py, anthropic_protocol.py), puts
-it in the engine's inbox and awaits the verdict, then either collects the whole answer or streams
-it: a `StreamingResponse` of Server-Sent Events, one chunk per delta of text, as the steps produce
-them.
+`/tokenize`, `/detokenize` and `/version`, forge-infer's native `/generate` (one prompt in, `{text,
+token_ids, finish_reason}` out), and `/health` (with astrai's `model_loaded`), `/metrics`
+(Prometheus) and astrai's `/stats` (the engine's counters as JSON: active, waiting and total
+requests, cache usage, tokens generated). `model` may be left out of a request: it is then the
+served model, as in vLLM. A handler reads the body within the server's limits (limits.py), checks
+it (openai_protocol.py, anthropic_protocol.py, native_protocol.py), puts it in the engine's inbox
+and awaits the verdict, then either collects the whole answer or streams it: a `StreamingResponse`
+of Server-Sent Events, one chunk per delta of text, as the steps produce them.
 
 No request can hurt another. Every field is checked with its bounds before anything reaches the
 engine, and every error leaves in the API's own error body (OpenAI's, or Anthropic's on
 /v1/messages), so the official clients raise their usual exceptions: malformed JSON and wrong fields
 are 400 (where FastAPI would say 422), a body over the limit 413, a wrong key 401, an unknown model
-404, a dead engine 503. `--api-key` guards everything but `/health`, `/metrics` and `/version`.
+404, a dead engine 503. `--api-key` guards everything but `/health`, `/metrics`, `/stats` and
+`/version`.
 
 A client that goes away is not served further: Starlette cancels a streaming response's generator
 when the connection drops (a non-streaming handler watches for the disconnect itself), leaving
@@ -54,12 +58,14 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.processing import TextDelta
 from minivllm.sched.sequence import SamplingParams
 from minivllm.serving import anthropic_protocol as anthropic
+from minivllm.serving import native_protocol as native
 from minivllm.serving.async_engine import (
     AsyncEngine,
     EngineDeadError,
     RequestFailedError,
     RequestStream,
     choice_of,
+    stats_summary,
 )
 from minivllm.serving.limits import (
     RequestError,
@@ -80,6 +86,7 @@ from minivllm.serving.openai_protocol import (
     ChatMessage,
     CompletionRequest,
     ResponseHeader,
+    SamplingFields,
     TokenId,
     chat_choice,
     chat_delta,
@@ -298,6 +305,35 @@ class OpenAIServer:
             )
         return SafeJSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
 
+    # -- forge-infer's native endpoint -------------------------------------------------------------
+    async def generate(self, request: Request):
+        """POST /generate: one prompt in, `{text, token_ids, finish_reason}` out, whole or
+        streamed, after every check /v1/completions makes."""
+        body = await self._request(request, native.GenerateRequest)
+        check_stop_strings("stop", body.stops(), self.limits)
+        check_stop_strings("bad_words", tuple(body.bad_words or ()), self.limits)
+        self._check_token_ids(body)
+        chars = len(body.prompt) if isinstance(body.prompt, str) else 0
+        prompt_ids = await off_the_loop_if_big(
+            chars, self._prompt_ids, body.prompt, "prompt", body.truncate_prompt_tokens
+        )
+        params = sampling_params(lambda: body.sampling_params(native.GENERATE_MAX_TOKENS))
+        stream = await self._add([prompt_ids], params)
+        if body.stream:
+            return event_stream(native_stream(stream))
+        (answer,) = await self._collect(request, stream)
+        counts = (len(prompt_ids), len(answer.token_ids))
+        return SafeJSONResponse(
+            native.generate_body(answer.text, answer.token_ids, answer.finish_reason, counts)
+        )
+
+    # -- astrai's and vLLM's extras ----------------------------------------------------------------
+    async def stats(self):
+        """astrai's GET /stats: the engine's counters and gauges as JSON, read on the engine thread
+        between two steps (a consistent snapshot; the event loop never reads a stepping engine)."""
+        summary = stats_summary(await self.engine.stats())
+        return {"model": self.model_name, "engine_alive": self.engine.is_alive, **summary}
+
     async def version(self):
         try:
             return {"version": metadata.version("minivllm")}
@@ -307,7 +343,8 @@ class OpenAIServer:
     async def health(self):
         if not self.engine.is_alive:
             raise engine_dead(self.engine.error)
-        return {"status": "ok"}
+        # astrai's field: the model was loaded before the app was built, and its engine serves
+        return {"status": "ok", "model_loaded": True}
 
     async def metrics(self):
         return PlainTextResponse(
@@ -349,7 +386,7 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
-    def _check_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+    def _check_token_ids(self, body: SamplingFields) -> None:
         """Token ids in the sampling fields must be in the vocabulary (the prompt's are checked
         by the engine)."""
         for param, ids in (
@@ -664,6 +701,30 @@ async def anthropic_stream(
     yield anthropic.event({"type": "message_stop"})
 
 
+async def native_stream(stream: RequestStream) -> AsyncIterator[str]:
+    """/generate's stream: an event per delta in the shape of the whole answer (the new piece), the
+    last with the finish reason and the token counts, then `[DONE]`; an error after the 200 is an
+    error event, as in sse_stream."""
+    prompt_tokens, completion_tokens = sum(stream.num_prompt_tokens.values()), 0
+    try:
+        async with stream:
+            async for delta in stream:
+                completion_tokens += len(delta.token_ids)
+                finished = delta.finish_reason is not None
+                if delta.text or delta.token_ids or finished:
+                    counts = (prompt_tokens, completion_tokens) if finished else None
+                    body = native.generate_body(
+                        delta.text, delta.token_ids, delta.finish_reason, counts
+                    )
+                    yield sse_event(body)
+    except EngineDeadError as error:
+        yield sse_event(engine_dead(error).body)
+    except Exception as error:  # this request alone failed; the engine goes on
+        logger.exception("a streamed /generate failed")
+        yield sse_event(error_body(f"the request failed: {error!r}", "server_error"))
+    yield sse_event(DONE)
+
+
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(
         events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
@@ -724,6 +785,7 @@ def build_app(
         ("/v1/messages", server.messages, anthropic.MessagesRequest),
         ("/tokenize", server.tokenize, TokenizeRequest),
         ("/detokenize", server.detokenize, DetokenizeRequest),
+        ("/generate", server.generate, native.GenerateRequest),
     ):
         # the body is read by the handler (within the limits); its schema still goes in the docs
         schema = {"content": {"application/json": {"schema": model.model_json_schema()}}}
@@ -733,6 +795,7 @@ def build_app(
     app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
+    app.add_api_route("/stats", server.stats, methods=["GET"])
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestError, request_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
