@@ -20,10 +20,11 @@ Systems: v1 (one thread block per sequence x query head), v2 (v1's work in parti
 tokens, merged by log-sum-exp), v3 (grouped flash-decoding: one block per sequence x K/V head, one
 pass, the step's arguments prepared once as the engine does), v3 split (v3 with the partition size
 the engine picks for the batch, `split_partition_size`), v3 warp/token (v3 with a whole warp on
-each token instead of 16 lanes: fewer registers, fewer loads in flight per lane), the engine's
-torch reference (gather
-through the block table, then SDPA) and `scaled_dot_product_attention` over K/V gathered in advance
-(the attention arithmetic without the paged gather). Goals (issue 17): >= 80 % of the copy
+each token instead of 16 lanes: fewer registers, fewer loads in flight per lane), v3 regs<=96 and
+regs<=64 (v3 compiled with its registers per thread capped: more resident warps, some spilled to
+local memory), the engine's torch reference (gather through the block table, then SDPA) and
+`scaled_dot_product_attention` over K/V gathered in advance (the attention arithmetic without the
+paged gather). Goals (issue 17): >= 80 % of the copy
 bandwidth at batch 64 x context 1k, >= 60 % at batch 1 x 4k.
 
 For Nsight Compute, profile one system on one shape without writing the results:
@@ -64,6 +65,8 @@ SYSTEMS = (
     "v3",
     "v3 split",
     "v3 warp/token",
+    "v3 regs<=96",
+    "v3 regs<=64",
     "torch paged",
     "SDPA (pre-gathered)",
 )
@@ -166,6 +169,12 @@ def contenders(q, key_cache, value_cache, tables, lens, context: int, sms: int) 
     v3_warp = GroupedDecode(
         tables, lens, context, block_size=BLOCK_SIZE, lanes_per_token=32, **shape
     )
+    # Registers capped (ptxas spills the rest): Nsight Compute saw v3 at 128 registers a thread,
+    # 4 blocks of 128 threads an SM, 25 % theoretical occupancy; 96 allows 5 blocks, 64 allows 8.
+    v3_capped = {
+        cap: GroupedDecode(tables, lens, context, block_size=BLOCK_SIZE, max_registers=cap, **shape)
+        for cap in (96, 64)
+    }
     return {
         "v1": lambda: paged_attention(
             q, key_cache, value_cache, tables, lens, max_context_len=context
@@ -182,6 +191,8 @@ def contenders(q, key_cache, value_cache, tables, lens, context: int, sms: int) 
         "v3": lambda: v3(q, key_cache, value_cache),
         "v3 split": lambda: v3_split(q, key_cache, value_cache),
         "v3 warp/token": lambda: v3_warp(q, key_cache, value_cache),
+        "v3 regs<=96": lambda: v3_capped[96](q, key_cache, value_cache),
+        "v3 regs<=64": lambda: v3_capped[64](q, key_cache, value_cache),
         "torch paged": lambda: sdpa_gathered(q, *gather(key_cache, value_cache, tables, context)),
         "SDPA (pre-gathered)": lambda: sdpa_gathered(q, keys, values),
     }, split
@@ -269,13 +280,17 @@ def kernel_resources() -> dict:
     return resources
 
 
-def _compiled_v3_keys() -> list[tuple[int, int, int, int]]:
-    """(head_dim, group, lanes_per_token, block_size) of the v3 kernels this run compiled."""
+def _compiled_v3_keys() -> list[tuple]:
+    """(head_dim, group, lanes_per_token, block_size, max_registers) of the v3 kernels this run
+    compiled."""
     from minivllm.attention.cuda.grouped import default_lanes_per_token
 
-    group = HEADS // KV_HEADS
+    group, lanes = HEADS // KV_HEADS, default_lanes_per_token(HEAD_DIM)
     return [
-        (HEAD_DIM, group, lanes, BLOCK_SIZE) for lanes in (default_lanes_per_token(HEAD_DIM), 32)
+        (HEAD_DIM, group, lanes, BLOCK_SIZE, None),
+        (HEAD_DIM, group, 32, BLOCK_SIZE, None),
+        (HEAD_DIM, group, lanes, BLOCK_SIZE, 96),
+        (HEAD_DIM, group, lanes, BLOCK_SIZE, 64),
     ]
 
 

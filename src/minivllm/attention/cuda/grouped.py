@@ -37,7 +37,7 @@ import math
 
 from numba import cuda, float32, int32
 
-from minivllm.attention.cuda.simulator import WARP_SIZE
+from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE
 
 FULL_MASK = 0xFFFFFFFF
 # float32 constants: a float64 one (0.0, -math.inf) would pull the arithmetic around it into
@@ -64,9 +64,18 @@ def shared_words(
 
 
 @functools.cache
-def grouped_decode_kernel(head_dim: int, group: int, lanes_per_token: int, block_size: int):
+def grouped_decode_kernel(
+    head_dim: int,
+    group: int,
+    lanes_per_token: int,
+    block_size: int,
+    max_registers: int | None = None,
+):
     """The v3 kernel for one (head_dim, group, lanes_per_token, block_size); compiled once, on
-    first launch. Grid (sequences, K/V heads, partitions); see `launch.grouped_paged_attention`."""
+    first launch. Grid (sequences, K/V heads, partitions); see `launch.grouped_paged_attention`.
+    `max_registers` caps the registers per thread (ptxas spills the rest to local memory): fewer
+    registers, more resident warps to hide memory latency -- an experiment of
+    `benchmarks/paged_attention.py` (the simulator has no registers and ignores it)."""
     lanes = lanes_per_token
     per_lane = head_dim // lanes  # elements of a row each lane holds
     teams_per_warp = WARP_SIZE // lanes
@@ -74,7 +83,9 @@ def grouped_decode_kernel(head_dim: int, group: int, lanes_per_token: int, block
     # A local array's length must be a constant (a closure variable), not an expression.
     group_per_lane = group * per_lane
 
-    @cuda.jit
+    options = {} if SIMULATOR or max_registers is None else {"max_registers": max_registers}
+
+    @cuda.jit(**options)
     def paged_attention_v3(
         partial_out,  # [seqs, heads, partitions, head_dim]: each partition's normalised output
         max_logits,  # [seqs, heads, partitions]

@@ -241,6 +241,7 @@ class GroupedDecode:
         partition_size: int | None = None,
         threads: int = DEFAULT_THREADS,
         lanes_per_token: int | None = None,
+        max_registers: int | None = None,
     ) -> None:
         for name, tensor in (("block_tables", block_tables), ("context_lens", context_lens)):
             if tensor.dtype != torch.int32:
@@ -292,7 +293,7 @@ class GroupedDecode:
         self.partition_size, self.max_context_len = partition_size, max_context_len
         self.parts = -(-max_context_len // partition_size)
         self.scale = head_dim**-0.5 if scale is None else scale
-        self.kernel = grouped_decode_kernel(head_dim, group, lanes, block_size)
+        self.kernel = grouped_decode_kernel(head_dim, group, lanes, block_size, max_registers)
         self.device = context_lens.device
         self.tables, self.lens = device_view(block_tables), device_view(context_lens)
         self.stream = torch_stream(self.device)
