@@ -652,6 +652,22 @@ def test_the_attention_backend_and_device_are_chosen_and_checked(target) -> None
         EngineConfig(device="tpu")
 
 
+def test_auto_device_is_the_cpu_where_what_is_asked_for_runs_only_there(monkeypatch) -> None:
+    """On a GPU machine, `device="auto"` is the GPU, unless the engine is asked for something
+    that runs on a CPU only: the numba kernel, forward workers."""
+    from minivllm.engine.config import _resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _resolve_device(EngineConfig()) == "cuda"
+    assert _resolve_device(EngineConfig(attention_backend="torch")) == "cuda"
+    assert _resolve_device(EngineConfig(attention_backend="cuda")) == "cuda"
+    assert _resolve_device(EngineConfig(attention_backend="numba")) == "cpu"
+    assert _resolve_device(EngineConfig(forward_processes=2)) == "cpu"
+    assert _resolve_device(EngineConfig(device="cpu")) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _resolve_device(EngineConfig()) == "cpu"
+
+
 # -- the attention backend registry ----------------------------------------------------------------
 
 

@@ -57,6 +57,7 @@ class _Entry:
     factory: BackendFactory | str  # the factory, or "module:name" to import when first asked for
     devices: tuple[str, ...]  # where "auto" picks it
     dtypes: tuple[torch.dtype, ...]  # the cache dtypes "auto" picks it for (empty: any)
+    only_on: str | None = None  # the one device it can run on, if it cannot run on every one
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -67,14 +68,21 @@ def register_backend(
     factory: BackendFactory | str,
     devices: tuple[str, ...] = (),
     dtypes: tuple[torch.dtype, ...] = (),
+    only_on: str | None = None,
 ) -> None:
     """Make `name` an attention backend. `factory` builds one from `(storage, batch)`; give it as
     "package.module:Name" to import it only when the backend is first asked for. `devices` are those
     on which "auto" chooses it ("cpu", "cuda"), for a cache of one of `dtypes` (none given: any); it
-    can always be named explicitly."""
+    can always be named explicitly. `only_on` names the one device a backend can run on at all
+    (an engine asked for it with `device="auto"` then runs there, on a GPU machine too)."""
     if name == "auto" or name in _REGISTRY:
         raise ValueError(f"attention backend name {name!r} is taken")
-    _REGISTRY[name] = _Entry(factory, tuple(devices), tuple(dtypes))
+    _REGISTRY[name] = _Entry(factory, tuple(devices), tuple(dtypes), only_on)
+
+
+def backend_device(name: str) -> str | None:
+    """The one device backend `name` runs on, or None if it runs on any ("auto" runs anywhere)."""
+    return None if name == "auto" else _entry(name).only_on
 
 
 def backend_names() -> tuple[str, ...]:
@@ -133,4 +141,5 @@ register_backend(
     "minivllm.attention.numba_cpu:NumbaPagedAttention",
     devices=("cpu",),
     dtypes=(torch.float32,),
+    only_on="cpu",  # a CPU kernel over a cache in CPU memory
 )

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.attention.backend import backend_names
+from minivllm.attention.backend import backend_device, backend_names
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
 
@@ -19,7 +19,9 @@ class EngineConfig:
     seed: int = 0  # requests without a seed get one derived from this and their id
     dtype: torch.dtype = torch.float32
     speculative: SpeculativeConfig | None = None  # None: plain decoding, one target pass per token
-    device: str = "auto"  # "cpu", "cuda", or "auto": the GPU when torch sees one
+    # "cpu", "cuda", or "auto": the GPU when torch sees one, unless what else is asked for runs on
+    # a CPU only (the numba backend, forward workers)
+    device: str = "auto"
     # A name from minivllm.attention.backend: "torch" (the reference), "cuda" (chapter 07's kernel
     # for decodes; on a CPU it runs in numba's simulator, for small checks only), "numba" (the
     # native CPU kernel), or "auto": the CUDA kernel on a GPU, the numba kernel on a CPU (the
@@ -57,7 +59,10 @@ class EngineConfig:
             )
 
 
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+def _resolve_device(config: EngineConfig) -> str:
+    """The device "auto" means for this config (an explicit device stays as asked: a backend that
+    cannot run there says so when the engine builds it)."""
+    if config.device != "auto":
+        return config.device
+    cpu_only = config.forward_processes > 1 or backend_device(config.attention_backend) == "cpu"
+    return "cuda" if torch.cuda.is_available() and not cpu_only else "cpu"

@@ -55,7 +55,7 @@ class LLMEngine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.device = _resolve_device(config.device)
+        self.device = _resolve_device(config)
         self.model = model = placed_on(model, self.device)  # the caller's stays where it was
         backend_name = resolve_backend_name(config.attention_backend, self.device, config.dtype)
         backend = get_backend(backend_name)
