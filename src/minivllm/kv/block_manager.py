@@ -220,7 +220,8 @@ class BlockManager:
                 f"cannot truncate sequence {seq_id} to {num_tokens} tokens: its first {named} "
                 f"are in named prefix-cache blocks that other sequences may share"
             )
-        if len(table.blocks) <= self.reserved_blocks:  # contiguous: the reservation stays
+        if self.reserved_blocks and len(table.blocks) <= self.reserved_blocks:
+            # contiguous: the reservation stays, only the tokens go
             table.num_tokens = num_tokens
             return
         # EXERCISE ch06.2: KV rollback -- keep the blocks that hold num_tokens, release the rest
@@ -397,15 +398,17 @@ class BlockManager:
 
     def memory(self) -> KVMemory:
         """The pool now: used, reserved, filled, saved by sharing (the engine's step trace).
-        One pass over the block tables, none over blocks: O(sequences)."""
-        tables = self.tables.values()
-        table_blocks = sum(len(t.blocks) for t in tables)
+        One pass over the block tables, none over blocks: O(sequences), not O(blocks)."""
+        table_blocks = filled = 0
+        for table in self.tables.values():
+            table_blocks += len(table.blocks)
+            filled += table.num_tokens
         return KVMemory(
             num_blocks=self.allocator.num_blocks,
             blocks_used=self.num_used,
             table_blocks=table_blocks,
             slots_reserved=table_blocks * self.block_size,
-            slots_filled=sum(t.num_tokens for t in tables),
+            slots_filled=filled,
         )
 
     def _allocate_new(
