@@ -192,9 +192,7 @@ class BlockManager:
         """Grow a sequence by `extra_tokens`; if they do not fit, raise OutOfBlocks, changing
         nothing."""
         table = self._table(seq_id)
-        # Blocks held past the last token (a contiguous reservation) are filled first.
-        spare = len(table.blocks) - -(-table.num_tokens // self.block_size)
-        needed = max(0, self.blocks_needed(table.num_tokens, extra_tokens) - spare)
+        needed = self.blocks_needed(table.num_tokens, extra_tokens)
         if len(table.blocks) + needed > self.allocator.num_blocks:
             raise SequenceTooLong(len(table.blocks) + needed, self.allocator.num_blocks)
         if needed > self.num_free:  # check first: never allocate some and then roll back
@@ -220,10 +218,6 @@ class BlockManager:
                 f"cannot truncate sequence {seq_id} to {num_tokens} tokens: its first {named} "
                 f"are in named prefix-cache blocks that other sequences may share"
             )
-        if self.reserved_blocks and len(table.blocks) <= self.reserved_blocks:
-            # contiguous: the reservation stays, only the tokens go
-            table.num_tokens = num_tokens
-            return
         # EXERCISE ch06.2: KV rollback -- keep the blocks that hold num_tokens, release the rest
         ### BEGIN SOLUTION
         keep = -(-num_tokens // self.block_size)
@@ -351,16 +345,18 @@ class BlockManager:
         shared = self._shared_block_at(seq_id, num_computed_tokens)
         # Slots it could have past its computed tokens: every slot of the blocks it holds (the
         # slack of its last block; a contiguous reservation) and every free block (but the copy's).
-        held = len(self._table(seq_id).blocks)
-        fits = held * bs - num_computed_tokens + (self.num_free - shared) * bs
+        held = len(self._table(seq_id).blocks) * bs
+        fits = held - num_computed_tokens + (self.num_free - shared) * bs
         granted = min(num_new_tokens, fits - num_lookahead_tokens) if shrink else num_new_tokens
         if granted <= 0 or granted + num_lookahead_tokens > fits:
             return 0
         if shared:
             self._copy_on_write(seq_id, num_computed_tokens // bs)
-        extra = num_computed_tokens + granted + num_lookahead_tokens - holds
-        if extra > 0:
-            self.append(seq_id, extra)
+        end = num_computed_tokens + granted + num_lookahead_tokens
+        if end > holds:  # first the slots of the blocks it holds, then new blocks (lazy growth)
+            self._table(seq_id).num_tokens = min(end, held)
+            if end > held:
+                self.append(seq_id, end - held)
         return granted
 
     def _shared_block_at(self, seq_id: int, position: int) -> bool:
@@ -441,7 +437,10 @@ class BlockManager:
         every model has written) and the full blocks among them are named; None names nothing.
         A block layer that keeps more (a radix tree's LRU times, an offloading tier) plugs in here.
         """
-        if self.num_tokens(seq_id) > num_computed_tokens:
+        table = self._table(seq_id)
+        if table.num_tokens > num_computed_tokens and self.reserved_blocks:
+            table.num_tokens = num_computed_tokens  # contiguous: the reservation stays
+        elif table.num_tokens > num_computed_tokens:
             self.truncate(seq_id, num_computed_tokens)
         if num_cacheable_tokens is not None:
             self.register_computed(seq_id, token_ids, num_cacheable_tokens)
