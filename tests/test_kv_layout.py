@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minivllm.cli import build_parser, build_serving_engine, main
 from minivllm.engine.config import EngineConfig
@@ -74,6 +76,32 @@ def test_contiguous_shares_nothing() -> None:
     with pytest.raises(ValueError, match="no prefix blocks"):
         m.allocate(3, 4, prefix_blocks=[0])
     assert 2 not in m and 3 not in m
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6), st.integers(0, 3)), max_size=40))
+def test_contiguous_tables_keep_their_reservation_through_any_steps(steps: list) -> None:
+    """Random steps through the scheduler's seam (a chunk of `new` tokens and `lookahead` draft
+    slots, all drafts rejected; a sequence past its 10-token context is freed): every table holds
+    exactly its 3 blocks, and memory() counts what they hold."""
+    m, computed = contiguous(), {}
+    for seq_id, new, lookahead in steps:
+        start = computed.get(seq_id, 0)
+        if start + new + lookahead > 10:
+            if seq_id in m:
+                m.free(seq_id)
+            computed.pop(seq_id, None)
+            continue
+        if m.allocate_slots(seq_id, start, new, lookahead):
+            m.commit(seq_id, [7] * (start + new + lookahead), start + new)
+            computed[seq_id] = start + new
+        else:
+            assert seq_id not in m and len(m.tables) == 5  # only a new sequence is ever refused
+        assert all(len(t.blocks) == 3 for t in m.tables.values())
+        assert m.num_free == 16 - 3 * len(m.tables)
+        memory = m.memory()
+        assert memory.slots_empty == 12 * len(m.tables) - sum(computed.values())
+        assert memory.blocks_saved == 0 and memory.blocks_used == 3 * len(m.tables)
 
 
 @pytest.mark.parametrize(
