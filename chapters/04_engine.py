@@ -466,13 +466,14 @@ print(f"{len(continuous.trace)} records written and read back")
 # %% [markdown]
 # ## Measure: the paged layout against the basic one
 #
-# Everything so far ran on chapter 03's paged pool. Servers before vLLM kept K/V the way chapter 02
-# did: one region per request, sized for the model's whole context (`max_model_len`), reserved when
-# the request was admitted and released when it finished. The engine runs that way too, and only
-# the block manager changes: with `EngineConfig(kv_layout="contiguous")` (`minivllm serve --kv
-# basic` on the command line) a sequence's first `allocate_slots` takes the blocks of the whole
-# context at once (`reserved_blocks`, below), and every later call finds its slots already held.
-# The scheduler, the runner and the kernels do not know; they still see block tables.
+# Everything so far ran on chapter 03's paged pool. Servers before vLLM kept K/V as chapter 02's
+# preallocating cache does: one region per request, reserved when the request is admitted for the
+# longest it may ever grow — the model's whole context, `max_model_len` — and released when it
+# finishes {cite}`kwon2023pagedattention`. The engine runs that way too, and only the block manager
+# changes: with `EngineConfig(kv_layout="contiguous")` (`minivllm serve --kv basic` on the command
+# line) a sequence's first `allocate_slots` takes the blocks of the whole context at once
+# (`reserved_blocks`, below), and every later call finds its slots already held. The scheduler, the
+# runner and the kernels do not know; they still see block tables.
 
 # %%
 show(BlockManager.allocate)
