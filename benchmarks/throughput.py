@@ -1,7 +1,7 @@
 """Throughput: minivllm's engine against naive generation and Hugging Face `generate` (chapter 04).
 
     python benchmarks/throughput.py [--requests 64] [--seed 0] [--repeats 3] [--quick] [--skip-hf]
-    [--skip-naive] [--backends numba] [--processes 2]
+    [--skip-naive] [--backends numba] [--processes 2] [--kv basic]
 
 One seeded workload -- prompts are 16-200-byte slices of the shipped validation text (cut at UTF-8
 character boundaries, BOS first), outputs 32-256 tokens, greedy, `ignore_eos` -- run on the shipped
@@ -15,6 +15,9 @@ target model by every system in one process, 2 torch threads:
 * with `--processes N ...`, the headline continuous system again with N forward processes
   (`EngineConfig(forward_processes=N)`: each pass split by sequence between this process and
   N - 1 workers, one thread each; its CPU seconds count the workers' too);
+* with `--kv basic`, the headline continuous system again with the KV layout before paging
+  (`EngineConfig(kv_layout="contiguous")`: each admitted request reserves the model's whole
+  context, so the same cache holds num_blocks / 32 requests at once);
 * minivllm, static batching: the same engine with `batching="static"` (a new batch is admitted only
   when the whole last one has finished). At batch 64 the whole workload is one batch, so static and
   continuous run the same batch and only prefill chunking differs; at batch 16 the slots a finished
@@ -135,6 +138,7 @@ def make_engine(
     requests: list[Request],
     attention_backend: str = "auto",
     forward_processes: int = 1,
+    kv_layout: str = "paged",
     **scheduler,
 ) -> LLMEngine:
     if scheduler.get("batching") == "static":  # recorded as "static"; the book's admission rule
@@ -144,6 +148,7 @@ def make_engine(
         scheduler=SchedulerConfig(**scheduler),
         attention_backend=attention_backend,
         forward_processes=forward_processes,
+        kv_layout=kv_layout,
     )
     return LLMEngine(model, config)
 
@@ -154,10 +159,13 @@ def run_engine(
     label: str,
     attention_backend: str = "auto",
     forward_processes: int = 1,
+    kv_layout: str = "paged",
     **scheduler,
 ) -> dict:
     # workers (forward_processes > 1) start here, before the clock
-    engine = make_engine(model, requests, attention_backend, forward_processes, **scheduler)
+    engine = make_engine(
+        model, requests, attention_backend, forward_processes, kv_layout, **scheduler
+    )
     workers = engine.runner.workers.pids if engine.runner.workers else []
     worker_cpu = cpu_seconds_of(workers)
 
@@ -175,11 +183,13 @@ def run_engine(
         num_blocks=engine.config.num_blocks,
         attention_backend=attention_backend,
         forward_processes=forward_processes,
+        kv_layout=kv_layout,
     )
     result["cpu_seconds"] += cpu_seconds_of(workers) - worker_cpu  # the workers' CPU time too
     engine.close()
     result.update(
         steps=len(engine.trace),
+        peak_running=max(len(r.running) for r in engine.trace),
         overhead=overhead(engine.trace, result["seconds"]),
         _trace=engine.trace,
     )
@@ -569,6 +579,14 @@ def main() -> None:
         "(EngineConfig.forward_processes; e.g. --processes 2: each pass split by sequence "
         "between this process and a worker, one thread each)",
     )
+    parser.add_argument(
+        "--kv",
+        nargs="*",
+        choices=["paged", "basic"],
+        default=[],
+        help="KV layouts to run the headline continuous system with as well (--kv basic: each "
+        "request reserves the model's whole context, as before paging; paged is the headline)",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument(
@@ -633,6 +651,11 @@ def main() -> None:
         systems[f"continuous/{args.budget[0]}/{processes}p"] = headline_with(
             f"{processes} procs", forward_processes=processes
         )
+    # The headline system with the KV layout before paging: the same cache, reserved per request.
+    if "basic" in args.kv:
+        systems[f"continuous/{args.budget[0]}/basic-kv"] = headline_with(
+            "basic KV", kv_layout="contiguous"
+        )
     # Static admits a batch only into an empty engine, so its budget must hold the whole batch's
     # prompts.
     systems["static/all"] = lambda: run_engine(
@@ -693,6 +716,7 @@ def main() -> None:
         f"continuous/{args.budget[0]}",
         *(f"continuous/{args.budget[0]}/{backend}" for backend in args.backends),
         *(f"continuous/{args.budget[0]}/{p}p" for p in args.processes),
+        *([f"continuous/{args.budget[0]}/basic-kv"] if "basic" in args.kv else []),
         "static/all",
         "continuous/small",
         "static/small",

@@ -464,6 +464,104 @@ with tempfile.TemporaryDirectory() as folder:
 print(f"{len(continuous.trace)} records written and read back")
 
 # %% [markdown]
+# ## Measure: the paged layout against the basic one
+#
+# Everything so far ran on chapter 03's paged pool. Servers before vLLM kept K/V as chapter 02's
+# preallocating cache does: one region per request, reserved when the request is admitted for the
+# longest it may ever grow — the model's whole context, `max_model_len` — and released when it
+# finishes {cite}`kwon2023pagedattention`. The engine runs that way too, and only the block manager
+# changes: with `EngineConfig(kv_layout="contiguous")` (`minivllm serve --kv basic` on the command
+# line) a sequence's first `allocate_slots` takes the blocks of the whole context at once
+# (`reserved_blocks`, below), and every later call finds its slots already held. The scheduler, the
+# runner and the kernels do not know; they still see block tables.
+
+# %%
+show(BlockManager.allocate)
+
+# %% [markdown]
+# The basic layout shares nothing, as the servers before paging did not: a prompt cannot point at
+# another prompt's blocks (no prefix caching), and a request's n samples each compute the prompt in
+# regions of their own. Every `StepRecord` now also carries what the block tables hold after the
+# step, from `BlockManager.memory()`: the pool in use, the reserved slots that hold no token (the
+# tail of a last block when paged, the unused context when basic), and the blocks that sharing
+# saved. It is one pass over the sequences' tables, never over blocks, so it costs the engine's
+# step next to nothing.
+
+# %%
+show(BlockManager.memory)
+
+# %% [markdown]
+# The 16 requests from the start of the chapter, each now opening with the same preamble (the role
+# of a system prompt), run three ways in one small pool: basic, paged, and paged with
+# {term}`prefix caching`.
+
+# %%
+from minivllm.book.figures.timelines import draw_memory_trace
+
+preamble = text[1000:1063]
+shared_prompts = [preamble + p for p in prompts]
+layouts = {  # name: (EngineConfig.kv_layout, prefix caching)
+    "basic": ("contiguous", False),
+    "paged": ("paged", False),
+    "paged + prefix cache": ("paged", True),
+}
+layout_runs = {}
+for name, (kv_layout, caching) in layouts.items():
+    scheduler = SchedulerConfig(max_num_seqs=16, enable_prefix_caching=caching)
+    config = EngineConfig(num_blocks=64, kv_layout=kv_layout, scheduler=scheduler)
+    engine = LLMEngine(model, config)
+    started = time.perf_counter()
+    outs = engine.generate(shared_prompts, params)
+    layout_runs[name] = (engine, [o.token_ids for o in outs], time.perf_counter() - started)
+basic_engine = layout_runs["basic"][0]
+print(
+    f"preamble: {len(preamble)} characters; pool: {basic_engine.config.num_blocks} blocks of "
+    f"16 slots; the basic layout reserves {basic_engine.manager.reserved_blocks} blocks "
+    f"({model.config.max_seq_len} tokens) per request"
+)
+rows = {
+    "engine steps": lambda t: len(t),
+    "running sequences per step, mean": lambda t: f"{np.mean([len(r.running) for r in t]):.1f}",
+    "running sequences, most at once": lambda t: max(len(r.running) for r in t),
+    "preemptions": lambda t: sum(len(r.preempted) for r in t),
+    "pool in use (blocks), mean": lambda t: f"{np.mean([r.kv_utilization for r in t]):.0%}",
+    "reserved slots empty, mean": lambda t: f"{np.mean([r.fragmentation for r in t]):.0%}",
+    "blocks saved by sharing, mean": lambda t: f"{np.mean([r.saved_fraction for r in t]):.0%}",
+}
+print(f"\n{'':33}" + "".join(f"{name:>21}" for name in layout_runs))
+for label, measure in rows.items():
+    cells = "".join(f"{measure(run[0].trace)!s:>21}" for run in layout_runs.values())
+    print(f"{label:33}{cells}")
+tokens = [run[1] for run in layout_runs.values()]
+assert tokens[0] == tokens[1] == tokens[2]
+print("\nthe same greedy tokens under all three:", tokens[0] == tokens[1] == tokens[2])
+
+# %% [markdown]
+# The basic layout keeps most of the pool reserved and most of what it reserves empty: no request
+# here comes near the model's context, yet each holds all of it from its first step to its last. So
+# it runs only as many requests at once as whole contexts fit, and it never preempts anyone, since
+# nobody ever needs another block. Paging reserves what the tokens fill, up to the tail of each last
+# block, so the same memory runs several times as many requests at once; when the pool does run
+# out, it preempts (chapter 05) and recomputes. Prefix caching then holds the preamble's blocks once
+# for every request that starts with them: the third series, and room for more requests still.
+
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The step trace's memory series for the same 16 requests in the same 64-block pool: the pool's blocks in use, the reserved slots holding no token, and the blocks saved by sharing, under the basic layout, the paged one, and the paged one with prefix caching.", "name": "fig-04-kv-layouts"}}
+fig, axes = plt.subplots(3, 1, figsize=(8, 6.5), sharex=True, sharey=True)
+for ax, (name, (engine, _, _)) in zip(axes, layout_runs.items()):
+    draw_memory_trace(ax, engine.trace, f"{name}: {len(engine.trace)} steps")
+for ax in axes[:-1]:
+    ax.set_xlabel("")
+axes[-1].legend(loc="center right", fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for name, (_, outs, seconds) in layout_runs.items():
+    made = sum(len(o) for o in outs)
+    print(f"{name:22} {made / seconds:6.0f} tokens/s on this machine ({seconds:.1f} s)")
+
+# %% [markdown]
 # ## Measure: throughput against concurrency
 #
 # 16 requests of 32 new tokens each, with at most 1, 2, 4, 8 or 16 of them running at once. The

@@ -571,6 +571,9 @@ class CacheMachine(RuleBasedStateMachine):
             for b in table.blocks:
                 holders[b] += 1
         assert a.refcounts == holders
+        memory = self.m.memory()  # the step trace's memory series: held once, listed per table
+        assert memory.blocks_used == a.num_used and memory.blocks_saved == sum(holders) - a.num_used
+        assert 0 <= memory.slots_empty <= 2 * len(self.m.tables)  # a last block's tail at most
         free, cache = a.free_blocks(), self.m.prefix_cache
         assert len(set(free)) == len(free)  # no double free
         assert set(free) == {b for b in range(8) if holders[b] == 0}  # no leak

@@ -3,6 +3,7 @@
     minivllm generate "ROMEO:" --max-tokens 200 --temperature 0.8 --seed 1
     minivllm generate "ROMEO:" --speculative draft --num-speculative-tokens 4
     minivllm serve --model target --host 127.0.0.1 --port 8000
+    minivllm serve --kv basic    # the KV layout before paging: max_model_len reserved per request
     minivllm chat --temperature 0.8 --max-tokens 128
 
 `generate` streams the continuation to stdout as the engine produces it; `serve` runs the
@@ -29,6 +30,8 @@ from minivllm.sched.sequence import SamplingParams
 from minivllm.serving.limits import ServerLimits
 
 API_KEY_VARIABLE = "MINIVLLM_API_KEY"  # as vLLM's VLLM_API_KEY
+# --kv: the EngineConfig.kv_layout each choice selects
+KV_LAYOUTS = {"paged": "paged", "basic": "contiguous"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +155,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
+    parser.add_argument(
+        "--kv",
+        choices=list(KV_LAYOUTS),
+        default="paged",
+        help="KV-cache layout: paged blocks (default), or basic: each request reserves the "
+        "model's whole context up front, as servers did before paging (no prefix caching)",
+    )
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -174,7 +184,8 @@ def generate(args: argparse.Namespace) -> None:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(load_model(args.model), EngineConfig(speculative=speculative_config(args)))
+    config = EngineConfig(speculative=speculative_config(args), kv_layout=KV_LAYOUTS[args.kv])
+    engine = LLMEngine(load_model(args.model), config)
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
     for delta in engine.stream([args.prompt], params):
@@ -199,7 +210,10 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
         ),
     )
     config = EngineConfig(
-        num_blocks=args.num_blocks, scheduler=scheduler, speculative=speculative_config(args)
+        num_blocks=args.num_blocks,
+        scheduler=scheduler,
+        speculative=speculative_config(args),
+        kv_layout=KV_LAYOUTS[args.kv],
     )
     return LLMEngine(load_model(args.model), config)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.attention.backend import backend_device, backend_names
+from minivllm.kv.block_manager import KV_LAYOUTS
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
 
@@ -36,8 +37,23 @@ class EngineConfig:
     # where threads inside each small operation hardly do. Workers start with the engine (a few
     # seconds) and stop with `LLMEngine.close()`.
     forward_processes: int = 1
+    # How sequences hold K/V blocks (kv/block_manager.py): "paged" grows each sequence a block at
+    # a time and shares blocks (prefix caching, n > 1 forks); "contiguous" is the layout before
+    # paging (`--kv basic`): every admitted sequence reserves the blocks of the model's whole
+    # context (max_model_len) until it finishes, and shares none -- no prefix caching, and a
+    # request's n samples each compute the prompt.
+    kv_layout: str = "paged"
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"EngineConfig.kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}"
+            )
+        if self.kv_layout == "contiguous" and self.scheduler.enable_prefix_caching:
+            raise ValueError(
+                "prefix caching shares blocks between sequences, and the contiguous KV layout "
+                "shares none: turn enable_prefix_caching off or use kv_layout='paged'"
+            )
         if not isinstance(self.forward_processes, int) or self.forward_processes < 1:
             raise ValueError(
                 f"EngineConfig.forward_processes must be an int >= 1, got "

@@ -60,7 +60,12 @@ class LLMEngine:
         backend_name = resolve_backend_name(config.attention_backend, self.device, config.dtype)
         backend = get_backend(backend_name)
         warm_up_backend(backend)
-        self.manager = BlockManager(config.num_blocks, config.block_size)
+        self.manager = BlockManager(
+            config.num_blocks,
+            config.block_size,
+            layout=config.kv_layout,
+            max_model_len=model.config.max_seq_len,
+        )
         self.storage = PagedKVStorage(
             model.config, config.num_blocks, config.block_size, config.dtype, self.device
         )
@@ -132,10 +137,14 @@ class LLMEngine:
             for index, seq_id in enumerate(seq_ids)
         ]
         parent = samples[0]
-        parent.forks = samples[1:]
         if self.drafter is not None and self.drafter.uses_cache:
             parent.num_draft_computed_tokens = 0
-        self.scheduler.add(parent)
+        if self.manager.shares_blocks:  # the samples fork sample 0's blocks after its prompt
+            parent.forks = samples[1:]
+            self.scheduler.add(parent)
+        else:  # nothing shared (contiguous layout): n sequences, each computes the prompt
+            for sample in samples:
+                self.scheduler.add(sample)
         if params.n > 1:
             self.groups[request_id] = tuple(seq_ids)
         self._next_id = first_sibling + params.n - 1
@@ -226,7 +235,7 @@ class LLMEngine:
     def _record(
         self, plan: StepPlan, finished: list[Sequence], result: RunnerOutput, step_s: float
     ) -> StepRecord:
-        scheduler, blocks_used = self.scheduler, self.config.num_blocks - self.manager.num_free
+        scheduler, memory = self.scheduler, self.manager.memory()
         return StepRecord(
             step=plan.step,
             admitted=plan.admitted,
@@ -241,8 +250,11 @@ class LLMEngine:
             num_batched_tokens=plan.num_batched_tokens,
             prefix_hit_tokens=plan.prefix_hit_tokens,
             recomputed_tokens=plan.recomputed_tokens,
-            blocks_used=blocks_used,
-            blocks_free=self.config.num_blocks - blocks_used,
+            blocks_used=memory.blocks_used,
+            blocks_free=memory.num_blocks - memory.blocks_used,
+            slots_reserved=memory.slots_reserved,
+            slots_empty=memory.slots_empty,
+            blocks_saved=memory.blocks_saved,
             speculated=result.speculated,
             forward_s=result.forward_s,
             draft_s=result.draft_s,

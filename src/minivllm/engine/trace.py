@@ -5,6 +5,12 @@ who finished and why, who was stalled or preempted) and how the engine stood aft
 running and waiting, blocks used and free). Records are plain data: they export to JSON lines and
 back, so a trace can be saved from a server and plotted in a notebook. The two timings are the only
 fields that vary from run to run; `to_dict(timings=False)` leaves them out.
+
+Each record also carries the step's **memory trace**, from the block manager (`KVMemory`): the
+slots the sequences' block tables reserve, how many of them hold no token (internal
+fragmentation: a paged sequence's unfilled last block, a contiguous one's unused context), and the
+blocks that sharing (prefix-cache hits, n > 1 forks) saved. `kv_utilization`, `fragmentation`
+and `saved_fraction` are the three series as fractions; the JSON export carries them too.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ class StepRecord:
     recomputed_tokens: int  # computed again because a preemption had thrown their K/V away
     blocks_used: int  # after the step: finished sequences have let go
     blocks_free: int
+    # The memory trace, after the step (KVMemory): token slots in the block tables, of them empty,
+    # and blocks saved by sharing (listed by several tables, held once).
+    slots_reserved: int = 0
+    slots_empty: int = 0
+    blocks_saved: int = 0
     # Speculative decoding (chapter 06): (sequence, draft tokens proposed, of them accepted) per
     # verify.
     speculated: tuple[tuple[int, int, int], ...] = ()
@@ -40,10 +51,30 @@ class StepRecord:
     # time of the whole step: schedule, build the batch, forward, sample, update
     step_s: float = 0.0
 
+    @property
+    def kv_utilization(self) -> float:
+        """Blocks in use over all blocks of the pool."""
+        total = self.blocks_used + self.blocks_free
+        return self.blocks_used / total if total else 0.0
+
+    @property
+    def fragmentation(self) -> float:
+        """Reserved slots holding no token, over all reserved slots."""
+        return self.slots_empty / self.slots_reserved if self.slots_reserved else 0.0
+
+    @property
+    def saved_fraction(self) -> float:
+        """Blocks saved by sharing over the blocks the tables list (used + saved)."""
+        listed = self.blocks_used + self.blocks_saved
+        return self.blocks_saved / listed if listed else 0.0
+
     def to_dict(self, timings: bool = True) -> dict:
         record = asdict(self)
         if not timings:
             del record["forward_s"], record["draft_s"], record["step_s"]
+        # the three memory series as fractions (read back from the counts, not from these)
+        for name in ("kv_utilization", "fragmentation", "saved_fraction"):
+            record[name] = round(getattr(self, name), 4)
         return record
 
     @classmethod

@@ -26,6 +26,15 @@ Four ideas carry the whole file:
 The scheduler talks to this module through two calls, as vLLM's scheduler talks to its
 `KVCacheManager`: `allocate_slots` ("can this sequence have n more slots?") before the forward
 pass, and `commit` (roll back what was not used, name what was written) after it.
+
+**Two layouts** sit behind those calls. `layout="paged"` is everything above. `layout="contiguous"`
+is how servers kept K/V before paging: a sequence reserves the slots of `max_model_len` tokens
+(as whole blocks) when it is admitted and keeps them until it is freed. It never grows, so it is
+never short of a block mid-run (never preempted), and it shares nothing: no prefix-cache hits, no
+forks (the engine runs a request's n samples as n sequences, each computing its own prompt). Its
+blocks need not be neighbours in the pool: every reservation has the same size, so a freed one
+always fits the next sequence. What it wastes is inside the reservations -- slots no token will
+ever fill -- which is what `memory()` measures, for either layout, each engine step.
 """
 
 from __future__ import annotations
@@ -37,7 +46,17 @@ from minivllm.kv.block_pool import BlockPool, OutOfBlocks
 from minivllm.kv.prefix_cache import HashPrefixCache, PrefixCache, block_hash
 
 # OutOfBlocks and block_hash live next door; they are re-exported for callers that import them here.
-__all__ = ["BlockManager", "BlockTable", "OutOfBlocks", "SequenceTooLong", "block_hash"]
+__all__ = [
+    "KV_LAYOUTS",
+    "BlockManager",
+    "BlockTable",
+    "KVMemory",
+    "OutOfBlocks",
+    "SequenceTooLong",
+    "block_hash",
+]
+
+KV_LAYOUTS = ("paged", "contiguous")
 
 
 class SequenceTooLong(ValueError):
@@ -61,16 +80,67 @@ class BlockTable:
     block_hashes: list[Hashable] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class KVMemory:
+    """How the pool is used at one moment (`BlockManager.memory()`, one per engine step).
+
+    Per sequence, a block table reserves `len(blocks) * block_size` slots and fills `num_tokens`
+    of them; a block shared by k tables (prefix-cache hits, forks) is reserved k times but held
+    once, and the difference is what sharing saved."""
+
+    num_blocks: int
+    blocks_used: int  # physical blocks held by at least one sequence
+    table_blocks: int  # blocks in all block tables: a block shared by k tables counts k times
+    slots_reserved: int  # table_blocks * block_size
+    slots_filled: int  # token slots the tables hold tokens in
+
+    @property
+    def slots_empty(self) -> int:
+        """Internal fragmentation: reserved slots holding no token (the tail of each sequence's
+        last block when paged; the rest of max_model_len when contiguous)."""
+        return self.slots_reserved - self.slots_filled
+
+    @property
+    def blocks_saved(self) -> int:
+        """Blocks that sharing saved: held once, listed by several tables."""
+        return self.table_blocks - self.blocks_used
+
+    @property
+    def utilization(self) -> float:
+        return self.blocks_used / self.num_blocks
+
+    @property
+    def fragmentation(self) -> float:
+        return self.slots_empty / self.slots_reserved if self.slots_reserved else 0.0
+
+    @property
+    def saved_fraction(self) -> float:
+        """Of the blocks the tables list, the share sharing saved."""
+        return self.blocks_saved / self.table_blocks if self.table_blocks else 0.0
+
+
 class BlockManager:
-    """Block tables for every running sequence, on top of one BlockPool and one PrefixCache."""
+    """Block tables for every running sequence, on top of one BlockPool and one PrefixCache.
+
+    `layout` is "paged" (lazy growth, sharing) or "contiguous" (each sequence reserves the
+    blocks of `max_model_len` tokens up front and shares none; see the module docstring)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, prefix_cache: PrefixCache | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_cache: PrefixCache | None = None,
+        *,
+        layout: str = "paged",
+        max_model_len: int | None = None,
     ) -> None:
         self.allocator = BlockPool(num_blocks, block_size)
         self.prefix_cache = prefix_cache or HashPrefixCache(num_blocks, block_size)
         self.block_size = block_size
         self.tables: dict[int, BlockTable] = {}
+        self.layout = layout
+        # Blocks every new table takes at once: 0 when paged (it grows lazily).
+        self.reserved_blocks = _reserved_blocks(layout, max_model_len, num_blocks, block_size)
         # (source, destination) block copies that copy-on-write in `allocate_slots` decided and
         # the storage has not made yet: the model runner makes them before the forward pass.
         self.pending_copies: list[tuple[int, int]] = []
@@ -99,7 +169,9 @@ class BlockManager:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
         pool, hits = self.allocator, list(prefix_blocks)
-        total = -(-num_tokens // self.block_size)
+        if hits and not self.shares_blocks:
+            raise ValueError("the contiguous layout shares no blocks: no prefix blocks")
+        total = max(-(-num_tokens // self.block_size), self.reserved_blocks)
         if total > pool.num_blocks:
             raise SequenceTooLong(total, pool.num_blocks)
         if len(hits) > total:
@@ -161,6 +233,11 @@ class BlockManager:
         parent = self._table(parent_id)
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has a block table")
+        if not self.shares_blocks:
+            raise ValueError(
+                "the contiguous layout shares no blocks, so it cannot fork: run each sample as a "
+                "sequence of its own"
+            )
         for block in parent.blocks:
             self.allocator.incref(block)
         self.tables[child_id] = BlockTable(
@@ -266,17 +343,20 @@ class BlockManager:
         # A forked sequence (parallel sampling) may share the block it writes next with its
         # siblings: that block is copied first (copy-on-write), which takes one free block.
         shared = self._shared_block_at(seq_id, num_computed_tokens)
-        # Slots it could have past its computed tokens: those it holds, the slack of its last
-        # block, and every free block (but the copy's).
-        fits = holds - num_computed_tokens + (-holds % bs) + (self.num_free - shared) * bs
+        # Slots it could have past its computed tokens: every slot of the blocks it holds (the
+        # slack of its last block; a contiguous reservation) and every free block (but the copy's).
+        held = len(self._table(seq_id).blocks) * bs
+        fits = held - num_computed_tokens + (self.num_free - shared) * bs
         granted = min(num_new_tokens, fits - num_lookahead_tokens) if shrink else num_new_tokens
         if granted <= 0 or granted + num_lookahead_tokens > fits:
             return 0
         if shared:
             self._copy_on_write(seq_id, num_computed_tokens // bs)
-        extra = num_computed_tokens + granted + num_lookahead_tokens - holds
-        if extra > 0:
-            self.append(seq_id, extra)
+        end = num_computed_tokens + granted + num_lookahead_tokens
+        if end > holds:  # first the slots of the blocks it holds, then new blocks (lazy growth)
+            self._table(seq_id).num_tokens = min(end, held)
+            if end > held:
+                self.append(seq_id, end - held)
         return granted
 
     def _shared_block_at(self, seq_id: int, position: int) -> bool:
@@ -306,6 +386,26 @@ class BlockManager:
     def num_used(self) -> int:
         """Blocks held by at least one sequence (a block shared by n forks counts once)."""
         return self.allocator.num_blocks - self.num_free
+
+    @property
+    def shares_blocks(self) -> bool:
+        """Paged: prefix-cache hits and forks share blocks. Contiguous: nothing is shared."""
+        return self.layout == "paged"
+
+    def memory(self) -> KVMemory:
+        """The pool now: used, reserved, filled, saved by sharing (the engine's step trace).
+        One pass over the block tables, none over blocks: O(sequences), not O(blocks)."""
+        table_blocks = filled = 0
+        for table in self.tables.values():
+            table_blocks += len(table.blocks)
+            filled += table.num_tokens
+        return KVMemory(
+            num_blocks=self.allocator.num_blocks,
+            blocks_used=self.num_used,
+            table_blocks=table_blocks,
+            slots_reserved=table_blocks * self.block_size,
+            slots_filled=filled,
+        )
 
     def _allocate_new(
         self, seq_id: int, num_cached: int, num_new: int, num_lookahead: int, hits: Sequence[int]
@@ -337,7 +437,10 @@ class BlockManager:
         every model has written) and the full blocks among them are named; None names nothing.
         A block layer that keeps more (a radix tree's LRU times, an offloading tier) plugs in here.
         """
-        if self.num_tokens(seq_id) > num_computed_tokens:
+        table = self._table(seq_id)
+        if table.num_tokens > num_computed_tokens and self.reserved_blocks:
+            table.num_tokens = num_computed_tokens  # contiguous: the reservation stays
+        elif table.num_tokens > num_computed_tokens:
             self.truncate(seq_id, num_computed_tokens)
         if num_cacheable_tokens is not None:
             self.register_computed(seq_id, token_ids, num_cacheable_tokens)
@@ -366,6 +469,8 @@ class BlockManager:
                 f"num_computed={num_computed} is outside sequence {seq_id} "
                 f"({table.num_tokens} tokens held, {len(token_ids)} given)"
             )
+        if not self.shares_blocks:
+            return  # contiguous: nothing is shared, so nothing is named
         for index in range(len(table.block_hashes), num_computed // bs):
             parent = table.block_hashes[-1] if table.block_hashes else None
             chunk = token_ids[index * bs : (index + 1) * bs]
@@ -409,3 +514,28 @@ class BlockManager:
             raise IndexError(
                 f"position {position} is outside sequence {seq_id} ({table.num_tokens} tokens)"
             )
+
+
+def _reserved_blocks(
+    layout: str, max_model_len: int | None, num_blocks: int, block_size: int
+) -> int:
+    """Blocks a new table takes up front: none when paged, those of max_model_len when contiguous
+    (a pool that cannot hold even one such reservation could never run anything: refused here)."""
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    if layout == "paged":
+        return 0
+    if not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(
+            f"the contiguous layout reserves max_model_len tokens per sequence: give it as an "
+            f"int >= 1, got {max_model_len!r}"
+        )
+    reserved = -(-max_model_len // block_size)
+    if reserved > num_blocks:
+        raise ValueError(
+            f"the contiguous layout reserves max_model_len={max_model_len} tokens ({reserved} "
+            f"blocks of {block_size}) per sequence, but the pool has only {num_blocks} blocks: "
+            f"no sequence could ever run; give it at least {reserved} blocks or use the paged "
+            f"layout"
+        )
+    return reserved

@@ -2,8 +2,10 @@
 flattened batch.
 
 `draw_gantt` colours each request's state per step from a trace (waiting, prefill, decode,
-preempted, recompute ...), `draw_batch_places` shows which batch places were busy, and
-`draw_flat_batch` lays one step's tokens end to end with their positions and cache slots.
+preempted, recompute ...), `draw_batch_places` shows which batch places were busy,
+`draw_flat_batch` lays one step's tokens end to end with their positions and cache slots, and
+`draw_memory_trace` plots a trace's three memory series (pool used, reserved slots empty, blocks
+saved by sharing).
 """
 
 from __future__ import annotations
@@ -126,4 +128,25 @@ def draw_batch_places(ax: Axes, records, places: int, title: str) -> None:
     )
     ax.set_xlabel("engine step")
     ax.grid(False)
+    ax.set_title(title, fontsize=10)
+
+
+# The memory series of a step trace: (StepRecord property, label, colour).
+_MEMORY_SERIES = (
+    ("kv_utilization", "pool in use (blocks used / all)", sequence_color(0)),
+    ("fragmentation", "reserved slots empty", sequence_color(3)),
+    ("saved_fraction", "blocks saved by sharing", sequence_color(2)),
+)
+
+
+def draw_memory_trace(ax: Axes, records, title: str = "KV memory over steps") -> None:
+    """The three memory series of a trace, one point per engine step, each a fraction in [0, 1]:
+    the pool's blocks in use, the reserved slots that hold no token (internal fragmentation), and
+    the blocks that sharing saved (prefix-cache hits, forks)."""
+    steps = [r.step for r in records]
+    for name, label, color in _MEMORY_SERIES:
+        ax.plot(steps, [getattr(r, name) for r in records], color=color, lw=1.2, label=label)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("fraction")
     ax.set_title(title, fontsize=10)
