@@ -224,3 +224,15 @@ def test_minivllm_chat_from_a_pipe(monkeypatch, capsys) -> None:
 def test_a_bad_chat_argument_exits_2(capsys) -> None:
     assert main(["chat", "--max-tokens", "0"]) == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kv, layout, caching", [("paged", "paged", True), ("basic", "contiguous", False)]
+)
+def test_chat_takes_the_kv_layout_and_caches_prefixes_where_it_can(kv, layout, caching) -> None:
+    from minivllm.cli import build_chat_engine, build_parser
+
+    args = build_parser().parse_args(["chat", "--kv", kv])
+    with build_chat_engine(args) as chat_engine:
+        assert chat_engine.config.kv_layout == layout
+        assert chat_engine.config.scheduler.enable_prefix_caching is caching

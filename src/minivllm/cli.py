@@ -245,11 +245,16 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def build_chat_engine(args: argparse.Namespace) -> LLMEngine:
-    """`generate`'s engine, with prefix caching: every turn re-reads the conversation so far."""
+    """`generate`'s engine, with prefix caching (every turn re-reads the conversation so far),
+    except in the basic KV layout, which shares nothing."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    scheduler = SchedulerConfig(enable_prefix_caching=not args.no_prefix_caching)
-    config = EngineConfig(scheduler=scheduler, speculative=speculative_config(args))
+    layout = KV_LAYOUTS[args.kv]
+    caching = not args.no_prefix_caching and layout == "paged"
+    scheduler = SchedulerConfig(enable_prefix_caching=caching)
+    config = EngineConfig(
+        scheduler=scheduler, speculative=speculative_config(args), kv_layout=layout
+    )
     return LLMEngine(load_model(args.model), config)
 
 
