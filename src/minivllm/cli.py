@@ -122,6 +122,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs",
+    )
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -144,7 +149,8 @@ def generate(args: argparse.Namespace) -> None:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(load_model(args.model), EngineConfig(speculative=speculative_config(args)))
+    config = EngineConfig(speculative=speculative_config(args), enforce_eager=args.enforce_eager)
+    engine = LLMEngine(load_model(args.model), config)
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
     for delta in engine.stream([args.prompt], params):
@@ -169,7 +175,10 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
         ),
     )
     config = EngineConfig(
-        num_blocks=args.num_blocks, scheduler=scheduler, speculative=speculative_config(args)
+        num_blocks=args.num_blocks,
+        scheduler=scheduler,
+        speculative=speculative_config(args),
+        enforce_eager=args.enforce_eager,
     )
     return LLMEngine(load_model(args.model), config)
 

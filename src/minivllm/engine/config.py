@@ -34,6 +34,9 @@ class EngineConfig:
     # where threads inside each small operation hardly do. Workers start with the engine (a few
     # seconds) and stop with `LLMEngine.close()`.
     forward_processes: int = 1
+    # On a CUDA device, decode steps replay CUDA graphs captured at start (runner/cuda_graph.py):
+    # True runs every step eagerly, as vLLM's flag. Graphs are never used on a CPU.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.forward_processes, int) or self.forward_processes < 1:
