@@ -8,6 +8,8 @@ block; steps that are not decode-only run eagerly. The capture itself needs a GP
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from minivllm.engine import llm_engine
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.kv.block_manager import BlockManager
+from minivllm.model.fused import fuse_projections
 from minivllm.model.transformer import ModelConfig, Transformer, init_weights
 from minivllm.runner.batch import BatchPiece, pack_batch
 from minivllm.runner.cuda_graph import DecodeGraphs, graph_batch_sizes
@@ -139,17 +142,69 @@ def test_only_decode_only_batches_fit_a_graph(tiny) -> None:
         graphs.run(batch((0, 0, [1, 2], 1)))
 
 
+READS = ("item", "tolist", "numpy", "nonzero", "__int__", "__bool__", "__float__", "__index__")
+
+
+def spy_on_host_reads(monkeypatch) -> list[str]:
+    """Record every read of a tensor's values on the host (`.item()`, `int(t)`, `bool(t)`, ...)
+    and every boolean-mask index (its output is sized by the mask's values): each would wait for
+    the GPU, and none may run inside a CUDA-graph capture. (Patching the methods, not a
+    `TorchDispatchMode`, which imports torch._dynamo: seconds on a small machine.)"""
+    found: list[str] = []
+
+    def spy(name, original):
+        def wrapper(self, *args, **kwargs):
+            index = args[0] if args else None
+            masks = index if isinstance(index, tuple) else (index,)
+            if name not in ("__getitem__", "__setitem__") or any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in masks
+            ):
+                found.append(name)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in (*READS, "__getitem__", "__setitem__"):
+        monkeypatch.setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
+    return found
+
+
+def test_the_captured_forward_reads_nothing_back_on_the_torch_backend(tiny, monkeypatch) -> None:
+    """The pass a graph records (model, K/V writes, decode attention at the fixed width), run
+    on the CPU under a spy: not one value read back, so on a GPU not one sync in the capture."""
+    model = fuse_projections(tiny)
+    storage = PagedKVStorage(tiny.config, NUM_BLOCKS + 1, BLOCK_SIZE)
+    graphs = DecodeGraphs(
+        model,
+        storage,
+        TorchPagedAttention,
+        sink_block=NUM_BLOCKS,
+        max_num_seqs=8,
+        max_model_len=tiny.config.max_seq_len,
+        capture=False,
+    )
+    found = spy_on_host_reads(monkeypatch)
+    for bs in graphs.sizes:
+        with torch.inference_mode():
+            graphs._forward(bs)
+        assert found == [], f"batch {bs}: {found}"
+    int(storage.kv[0].max()), storage.kv[storage.kv > 0]  # the spy sees them
+    assert found == ["__int__", "__getitem__"]
+
+
 def test_the_kernel_backend_runs_the_padded_step_in_the_simulator(tiny, monkeypatch) -> None:
     """Chapter 07's kernel (numba's simulator here) at the graph's fixed width, with padding rows
     of context 1 on the sink block and one partition, as a capture would size it."""
     pytest.importorskip("numba")
-    prompts, params = prompts_and_params(3)
+    model = Transformer(replace(tiny.config, n_layers=1))  # the simulator is slow: one layer
+    init_weights(model, seed=1)
+    prompts, _ = prompts_and_params(3)
     params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)] * 3
-    eager = make_engine(tiny, False, monkeypatch)
+    eager = make_engine(model, False, monkeypatch)
     expected = [o.token_ids for o in eager.generate(prompts, params)]
-    engine = make_engine(tiny, True, monkeypatch, backend="cuda")
+    engine = make_engine(model, True, monkeypatch, backend="cuda")
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected
-    assert engine.runner.graphs.replays == 2
+    assert engine.runner.graphs.replays == 2  # 3 sequences padded to 4, twice
 
 
 @pytest.mark.skipif(
@@ -172,6 +227,9 @@ def test_graphs_give_the_eager_tokens_on_the_gpu(target, backend) -> None:
         engine = LLMEngine(target, config)
         outputs[eager] = [o.token_ids for o in engine.generate(prompts, params)]
     graphs = engine.runner.graphs
-    assert graphs is not None and graphs.capture and set(graphs.graphs) == set(graphs.sizes)
+    assert graphs is not None and graphs.capture and graphs.capture_error is None, (
+        graphs.capture_error
+    )
+    assert set(graphs.graphs) == set(graphs.sizes)
     assert graphs.replays == decode_only_steps(engine) > 0
     assert outputs[False] == outputs[True]

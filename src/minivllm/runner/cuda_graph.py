@@ -7,7 +7,7 @@ with the torch attention backend and 20 ms with chapter 07's kernel ("cuda"), wh
 kernels take 0.84 and 0.62 ms: the GPU is 7 % and 3 % busy. The step is ~245 kernel launches,
 each a few microseconds of Python and torch dispatch (numba's launches more), plus host syncs. A
 CUDA graph records those launches once and replays them as ONE launch: the host's cost of a step
-no longer grows with the number of kernels in it.
+no longer grows with the number of kernels in it. (The sampler's syncs, after the forward, stay.)
 
 What is captured. The model's forward over a decode-only batch of `bs` rows -- embedding, every
 layer with its attention backend (K/V written through the slot mapping, then paged decode
@@ -37,7 +37,8 @@ length 1, a block table of sink blocks). Their logits are dropped.
 
 What stays eager: any step with a prefill chunk, draft tokens (speculation) or a row whose logits
 are not exactly one per sequence (prompt logprobs), a batch larger than the largest graph or with
-a context beyond `max_model_len`, engines on a CPU, and `EngineConfig(enforce_eager=True)`.
+a context beyond `max_model_len`, engines on a CPU, and `EngineConfig(enforce_eager=True)`. A
+capture that fails (a backend that syncs inside it, say) warns and leaves every step eager.
 
 `DecodeGraphs(capture=False)` runs the same padded, fixed-width, static-buffer forward eagerly
 instead of replaying: the tests check on a CPU that it gives the engine's tokens, and that the
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 
 import torch
 
@@ -116,8 +118,21 @@ class DecodeGraphs:
         self.capture_s, self.pool_bytes = 0.0, 0
         self._pad(0)
         self.static.copy_(self.host)
+        # Why capture failed, if it did: the engine then runs every step eagerly (a warning says
+        # so) rather than not at all.
+        self.capture_error: str | None = None
         if capture:
-            self._capture_all()
+            try:
+                self._capture_all()
+            except RuntimeError as error:
+                self.graphs.clear()
+                self.capture_error = f"{type(error).__name__}: {error}"
+                warnings.warn(
+                    f"capturing the decode CUDA graphs failed, every step runs eagerly: "
+                    f"{self.capture_error}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def _static_batch(self, views: dict[str, torch.Tensor], bs: int) -> VarlenBatch:
         """The decode batch of the first `bs` rows of the static buffers."""
@@ -155,7 +170,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        # Each capture empties torch's cache of unused blocks as it starts; emptied here too,
+        # before and after, what stays reserved in between is the graphs' pool.
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         started, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):  # largest first: the smaller ones fit in its pool
@@ -167,6 +185,7 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - started
+        torch.cuda.empty_cache()
         self.pool_bytes = torch.cuda.memory_reserved() - reserved
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s) in %.2f s; %.1f MiB reserved",
@@ -181,7 +200,8 @@ class DecodeGraphs:
         token, one logits row per sequence in order, contexts and tables within capacity."""
         n = batch.num_seqs
         return (
-            1 <= n <= self.max_bs
+            self.capture_error is None
+            and 1 <= n <= self.max_bs
             and batch.num_decodes == n
             and batch.num_tokens == n
             and batch.slot_mapping.device.type == "cpu"
