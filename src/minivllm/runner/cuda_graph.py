@@ -124,7 +124,7 @@ class DecodeGraphs:
         if capture:
             try:
                 self._capture_all()
-            except RuntimeError as error:
+            except Exception as error:  # torch's RuntimeError, numba's CudaAPIError, ...
                 self.graphs.clear()
                 self.capture_error = f"{type(error).__name__}: {error}"
                 warnings.warn(
