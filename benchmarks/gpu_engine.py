@@ -8,15 +8,18 @@ The workload is `throughput.py`'s: prompts are 16-200-byte slices of the shipped
 outputs 32-256 tokens, greedy, `ignore_eos`, on the shipped target model. Systems:
 
 * minivllm `LLMEngine(device="cuda")` with the `torch` attention backend (gather through the block
-  table, then SDPA) and with the `cuda` backend (chapter 07's numba-cuda kernels);
+  table, then SDPA) and with the `cuda` backend (chapter 07's numba-cuda kernels), each run eagerly
+  (`enforce_eager=True`) and with its decode steps replayed as CUDA graphs (runner/cuda_graph.py:
+  captured at engine start, the capture time and the memory its pool took are reported);
 * Hugging Face `LlamaForCausalLM.generate` holding the same tensors, on the same GPU: all requests
   in one left-padded batch (each batch runs to its longest request; only a request's own tokens
   count).
 
 Every system runs `--repeats` times, round-robin, after one warm-up run each (kernel compilation and
 CUDA context set-up stay out of the numbers); the table shows the median tokens/s and the best.
-Greedy tokens are compared with the torch backend: reported, not asserted (a near-tie can flip with
-the summation order, which differs between kernels).
+Greedy tokens are compared with the eager torch backend: reported, not asserted (a near-tie can
+flip with the summation order, which differs between kernels, and between an eager decode and a
+graph's, which attends over the fixed capacity of the block tables).
 
 Then, where the time goes: a stretch of pure decode steps at batch 64 (every prompt prefilled),
 each backend under `torch.profiler` -- wall milliseconds per step, GPU kernel time per step (how
@@ -50,12 +53,24 @@ from minivllm.model.tokenizer import PAD_ID
 RESULTS = Path(__file__).parent / "results" / "gpu_engine.json"
 
 
-def engine_system(model, requests, backend: str, dtype: torch.dtype):
+BACKENDS = ("torch", "cuda")
+GRAPHS = " + CUDA graphs"
+
+
+def system_name(backend: str, graphs: bool) -> str:
+    return f"minivllm {backend} backend" + (GRAPHS if graphs else "")
+
+
+def engine_system(model, requests, backend: str, dtype: torch.dtype, graphs: bool = False):
     blocks = max(2048, sum(-(-(len(r.prompt_ids) + r.max_tokens) // 16) for r in requests))
-    engine = LLMEngine(
-        model,
-        EngineConfig(num_blocks=blocks, device="cuda", attention_backend=backend, dtype=dtype),
+    config = EngineConfig(
+        num_blocks=blocks,
+        device="cuda",
+        attention_backend=backend,
+        dtype=dtype,
+        enforce_eager=not graphs,
     )
+    engine = LLMEngine(model, config)
 
     def run() -> list[list[int]]:
         outputs = engine.generate(
@@ -90,12 +105,15 @@ def hf_system(hf, requests):
     return run
 
 
-def decode_profile(model, requests, backend: str, dtype: torch.dtype, steps: int = 20) -> dict:
-    """Profile `steps` pure decode steps at the workload's batch size on one backend."""
+def decode_profile(
+    model, requests, backend: str, dtype: torch.dtype, graphs: bool, steps: int = 20
+) -> dict:
+    """Profile `steps` pure decode steps at the workload's batch size on one backend, eagerly or
+    replaying CUDA graphs (a replay counts as one launch here: `cudaGraphLaunch`)."""
     from torch.profiler import ProfilerActivity, profile
 
     longest = [replace(r, max_tokens=256) for r in requests]
-    engine, _ = engine_system(model, longest, backend, dtype)
+    engine, _ = engine_system(model, longest, backend, dtype, graphs)
     for r in longest:
         engine.add_request(r.prompt_ids, greedy(r.max_tokens))
     while engine.scheduler.waiting or any(
@@ -120,7 +138,7 @@ def decode_profile(model, requests, backend: str, dtype: torch.dtype, steps: int
     launches = sum(
         e.count
         for e in events
-        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
     )
     syncs = {
         e.key: e.count / steps
@@ -132,6 +150,9 @@ def decode_profile(model, requests, backend: str, dtype: torch.dtype, steps: int
     )[:15]
     return {
         "backend": backend,
+        "system": system_name(backend, graphs),
+        "cuda_graphs": graphs,
+        "graph_replays": engine.runner.graphs.replays if graphs else 0,
         "batch": len(engine.scheduler.running),
         "ms_per_step": round(wall * 1e3, 3),
         "gpu_kernel_ms_per_step": round(gpu_us / 1e3, 3),
@@ -164,10 +185,18 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     requests = make_workload(args.requests, args.seed)
     model = load_model("target")
-    systems = {}
-    for backend in ("torch", "cuda"):
-        engine, run = engine_system(model, requests, backend, dtype)
-        systems[f"minivllm {backend} backend"] = run
+    systems, captures = {}, {}
+    for backend in BACKENDS:
+        for graphs in (False, True):
+            engine, run = engine_system(model, requests, backend, dtype, graphs)
+            systems[system_name(backend, graphs)] = run
+            if graphs:
+                captured = engine.runner.graphs
+                captures[system_name(backend, graphs)] = {
+                    "batch_sizes": captured.sizes,
+                    "capture_s": round(captured.capture_s, 3),
+                    "pool_mib": round(captured.pool_bytes / 2**20, 1),
+                }
     hf, hf_version = build_hf(load_model("target"))
     hf = hf.to(device="cuda", dtype=dtype)
     systems["HF generate (one batch)"] = hf_system(hf, requests)
@@ -181,7 +210,7 @@ def main() -> None:
         for name, run in systems.items():
             elapsed, tokens[name] = timed(run)
             seconds[name].append(elapsed)
-    reference = "minivllm torch backend"
+    reference = system_name("torch", False)
     total = sum(r.max_tokens for r in requests)
     rows = []
     for name, runs in seconds.items():
@@ -199,23 +228,33 @@ def main() -> None:
                 "best_tokens_per_s": total / min(runs),
                 "requests_differing_from_torch_backend": agreement["requests_differing"],
                 "first_differing_token": agreement["first_differing_token"],
+                "cuda_graph_capture": captures.get(name),
             }
         )
     hf_tps = rows[-1]["median_tokens_per_s"]
     device = torch.cuda.get_device_name()
     print(f"\n{args.requests} requests, {total} tokens, {args.dtype}, {device}")
-    print(f"{'system':<28}{'median tok/s':>14}{'best tok/s':>12}{'x HF':>7}{'differ':>8}")
+    print(f"{'system':<42}{'median tok/s':>14}{'best tok/s':>12}{'x HF':>7}{'differ':>8}")
     for row in rows:
         print(
-            f"{row['system']:<28}{row['median_tokens_per_s']:>14,.0f}"
+            f"{row['system']:<42}{row['median_tokens_per_s']:>14,.0f}"
             f"{row['best_tokens_per_s']:>12,.0f}{row['median_tokens_per_s'] / hf_tps:>7.2f}"
             f"{row['requests_differing_from_torch_backend']:>8}"
         )
-    profiles = [decode_profile(model, requests, backend, dtype) for backend in ("torch", "cuda")]
-    print("\ndecode steps at batch 64, under torch.profiler:")
+    for name, capture in captures.items():
+        print(
+            f"{name}: {len(capture['batch_sizes'])} graphs captured in {capture['capture_s']:.2f} "
+            f"s, pool {capture['pool_mib']:.1f} MiB"
+        )
+    profiles = [
+        decode_profile(model, requests, backend, dtype, graphs)
+        for backend in BACKENDS
+        for graphs in (False, True)
+    ]
+    print(f"\ndecode steps at batch {args.requests}, under torch.profiler:")
     for prof in profiles:
         print(
-            f"  {prof['backend']:<6} {prof['ms_per_step']:7.2f} ms/step, GPU kernels "
+            f"  {prof['system']:<36} {prof['ms_per_step']:7.2f} ms/step, GPU kernels "
             f"{prof['gpu_kernel_ms_per_step']:.2f} ms ({prof['gpu_busy_share']:.0%} busy), "
             f"{prof['kernel_launches_per_step']:.0f} launches, syncs/copies "
             f"{prof['syncs_and_copies_per_step']}"

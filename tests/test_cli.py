@@ -85,6 +85,7 @@ def test_serve_arguments_build_the_engine_they_name() -> None:
             "ngram",
             "--num-speculative-tokens",
             "3",
+            "--enforce-eager",
         ]
     )
     assert (args.command, args.model, args.host, args.port) == (
@@ -95,7 +96,7 @@ def test_serve_arguments_build_the_engine_they_name() -> None:
     )
     engine = build_serving_engine(args)
     assert engine.config.num_blocks == 256 and engine.config.speculative.num_speculative_tokens == 3
-    assert engine.config.scheduler.max_num_seqs == 16
+    assert engine.config.scheduler.max_num_seqs == 16 and engine.config.enforce_eager
 
 
 def test_serve_refuses_a_bad_setting_before_listening(capsys) -> None:

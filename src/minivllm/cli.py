@@ -162,6 +162,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV-cache layout: paged blocks (default), or basic: each request reserves the "
         "model's whole context up front, as servers did before paging (no prefix caching)",
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs",
+    )
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -184,7 +189,11 @@ def generate(args: argparse.Namespace) -> None:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    config = EngineConfig(speculative=speculative_config(args), kv_layout=KV_LAYOUTS[args.kv])
+    config = EngineConfig(
+        speculative=speculative_config(args),
+        kv_layout=KV_LAYOUTS[args.kv],
+        enforce_eager=args.enforce_eager,
+    )
     engine = LLMEngine(load_model(args.model), config)
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
@@ -214,6 +223,7 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
         scheduler=scheduler,
         speculative=speculative_config(args),
         kv_layout=KV_LAYOUTS[args.kv],
+        enforce_eager=args.enforce_eager,
     )
     return LLMEngine(load_model(args.model), config)
 

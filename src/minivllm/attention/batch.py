@@ -22,6 +22,10 @@ class VarlenBatch:
     # The longest context of the decode group, known on the host: a GPU kernel sizes its launch by
     # it without reading `context_lens` back from the device (a sync per step). 0: no decodes.
     max_decode_context_len: int = 0
+    # True once `PagedKVStorage.check_slots` has passed `slot_mapping` on the host (`run_model`
+    # does, before the batch goes to the device): a backend then skips its own check, which on a
+    # GPU reads the slots back (a sync, and not allowed inside a CUDA-graph capture).
+    slots_checked: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -74,11 +78,15 @@ def split_sequences(batch: VarlenBatch, bounds: list[int]) -> list[VarlenBatch]:
     return parts
 
 
-def context_slots(batch: VarlenBatch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """For sequences `rows`: the slot of each of their cached tokens, `[b, max_len]`, and which
-    entries are real, `[b, max_len]` (the rest is padding, pointing at slot 0)."""
+def context_slots(
+    batch: VarlenBatch, rows: slice, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sequences `rows`: the slot of each of their cached tokens, `[b, width]`, and which
+    entries are real, `[b, width]` (the rest is padding, pointing at slot 0). `width` is the
+    longest of their contexts unless given (the decode group's is known on the host,
+    `max_decode_context_len`; reading it from a device tensor would wait for the GPU)."""
     lens = batch.context_lens[rows]
-    width = int(lens.max())
+    width = int(lens.max()) if width is None else width
     offsets = torch.arange(width, device=lens.device)
     blocks = batch.block_tables[rows][:, offsets // batch.block_size]
     valid = offsets[None, :] < lens[:, None]

@@ -47,7 +47,8 @@ class TorchPagedAttention:
         """`decodes` builds the piece that attends the decode group (default `DecodeAttention`):
         a decode kernel takes its place and keeps everything else (chapter 07's CUDA backend)."""
         self.storage, self.batch = storage, batch
-        storage.check_slots(batch.slot_mapping)  # once per pass, not once per layer
+        if not batch.slots_checked:  # once per pass, not once per layer
+            storage.check_slots(batch.slot_mapping)
         nd, nseq = batch.num_decodes, batch.num_seqs
         self.decodes = (decodes or DecodeAttention)(storage, batch) if nd else None
         self.prefills = PrefillAttention(storage, batch) if nd < nseq else None
@@ -74,7 +75,9 @@ class DecodeAttention:
 
     def __init__(self, storage: PagedKVStorage, batch: VarlenBatch) -> None:
         self.storage = storage
-        self.slots, valid = context_slots(batch, slice(0, batch.num_decodes))
+        # The gather's width from the host (a CUDA graph fixes it at the captured capacity).
+        width = batch.max_decode_context_len or None
+        self.slots, valid = context_slots(batch, slice(0, batch.num_decodes), width)
         self.mask = valid[:, None, None, :]  # [nd, kv_heads, group, keys], broadcast
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:

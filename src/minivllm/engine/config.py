@@ -43,6 +43,9 @@ class EngineConfig:
     # context (max_model_len) until it finishes, and shares none -- no prefix caching, and a
     # request's n samples each compute the prompt.
     kv_layout: str = "paged"
+    # On a CUDA device, decode steps replay CUDA graphs captured at start (runner/cuda_graph.py):
+    # True runs every step eagerly, as vLLM's flag. Graphs are never used on a CPU.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:

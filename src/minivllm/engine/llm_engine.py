@@ -37,6 +37,7 @@ from minivllm.model.checkpoint import load_model
 from minivllm.model.fused import fuse_projections
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.model.transformer import ModelConfig, Transformer, placed_on
+from minivllm.runner.cuda_graph import DecodeGraphs
 from minivllm.runner.model_runner import ModelRunner, RunnerOutput
 from minivllm.runner.sampler import derive_seed
 from minivllm.runner.speculative import SpeculativeConfig, make_drafter
@@ -66,8 +67,11 @@ class LLMEngine:
             layout=config.kv_layout,
             max_model_len=model.config.max_seq_len,
         )
+        # With CUDA graphs the storage has one block more than the manager hands out: the sink
+        # that a graph's padding rows write to (runner/cuda_graph.py).
+        graphs = uses_cuda_graphs(config, self.device)
         self.storage = PagedKVStorage(
-            model.config, config.num_blocks, config.block_size, config.dtype, self.device
+            model.config, config.num_blocks + graphs, config.block_size, config.dtype, self.device
         )
         scheduler_config, self.drafter = config.scheduler, None
         if config.speculative is not None:  # reserve k lookahead slots after each decode for drafts
@@ -89,6 +93,16 @@ class LLMEngine:
         if config.forward_processes > 1:  # ForwardWorkers refuses a cache off the CPU
             self.runner.workers = ForwardWorkers(
                 runner_model, self.storage, backend_name, config.forward_processes, backend
+            )
+        if graphs:
+            self.runner.graphs = DecodeGraphs(
+                runner_model,
+                self.storage,
+                backend,
+                sink_block=config.num_blocks,
+                max_num_seqs=scheduler_config.max_num_seqs,
+                max_model_len=model.config.max_seq_len,
+                capture=self.device == "cuda",  # always, but where a test forces graphs on a CPU
             )
         self.inputs = InputProcessor(self.tokenizer, request_limits(model.config, config))
         self.outputs = OutputProcessor()
@@ -360,6 +374,12 @@ class EngineStats:
     peak_blocks_used: int = 0  # the most blocks in use after any step's schedule
     num_requests: int = 0  # requests added since the engine was built (n samples count once)
     num_generated_tokens: int = 0  # tokens generated since then, every sample's
+
+
+def uses_cuda_graphs(config: EngineConfig, device: str) -> bool:
+    """Whether an engine's decode steps replay CUDA graphs: on a CUDA device, unless
+    `enforce_eager` (or forward workers, which run on a CPU only)."""
+    return device == "cuda" and not config.enforce_eager and config.forward_processes == 1
 
 
 def request_limits(model_config: ModelConfig, config: EngineConfig) -> RequestLimits:

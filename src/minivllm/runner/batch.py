@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -134,6 +134,11 @@ def run_model(
     """One forward pass over a flattened batch, on the storage's device, with an attention backend
     (see `minivllm.attention.backend`); the logits of the rows it asks for, `[S, vocab]`, back on
     the CPU, where sampling happens."""
+    if not batch.slots_checked and batch.slot_mapping.device.type == "cpu":
+        # On the host, where reading the slots is free; the backend then does not read them back
+        # from the device.
+        storage.check_slots(batch.slot_mapping)
+        batch = replace(batch, slots_checked=True)
     batch = batch.to(storage.kv.device)
     # Inference mode, not just no_grad: autograd keeps no version counters or view metadata on
     # the pass's few hundred small operations, a few percent of a CPU decode step.

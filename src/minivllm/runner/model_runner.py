@@ -30,6 +30,7 @@ from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.transformer import Transformer
 from minivllm.runner.batch import build_batch, run_model
+from minivllm.runner.cuda_graph import DecodeGraphs
 from minivllm.runner.sampler import SamplingMetadata, logprob_dicts, sample, sample_logprobs
 from minivllm.runner.speculative import ModelDrafter, NgramDrafter, Proposal, verify
 from minivllm.runner.workers import ForwardWorkers
@@ -65,6 +66,8 @@ class ModelRunner:
         self.backend, self.drafter = backend, drafter
         # ForwardWorkers (runner/workers.py) when other processes share the forward pass
         self.workers: ForwardWorkers | None = None
+        # DecodeGraphs (runner/cuda_graph.py) when decode steps replay CUDA graphs
+        self.graphs: DecodeGraphs | None = None
 
     def execute(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> RunnerOutput:
         """Run the plan's chunks: draft (with speculation), one forward pass, sample or verify.
@@ -153,9 +156,12 @@ class ModelRunner:
         return {c.seq_id: p for c, p in zip(chunks, proposals)}
 
     def forward(self, batch: VarlenBatch) -> torch.Tensor:
-        """Logits of the rows that pick (or check) a token, `[S, vocab]`."""
+        """Logits of the rows that pick (or check) a token, `[S, vocab]`: a decode-only batch
+        that fits a captured size replays a CUDA graph, anything else runs eagerly."""
         if self.workers is not None:
             return self.workers.forward(batch, self.backend)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         return run_model(self.model, self.storage, batch, self.backend)
 
     def sample(
