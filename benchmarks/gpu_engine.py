@@ -196,6 +196,7 @@ def main() -> None:
                     "batch_sizes": captured.sizes,
                     "capture_s": round(captured.capture_s, 3),
                     "pool_mib": round(captured.pool_bytes / 2**20, 1),
+                    "capture_error": captured.capture_error,  # None: every size captured
                 }
     hf, hf_version = build_hf(load_model("target"))
     hf = hf.to(device="cuda", dtype=dtype)

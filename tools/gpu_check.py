@@ -319,7 +319,7 @@ def summary(record: dict) -> None:
         print("engine on the GPU (median tokens/s):")
         for row in ge["rows"]:
             print(
-                f"  {row['system']:<28}{row['median_tokens_per_s']:>10,.0f}  differ from torch "
+                f"  {row['system']:<40}{row['median_tokens_per_s']:>10,.0f}  differ from torch "
                 f"backend: {row['requests_differing_from_torch_backend']}"
             )
     print(f"total {record['seconds']:.0f} s; JSON: benchmarks/results/gpu_check.json")
