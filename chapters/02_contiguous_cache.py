@@ -32,6 +32,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from minivllm.book import sequence_color, show, use_book_style
+from minivllm.book.stats import within
 from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.stages.contiguous import (
@@ -79,10 +80,11 @@ with torch.no_grad():
     model(torch.tensor(ids[:20]), attention=short)
     model(torch.tensor(ids), attention=full)
 difference = (short.k0 - full.k0[:20]).abs().max()
-print(f"max |difference| between the first 20 keys of both passes: {difference:.1e}")
+print(f"the first 20 keys of both passes: max |difference| {within(difference, 1e-5)}")
 
 # %% [markdown]
-# Identical. The fix is to compute each token's keys and values once, keep them, and feed the model
+# The same numbers, up to float32 rounding (a matrix product of more rows may add in another
+# order). The fix is to compute each token's keys and values once, keep them, and feed the model
 # only the tokens it has not seen.
 #
 # ## Build: an attention object with a memory
@@ -159,8 +161,7 @@ with torch.no_grad():
         worst = max(worst, (logits - next_token_logits(model, ids)).abs().max().item())
         ids.append(int(logits.argmax()))
         logits = model(torch.tensor([ids[-1]]), torch.tensor([cache.length]), cache)[-1]
-print(f"largest |cached - recomputed| logit over 40 decode steps: {worst:.1e}")
-assert worst < 1e-4
+print(f"largest |cached - recomputed| logit over 40 decode steps: {within(worst, 1e-4)}")
 
 # %% [markdown]
 # The differences are float32 rounding: the cached path adds the same numbers in a different order.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minivllm.book.stats import chi_square
+from minivllm.book.stats import chi_square, within
 
 
 def counts_with_statistic(statistic: float, cells: int) -> tuple[np.ndarray, np.ndarray]:
@@ -53,3 +53,17 @@ def test_small_cells_are_pooled_and_impossible_draws_fail() -> None:
     assert chi_square([10, 1], [1.0, 0.0]) == (float("inf"), 0, 0.0)
     with pytest.raises(ValueError, match="same 1-d shape"):
         chi_square([1, 2, 3], [0.5, 0.5])
+
+
+def test_within_prints_the_tolerance_not_the_error() -> None:
+    # the printed line is the same for any error under the tolerance: it cannot move with the CPU
+    assert within(1.3e-7, 1e-5) == within(1.7e-7, 1e-5) == within(0.0, 1e-5) == "within 1e-5"
+    assert within(1.3e-4, 2e-3) == "within 2e-3"
+    assert within(1e-3, 2.5e-3) == "within 2.5e-3"
+    assert within(1e-5, 1e-5) == "within 1e-5"
+
+
+@pytest.mark.parametrize("error", [1.1e-5, float("nan"), float("inf")])
+def test_within_fails_above_the_tolerance(error: float) -> None:
+    with pytest.raises(AssertionError, match="above the tolerance"):
+        within(error, 1e-5)

@@ -1,6 +1,7 @@
-"""A chi-square goodness-of-fit test, for checking that a sampler draws from the distribution it
-claims (chapter 06 and its tests). torch has the regularised incomplete gamma function, so no scipy
-is needed.
+"""Numbers a chapter reports about a check: `within`, the line it prints for a float error
+(chapters 00, 02, 03 and 07), and a chi-square goodness-of-fit test, for checking that a sampler
+draws from the distribution it claims (chapter 06 and its tests). torch has the regularised
+incomplete gamma function, so no scipy is needed.
 """
 
 from __future__ import annotations
@@ -46,3 +47,17 @@ def chi_square(
         )
     )
     return statistic, dof, p_value
+
+
+def within(error: float, tolerance: float) -> str:
+    """What a chapter prints for a float check: "within 1e-5", the tolerance `error` is held to,
+    never `error` itself. An error's last digits move with the machine -- the vector width, the
+    BLAS, the thread count, even the bits of `torch.randn` (its vectorised path depends on the CPU)
+    -- and strict nbval compares the printed text on every machine; the tolerance does not move.
+    Raises AssertionError when `error` is above `tolerance` or not a number: the print is the
+    check."""
+    error = float(error)  # a 0-d tensor or numpy scalar too
+    if not error <= tolerance:  # NaN fails too
+        raise AssertionError(f"error {error:.2e} is above the tolerance {tolerance:.0e}")
+    mantissa, exponent = f"{tolerance:e}".split("e")
+    return f"within {mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
