@@ -89,12 +89,21 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def resolve_backend_name(name: str, device: str, dtype: torch.dtype = torch.float32) -> str:
+def resolve_backend_name(
+    name: str,
+    device: str,
+    dtype: torch.dtype = torch.float32,
+    model_dtype: torch.dtype | None = None,
+) -> str:
     """The backend a name means on `device` for a cache of `dtype`: itself, or for "auto" the first
-    backend registered for both, else the reference."""
+    backend registered for both, else the reference. A kernel reads q in the model's dtype
+    (`model_dtype`, if given) and K/V in the cache's: "auto" picks one only where the two agree
+    (a bfloat16 model over a float32 cache runs on the reference)."""
     if name != "auto":
         _entry(name)
         return name
+    if model_dtype is not None and model_dtype != dtype:
+        return REFERENCE
     chosen = (
         n
         for n, e in _REGISTRY.items()
@@ -135,7 +144,12 @@ def _entry(name: str) -> _Entry:
 
 
 register_backend(REFERENCE, TorchPagedAttention)
-register_backend("cuda", "minivllm.attention.cuda.backend:CudaPagedAttention", devices=("cuda",))
+register_backend(
+    "cuda",
+    "minivllm.attention.cuda.backend:CudaPagedAttention",
+    devices=("cuda",),
+    dtypes=(torch.float32, torch.float16),  # the kernel's; not bfloat16
+)
 register_backend(
     "numba",
     "minivllm.attention.numba_cpu:NumbaPagedAttention",
