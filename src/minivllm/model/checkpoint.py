@@ -3,6 +3,18 @@
 Loading checks every tensor's name, shape and dtype before it touches the model, and says exactly
 what is wrong -- a checkpoint that is missing `model.layers.3.mlp.up_proj.weight` should fail with
 that name, not with a shape error three calls later.
+
+The same loader reads a checkpoint as Hugging Face publishes one (`LLM(folder)`, `minivllm
+generate --model folder`): `config.json` of a Llama, Mistral, Qwen2 or Qwen3 model
+(`config_from_hf`; `model/families.py` says what each adds), its weights in one
+`model.safetensors` or in shards listed by `model.safetensors.index.json`, stored in float32,
+float16 or bfloat16, and run in the checkpoint's own dtype (`dtype="auto"`) or one asked for.
+What the model cannot compute exactly -- another architecture, a RoPE type other than the default
+and Llama 3's, a sliding window shorter than the context -- is refused with one error naming the
+file, as is a missing, extra or misshapen tensor or a shard the index names that is not there;
+all before the model's memory is allocated. The weights are then copied in one tensor at a time
+from the memory-mapped files, so a checkpoint is never held twice. `tokenizer_files` and
+`generation_config` say what else the folder holds (the tokenizer is built elsewhere).
 """
 
 from __future__ import annotations
