@@ -155,6 +155,8 @@ def test_bfloat16_engine_matches_generate_in_bfloat16(checkpoints) -> None:
     llm = LLM(str(folder), num_blocks=32, block_size=4, device="cpu")
     assert llm.engine.config.dtype == torch.bfloat16
     assert llm.engine.runner.backend is TorchPagedAttention
+    with pytest.raises(ValueError, match="backend 'numba' takes torch.float32, not torch.bfloat16"):
+        LLM(str(folder), num_blocks=32, block_size=4, device="cpu", attention_backend="numba")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
