@@ -108,3 +108,17 @@ def model_folder(name):
     from minivllm.model.checkpoint import WEIGHTS_DIR
 
     return WEIGHTS_DIR / name
+
+
+def test_the_book_config_prints_as_before_and_its_transformer_refuses_family_features():
+    """Chapter 00 prints the config: the family fields show only where they are set."""
+    config = load_model("target").config
+    assert repr(config) == (
+        "ModelConfig(vocab_size=259, d_model=256, n_layers=6, n_heads=8, n_kv_heads=2, "
+        "d_ff=512, max_seq_len=512, rope_theta=10000.0, norm_eps=1e-05, bos_token_id=256, "
+        "eos_token_id=257)"
+    )
+    qwen3 = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, explicit_head_dim=16, qk_norm=True)
+    assert "explicit_head_dim=16, qk_norm=True)" in repr(qwen3)
+    with pytest.raises(ValueError, match="HFTransformer"):
+        Transformer(qwen3)

@@ -89,12 +89,28 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def resolve_backend_name(name: str, device: str, dtype: torch.dtype = torch.float32) -> str:
+def resolve_backend_name(
+    name: str,
+    device: str,
+    dtype: torch.dtype = torch.float32,
+    model_dtype: torch.dtype | None = None,
+) -> str:
     """The backend a name means on `device` for a cache of `dtype`: itself, or for "auto" the first
-    backend registered for both, else the reference."""
+    backend registered for both, else the reference. A kernel reads q in the model's dtype
+    (`model_dtype`, if given) and K/V in the cache's: "auto" picks one only where the two agree
+    (a bfloat16 model over a float32 cache runs on the reference). A backend named explicitly
+    must take both dtypes."""
     if name != "auto":
-        _entry(name)
+        takes = _entry(name).dtypes
+        refused = [d for d in (dtype, model_dtype) if takes and d is not None and d not in takes]
+        if refused:
+            raise ValueError(
+                f"attention backend {name!r} takes {', '.join(str(d) for d in takes)}, not "
+                f"{refused[0]} (the model's or the cache's dtype): use 'auto' or 'torch'"
+            )
         return name
+    if model_dtype is not None and model_dtype != dtype:
+        return REFERENCE
     chosen = (
         n
         for n, e in _REGISTRY.items()
@@ -135,7 +151,12 @@ def _entry(name: str) -> _Entry:
 
 
 register_backend(REFERENCE, TorchPagedAttention)
-register_backend("cuda", "minivllm.attention.cuda.backend:CudaPagedAttention", devices=("cuda",))
+register_backend(
+    "cuda",
+    "minivllm.attention.cuda.backend:CudaPagedAttention",
+    devices=("cuda",),
+    dtypes=(torch.float32, torch.float16),  # the kernel's; not bfloat16
+)
 register_backend(
     "numba",
     "minivllm.attention.numba_cpu:NumbaPagedAttention",

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from minivllm.attention.backend import get_backend, resolve_backend_name, warm_up_backend
 from minivllm.attention.storage import PagedKVStorage
@@ -33,8 +34,8 @@ from minivllm.engine.processing import (
 )
 from minivllm.engine.trace import StepRecord
 from minivllm.kv.block_manager import BlockManager
-from minivllm.model.checkpoint import load_model
-from minivllm.model.fused import fuse_projections
+from minivllm.model.checkpoint import load_model, resolve_dtype
+from minivllm.model.fused import fuse_model
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.model.transformer import ModelConfig, Transformer, placed_on
 from minivllm.runner.cuda_graph import DecodeGraphs
@@ -58,7 +59,9 @@ class LLMEngine:
         self.tokenizer = tokenizer or ByteTokenizer()
         self.device = _resolve_device(config)
         self.model = model = placed_on(model, self.device)  # the caller's stays where it was
-        backend_name = resolve_backend_name(config.attention_backend, self.device, config.dtype)
+        backend_name = resolve_backend_name(
+            config.attention_backend, self.device, config.dtype, next(model.parameters()).dtype
+        )
         backend = get_backend(backend_name)
         warm_up_backend(backend)
         self.manager = BlockManager(
@@ -88,7 +91,7 @@ class LLMEngine:
                 scheduler_config, num_lookahead_slots=config.speculative.num_speculative_tokens
             )
         self.scheduler = Scheduler(scheduler_config, self.manager)
-        runner_model = fuse_projections(model) if config.fuse_projections else model
+        runner_model = fuse_model(model) if config.fuse_projections else model
         self.runner = ModelRunner(runner_model, self.storage, self.manager, backend, self.drafter)
         if config.forward_processes > 1:  # ForwardWorkers refuses a cache off the CPU
             self.runner.workers = ForwardWorkers(
@@ -339,9 +342,13 @@ class LLMEngine:
 class LLM:
     """The front door: `LLM("target").generate(["ROMEO:"], SamplingParams(max_tokens=50))`."""
 
-    def __init__(self, model: str | Transformer = "target", **config) -> None:
-        if isinstance(model, str):
-            model = load_model(model)
+    def __init__(self, model: str | Path | Transformer = "target", **config) -> None:
+        # vLLM's `dtype`: the model's and the K/V cache's; "auto", the checkpoint's own
+        dtype = config.pop("dtype", "auto")
+        if isinstance(model, (str, Path)):  # a shipped model's name, or a Hugging Face folder
+            model, dtype = load_model(model, dtype), "auto"
+        auto = dtype == "auto"
+        config["dtype"] = next(model.parameters()).dtype if auto else resolve_dtype(dtype)
         scheduler_keys = {
             "max_num_seqs",
             "max_num_batched_tokens",

@@ -3,18 +3,32 @@
 Loading checks every tensor's name, shape and dtype before it touches the model, and says exactly
 what is wrong -- a checkpoint that is missing `model.layers.3.mlp.up_proj.weight` should fail with
 that name, not with a shape error three calls later.
+
+The same loader reads a checkpoint as Hugging Face publishes one (`LLM(folder)`, `minivllm
+generate --model folder`): `config.json` of a Llama, Mistral, Qwen2 or Qwen3 model
+(`config_from_hf`; `model/families.py` says what each adds), its weights in one
+`model.safetensors` or in shards listed by `model.safetensors.index.json`, stored in float32,
+float16 or bfloat16, and run in the checkpoint's own dtype (`dtype="auto"`) or one asked for.
+What the model cannot compute exactly -- another architecture, a RoPE type other than the default
+and Llama 3's, a sliding window shorter than the context -- is refused with one error naming the
+file, as is a missing, extra or misshapen tensor or a shard the index names that is not there;
+all before the model's memory is allocated. The weights are then copied in one tensor at a time
+from the memory-mapped files, so a checkpoint is never held twice. `tokenizer_files` and
+`generation_config` say what else the folder holds (the tokenizer is built elsewhere).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from minivllm.model.transformer import ModelConfig, Transformer
+from minivllm.model.families import model_class
+from minivllm.model.transformer import ModelConfig, RopeScaling, Transformer
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # src/minivllm/weights
 
@@ -24,10 +38,10 @@ class CheckpointError(ValueError):
 
 
 def hf_config(config: ModelConfig) -> dict:
-    """Our config as a Hugging Face `LlamaConfig` dictionary."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """Our config as a Hugging Face config dictionary (a `LlamaConfig` for the book's models)."""
+    hf = {
+        "architectures": [config.architecture],
+        "model_type": ARCHITECTURES[config.architecture],
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "intermediate_size": config.d_ff,
@@ -40,88 +54,304 @@ def hf_config(config: ModelConfig) -> dict:
         "rope_theta": config.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": config.o_proj_bias,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
         "torch_dtype": "float32",
     }
+    if config.rope_scaling is not None:
+        hf["rope_parameters"] = {"rope_theta": config.rope_theta, **asdict(config.rope_scaling)}
+    if config.architecture == "MistralForCausalLM":
+        hf["sliding_window"] = None
+    if config.attention_bias != (config.architecture == "Qwen2ForCausalLM" or config.o_proj_bias):
+        raise ValueError(f"{config.architecture} cannot say attention_bias={config.attention_bias}")
+    return hf
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    if "LlamaForCausalLM" not in hf.get("architectures", []):
+ARCHITECTURES = {  # what minivllm runs -> Hugging Face's model_type
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelConfig:
+    """Our config from a Hugging Face `config.json` (`source` names it in errors). Refuses, with
+    what is wrong, an architecture or a setting the model does not run: it never runs one wrong."""
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
         raise CheckpointError(
-            f"config.json describes {hf.get('architectures')}, expected LlamaForCausalLM"
+            f"{source} describes {archs}, which minivllm does not run: expected "
+            f"{', '.join(ARCHITECTURES)}"
         )
-    rope_theta = hf.get("rope_parameters", {}).get("rope_theta", hf.get("rope_theta", 10000.0))
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-        d_ff=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
-        rope_theta=float(rope_theta),
-        norm_eps=hf["rms_norm_eps"],
-        bos_token_id=hf["bos_token_id"],
-        eos_token_id=hf["eos_token_id"],
-    )
+    _refuse_unsupported(hf, arch, source)
+    try:
+        d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or d_model // n_heads
+        rope_theta, scaling = _rope(hf, source)
+        return ModelConfig(
+            vocab_size=hf["vocab_size"],
+            d_model=d_model,
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            d_ff=hf["intermediate_size"],
+            max_seq_len=hf["max_position_embeddings"],
+            rope_theta=rope_theta,
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            bos_token_id=_first(hf.get("bos_token_id")),
+            eos_token_id=_first(hf.get("eos_token_id")),
+            architecture=arch,
+            explicit_head_dim=None if head_dim * n_heads == d_model else head_dim,
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
+            o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+            and bool(hf.get("attention_bias")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
+        )
+    except KeyError as error:
+        raise CheckpointError(f"{source} has no {error.args[0]!r}, which the model needs") from None
+    except ValueError as error:  # ModelConfig's own checks (heads that do not divide, ...)
+        raise CheckpointError(f"{source}: {error}") from None
+
+
+def _refuse_unsupported(hf: dict, arch: str, source) -> None:
+    """What a family may switch on that this model does not compute: refused, not ignored."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r}, the MLP here is SiLU")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{source}: mlp_bias is true, the MLP here has no biases")
+    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    sliding = (
+        hf.get("use_sliding_window", arch == "MistralForCausalLM")
+        and window is not None
+        and (context is None or window < context)
+    ) or "sliding_attention" in (hf.get("layer_types") or [])
+    if sliding:
+        raise CheckpointError(
+            f"{source}: {arch} with sliding-window attention (sliding_window={window}, "
+            f"max_position_embeddings={context}); minivllm attends to the whole context and "
+            "would compute it wrong past the window: set sliding_window to null if it covers "
+            "the context you serve"
+        )
+
+
+def _rope(hf: dict, source) -> tuple[float, RopeScaling | None]:
+    """RoPE's theta and scaling, spelled either way: transformers 5's `rope_parameters`, or the
+    older `rope_theta` and `rope_scaling`."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise CheckpointError(f"{source}: RoPE parameters per layer type are not supported")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise CheckpointError(
+            f"{source}: rope_type {rope_type!r} is not supported (only 'default' and 'llama3')"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{source}: partial_rotary_factor is not supported")
+    try:
+        scaling = RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", hf["max_position_embeddings"])
+            ),
+        )
+    except KeyError as error:
+        raise CheckpointError(f"{source}: llama3 RoPE scaling without {error.args[0]!r}") from None
+    return theta, scaling
+
+
+def _first(token_id: int | list[int] | None) -> int | None:
+    """A special token id; of a list (Llama 3's several end tokens), the first."""
+    if isinstance(token_id, list):
+        return token_id[0] if token_id else None
+    return token_id
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, hf: dict | None = None, source="config.json"
+) -> torch.dtype:
+    """`"auto"`: the checkpoint's own (config.json's `dtype`, or `torch_dtype` before
+    transformers 5; float32 if it names none); else float32, bfloat16 or float16, by name or as
+    a torch dtype."""
+    if dtype == "auto":
+        hf = hf or {}
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise CheckpointError(
+            f"dtype {dtype!r} (from {source} or the caller) is not one of 'auto', "
+            f"{', '.join(repr(n) for n in DTYPES)}"
+        )
+    return DTYPES[dtype]
 
 
 def save_checkpoint(model: Transformer, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf_config(model.config), indent=2) + "\n")
-    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    tensors = {name: t.detach().contiguous() for name, t in model.named_parameters()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _check_tensors(expected: dict[str, torch.Tensor], path: Path) -> None:
-    with safe_open(str(path), framework="pt") as f:
-        found = set(f.keys())
-        missing = sorted(set(expected) - found)
-        unexpected = sorted(found - set(expected))
-        if missing:
-            raise CheckpointError(
-                f"{path} is missing tensor {missing[0]!r}"
-                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                + ": the file does not match config.json; re-export or retrain the weights"
-            )
-        if unexpected:
-            raise CheckpointError(
-                f"{path} has unexpected tensor {unexpected[0]!r}: is config.json for a different "
-                "model?"
-            )
-        for name, want in expected.items():
-            got = f.get_slice(name)
-            shape, dtype = tuple(got.get_shape()), got.get_dtype()
-            if shape != tuple(want.shape):
-                raise CheckpointError(
-                    f"{path}: tensor {name!r} has shape {shape}, the config needs "
-                    f"{tuple(want.shape)}"
-                )
-            if dtype not in ("F32", "F16", "BF16"):
-                raise CheckpointError(
-                    f"{path}: tensor {name!r} has dtype {dtype}, expected a floating-point dtype"
-                )
-
-
-def load_model(folder: str | Path = "target", dtype: torch.dtype = torch.float32) -> Transformer:
-    """Load `folder` (a path, or the name of a shipped model: `"target"` or `"draft"`)."""
+def model_folder(folder: str | Path) -> Path:
+    """A path, or the name of a shipped model (`"target"`, `"draft"`)."""
     folder = Path(folder)
     if not folder.is_absolute() and not folder.exists():
         folder = WEIGHTS_DIR / folder
-    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
-    for path in (config_path, weights_path):
-        if not path.exists():
-            raise CheckpointError(
-                f"{path} not found: a model folder holds config.json and model.safetensors"
-            )
-    config = config_from_hf(json.loads(config_path.read_text()))
-    model = Transformer(config)
-    _check_tensors(model.state_dict(), weights_path)
-    with safe_open(str(weights_path), framework="pt") as f:
-        state = {name: f.get_tensor(name).to(torch.float32) for name in f.keys()}
-    model.load_state_dict(state, strict=True)
-    return model.to(dtype).eval()
+    return folder
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.exists():
+        raise CheckpointError(
+            f"{path} not found: a model folder holds config.json and model.safetensors (or "
+            "safetensors shards and model.safetensors.index.json)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+
+
+def generation_config(folder: str | Path) -> dict:
+    """`generation_config.json` (the checkpoint's end tokens and sampling defaults), or {}."""
+    path = model_folder(folder) / "generation_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def tokenizer_files(folder: str | Path) -> dict[str, Path]:
+    """The tokenizer files a model folder has, by name (none: the shipped byte-level models)."""
+    folder = model_folder(folder)
+    return {name: folder / name for name in TOKENIZER_FILES if (folder / name).exists()}
+
+
+def weight_files(folder: Path) -> tuple[dict[str, Path], Path]:
+    """Which file holds each tensor, and the file that says so: `model.safetensors`, or the
+    shards that `model.safetensors.index.json` maps the names to (how larger models ship)."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index} is not a safetensors index (no weight_map)") from None
+        for shard in sorted(set(weight_map.values())):
+            if not (folder / shard).exists():
+                raise CheckpointError(f"{index} names shard {shard!r}, which is not in {folder}")
+        return {name: folder / shard for name, shard in weight_map.items()}, index
+    if not single.exists():
+        raise CheckpointError(
+            f"{single} not found: a model folder holds config.json and model.safetensors (or "
+            "safetensors shards and model.safetensors.index.json)"
+        )
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}, single
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    """Tensors a checkpoint may hold that are not weights: RoPE tables older exports saved, and a
+    tied LM head saved anyway (the embedding is the one used)."""
+    return name.endswith("rotary_emb.inv_freq") or (
+        config.tie_word_embeddings and name == "lm_head.weight"
+    )
+
+
+def _check_tensors(
+    expected: dict[str, tuple[int, ...]], files: dict[str, Path], listing: Path, config
+) -> None:
+    """Every name, shape and dtype against the model's, from the files' headers alone: nothing is
+    read or allocated until the whole checkpoint is known to fit."""
+    found = {name for name in files if not _ignored(name, config)}
+    missing = sorted(set(expected) - found)
+    unexpected = sorted(found - set(expected))
+    if missing:
+        raise CheckpointError(
+            f"{listing} is missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + ": the file does not match config.json; re-export or retrain the weights"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"{listing} has unexpected tensor {unexpected[0]!r}: is config.json for a different "
+            "model?"
+        )
+    for path, names in _by_file(files, expected).items():
+        with safe_open(str(path), framework="pt") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(
+                        f"{path} is missing tensor {name!r}, which {listing.name} puts there"
+                    )
+                got = f.get_slice(name)
+                shape, dtype = tuple(got.get_shape()), got.get_dtype()
+                if shape != expected[name]:
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} has shape {shape}, the config needs "
+                        f"{expected[name]}"
+                    )
+                if dtype not in ("F32", "F16", "BF16"):
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} has dtype {dtype}, expected a floating-point "
+                        "dtype"
+                    )
+
+
+def _by_file(files: dict[str, Path], names) -> dict[Path, list[str]]:
+    grouped: dict[Path, list[str]] = {}
+    for name in names:
+        grouped.setdefault(files[name], []).append(name)
+    return grouped
+
+
+def load_model(folder: str | Path = "target", dtype: str | torch.dtype = "auto") -> Transformer:
+    """Load `folder` (a path, or the name of a shipped model: `"target"` or `"draft"`) in `dtype`
+    (`"auto"`: the checkpoint's own).
+
+    Everything is checked first, from config.json and the safetensors headers. The model is then
+    built with no memory behind it (torch's meta device), given uninitialised memory in `dtype`
+    once, and filled tensor by tensor from the memory-mapped files, each converted as it is
+    copied: a checkpoint is never held twice."""
+    folder = model_folder(folder)
+    hf = read_config(folder)
+    source = folder / "config.json"
+    config = config_from_hf(hf, source)
+    dtype = resolve_dtype(dtype, hf, source)
+    files, listing = weight_files(folder)
+    with torch.device("meta"):
+        model = model_class(config, dtype)(config)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    _check_tensors(expected, files, listing, config)
+    model = model.to(dtype).to_empty(device="cpu")
+    model.tie_weights()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for path, names in _by_file(files, expected).items():
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    params[name].copy_(f.get_tensor(name))
+    return model.eval()

@@ -12,6 +12,11 @@ Each output column is still one dot product over the same input, in the same ord
 are bit-for-bit those of the unfused model (`tests/test_model.py` checks it at several batch
 sizes). `fuse_projections` returns a copy: the caller's model, which chapter 00 reads and training
 updates, keeps its separate projections; the copy holds the stacked weights instead.
+
+A Hugging Face family adds what `fuse_model` (the engine's call) carries over: Qwen2's q, k and v
+biases, stacked as the weights are (`qkv_bias`); Qwen3's q/k norms, applied to the split heads
+before RoPE; cos and sin in the model's dtype (`families.HFTransformer` hands them over so; the
+book's are float32). A tied LM head stays tied in the copy (`deepcopy` keeps one tensor).
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ class FusedSelfAttention(SelfAttention):
 
     def forward(self, x, cos, sin, layer: int, attention) -> torch.Tensor:
         lead = x.shape[:-1]
-        q, k, v = F.linear(x, self.qkv_weight).split(self.qkv_sizes, dim=-1)
+        qkv = F.linear(x, self.qkv_weight, getattr(self, "qkv_bias", None))
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv_heads, self.head_dim)
         v = v.view(*lead, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # Qwen3
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(layer, q, k, v)  # <- the seam, as in SelfAttention
         return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
@@ -62,4 +70,18 @@ def fuse_projections(model: Transformer) -> Transformer:
             torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
         )
         del attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj
+    return fused
+
+
+def fuse_model(model: Transformer) -> Transformer:
+    """What the engine runs: `fuse_projections(model)`, with the q, k and v biases stacked into
+    `qkv_bias` where the model has them (Qwen2)."""
+    biases = [
+        [p.bias for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        for layer in model.model.layers
+    ]
+    fused = fuse_projections(model)
+    for layer, stacked in zip(fused.model.layers, biases):
+        if stacked[0] is not None:
+            layer.self_attn.register_buffer("qkv_bias", torch.cat([b.detach() for b in stacked]))
     return fused

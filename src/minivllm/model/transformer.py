@@ -18,7 +18,7 @@ batch) followed by `(heads, head_dim)`.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -27,6 +27,24 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's stretch of RoPE to a longer context (`rope_type: "llama3"` in a Hugging Face
+    config): the slow frequencies are divided by `factor`, the fast ones kept, and those between
+    blended (`model/families.py` computes it)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+
+# What the Hugging Face families add to the book's model. Their defaults are the book's model, and
+# the repr leaves them out where they are at those defaults (chapter 00 prints the config).
+_FAMILY = {"family": True}
+
+
+@dataclass(frozen=True, repr=False)
 class ModelConfig:
     vocab_size: int = 259
     d_model: int = 256
@@ -37,11 +55,19 @@ class ModelConfig:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    bos_token_id: int = 256
-    eos_token_id: int = 257
+    bos_token_id: int | None = 256
+    eos_token_id: int | None = 257  # None: a checkpoint that names none
+    architecture: str = field(default="LlamaForCausalLM", metadata=_FAMILY)
+    # a head size of its own (Qwen3's need not be d_model / n_heads); None: d_model // n_heads
+    explicit_head_dim: int | None = field(default=None, metadata=_FAMILY)
+    attention_bias: bool = field(default=False, metadata=_FAMILY)  # biases on q, k, v (Qwen2)
+    o_proj_bias: bool = field(default=False, metadata=_FAMILY)  # and on o (Llama attention_bias)
+    qk_norm: bool = field(default=False, metadata=_FAMILY)  # RMSNorm per head on q, k (Qwen3)
+    tie_word_embeddings: bool = field(default=False, metadata=_FAMILY)  # lm_head is the embedding
+    rope_scaling: RopeScaling | None = field(default=None, metadata=_FAMILY)
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
+        if self.explicit_head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
@@ -52,10 +78,20 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        if self.explicit_head_dim is not None:
+            return self.explicit_head_dim
         return self.d_model // self.n_heads
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def __repr__(self) -> str:
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if not f.metadata.get("family") or getattr(self, f.name) != f.default
+        ]
+        return f"ModelConfig({', '.join(shown)})"
 
 
 class Attention(Protocol):
@@ -152,10 +188,16 @@ class SelfAttention(nn.Module):
             config.n_kv_heads,
             config.head_dim,
         )
-        self.q_proj = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.d_model, config.n_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(
+            config.n_heads * config.head_dim, config.d_model, bias=config.o_proj_bias
+        )
+        if config.qk_norm:  # applied by families.HFSelfAttention, which the book's model is not
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
 
     def forward(self, x, cos, sin, layer: int, attention: Attention) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -206,9 +248,20 @@ class Backbone(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        if type(self) is Transformer and (config.qk_norm or config.rope_scaling is not None):
+            raise ValueError(
+                "the book's Transformer applies neither q/k norms nor RoPE scaling: build "
+                "minivllm.model.families.HFTransformer (load_model does)"
+            )
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With `tie_word_embeddings`, the LM head is the embedding matrix itself (one tensor)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self,
