@@ -280,3 +280,25 @@ def test_llm_loads_a_folders_tokenizer(folders, monkeypatch) -> None:
     small = Transformer(ModelConfig(vocab_size=200, d_model=32, n_layers=1, n_heads=4, d_ff=48))
     with pytest.raises(ValueError, match="EOS token id 257 is outside"):
         LLMEngine(small, EngineConfig(num_blocks=16, device="cpu"), ByteTokenizer())
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_generate_returns_vllms_output_types(llama) -> None:
+    """`RequestOutput(request_id, prompt, prompt_token_ids, outputs=[CompletionOutput...],
+    finished)`, with the first sample's fields on the output itself as before."""
+    params = SamplingParams(max_tokens=6, n=2, seed=3, logprobs=1, ignore_eos=True)
+    [out] = LLM(tiny_model(llama), tokenizer=llama, num_blocks=32, device="cpu").generate(
+        "日本", params
+    )
+    assert (out.prompt, out.prompt_token_ids, out.finished) == (
+        "日本",
+        llama.encode("日本", add_bos=True),
+        True,
+    )
+    assert [c.index for c in out.outputs] == [0, 1] and out.outputs[0].text == out.text
+    for sample, completion in zip(out.samples, out.outputs):
+        assert (completion.text, completion.token_ids) == (sample.text, sample.token_ids)
+        assert completion.text == llama.decode(completion.token_ids)
+        assert completion.finish_reason == LENGTH and len(completion.logprobs) == 6
+        want = sum(entry[t] for t, entry in zip(sample.token_ids, sample.logprobs))
+        assert completion.cumulative_logprob == pytest.approx(want) and want < 0

@@ -271,7 +271,8 @@ class LLMEngine:
         """Run every prompt to the end; one output per prompt, in the order of the prompts.
 
         A request with n > 1 samples returns the output of sample 0, with all n finished samples
-        in its `samples` (index order); with n == 1 `samples` stays empty."""
+        in its `samples` (index order); with n == 1 `samples` stays empty. Either way `outputs`
+        lists them as vLLM's `CompletionOutput`s, and `prompt` is a text prompt's text."""
         ids = self._add_all(prompts, params)
         wanted = {i: len(self.groups.get(i, (i,))) for i in ids}
         done: dict[int, dict[int, RequestOutput]] = {i: {} for i in ids}
@@ -280,10 +281,11 @@ class LLMEngine:
                 if out.finished and out.request_id in done:
                     done[out.request_id][out.index] = out
         results = []
-        for i in ids:
+        for i, prompt in zip(ids, [prompts] if isinstance(prompts, str) else prompts):
             first = done[i][0]
             if wanted[i] > 1:
                 first.samples = [done[i][index] for index in range(wanted[i])]
+            first.prompt = prompt if isinstance(prompt, str) else None
             results.append(first)
         return results
 

@@ -31,9 +31,25 @@ from minivllm.sched.sequence import SamplingParams, Sequence
 Prompt = str | SequenceOf[int]
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One sample of a request, as vLLM's class of the same name (`RequestOutput.outputs`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # the sampled tokens' logprobs summed, when asked for
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
 @dataclass
 class RequestOutput:
-    """A request as the caller sees it after a step: everything so far, and what is new."""
+    """A request as the caller sees it after a step: everything so far, and what is new.
+
+    One output is one sample (`index`); its fields are that sample's. `outputs` is vLLM's view:
+    every sample of the request as a `CompletionOutput` (after `generate`, all n of them)."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -59,6 +75,26 @@ class RequestOutput:
     # LLMEngine.generate with n > 1: all n finished samples in index order (this one first);
     # empty otherwise.
     samples: list[RequestOutput] = field(default_factory=list, repr=False, compare=False)
+    prompt: str | None = None  # the prompt's text, when it was given as text (LLMEngine.generate)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's `RequestOutput.outputs`: this output's samples (just itself when n is 1)."""
+        return [sample.completion() for sample in self.samples or [self]]
+
+    def completion(self) -> CompletionOutput:
+        cumulative = None
+        if self.logprobs is not None:
+            cumulative = sum(entry[t] for t, entry in zip(self.token_ids, self.logprobs))
+        return CompletionOutput(
+            self.index,
+            self.text,
+            list(self.token_ids),
+            cumulative,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+        )
 
     def delta(self) -> TextDelta:
         """The streamed piece of this output."""
