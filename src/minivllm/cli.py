@@ -23,6 +23,7 @@ import torch
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.checkpoint import CheckpointError, load_model
+from minivllm.model.hf_tokenizer import load_tokenizer
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
 from minivllm.sched.sequence import SamplingParams
@@ -174,7 +175,8 @@ def generate(args: argparse.Namespace) -> None:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(load_model(args.model), EngineConfig(speculative=speculative_config(args)))
+    config = EngineConfig(speculative=speculative_config(args))
+    engine = LLMEngine(load_model(args.model), config, load_tokenizer(args.model))
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
     for delta in engine.stream([args.prompt], params):
@@ -201,7 +203,7 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
     config = EngineConfig(
         num_blocks=args.num_blocks, scheduler=scheduler, speculative=speculative_config(args)
     )
-    return LLMEngine(load_model(args.model), config)
+    return LLMEngine(load_model(args.model), config, load_tokenizer(args.model))
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
@@ -236,7 +238,7 @@ def build_chat_engine(args: argparse.Namespace) -> LLMEngine:
         torch.set_num_threads(args.threads)
     scheduler = SchedulerConfig(enable_prefix_caching=not args.no_prefix_caching)
     config = EngineConfig(scheduler=scheduler, speculative=speculative_config(args))
-    return LLMEngine(load_model(args.model), config)
+    return LLMEngine(load_model(args.model), config, load_tokenizer(args.model))
 
 
 def chat(args: argparse.Namespace) -> int:
