@@ -36,7 +36,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def seq_with(params: SamplingParams, prompt: list[int], output: list[int] = ()) -> Sequence:
-    seq = Sequence(0, prompt, params, seed=1, eos_token_id=EOS_ID)
+    bad_word_ids = tuple(tuple(ByteTokenizer().encode(w)) for w in params.bad_words)
+    seq = Sequence(0, prompt, params, seed=1, eos_token_id=EOS_ID, bad_word_ids=bad_word_ids)
     seq.token_ids += output
     return seq
 

@@ -1,7 +1,9 @@
-"""Chapter 04: a request's parameters and bookkeeping -- `SamplingParams` checks, and `Sequence`'s
-stop rules (EOS, stop tokens, stop strings, max_tokens) and streamed text deltas.
+"""Chapter 04: a request's parameters and bookkeeping -- `SamplingParams` checks, `Sequence`'s
+stop rules (EOS, stop tokens, max_tokens), and the output processor's text: stop strings and
+streamed text deltas.
 
-No torch here: a `Sequence` is fed byte tokens by hand, exactly as the scheduler's `update` would.
+No torch here: a `Sequence` is fed byte tokens by hand, exactly as the scheduler's `update` would,
+and its text decoded by an `OutputProcessor`, as the engine's step does.
 """
 
 from __future__ import annotations
@@ -34,10 +36,28 @@ def make(**params) -> Sequence:
 _processors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def processor(seq: Sequence) -> OutputProcessor:
+    """The sequence's output processor (one per sequence here): it decodes the text, finds stop
+    strings and keeps the stream cursor, as the engine's does."""
+    return _processors.setdefault(seq, OutputProcessor())
+
+
 def take(seq: Sequence) -> RequestOutput:
-    """The sequence's output as the engine makes it after a step: its stream cursor (kept by an
-    OutputProcessor, one per sequence here) hands out only what is new since the last output."""
-    return _processors.setdefault(seq, OutputProcessor()).output(seq)
+    """The sequence's output as the engine makes it after a step: its stream cursor hands out only
+    what is new since the last output."""
+    return processor(seq).output(seq)
+
+
+def text_of(seq: Sequence) -> str:
+    return processor(seq).output(seq).text
+
+
+def step(seq: Sequence, token: int) -> None:
+    """Append one token as the scheduler does, then decode it as the engine does: a stop string
+    found in the text ends the sequence there (the engine: `Scheduler.stop`)."""
+    seq.append_token(token)
+    for hit in processor(seq).detokenize([seq]):
+        hit.seq.stop_at(hit.num_output_tokens, hit.stop)
 
 
 def feed(seq: Sequence, tokens) -> list[str]:
@@ -48,7 +68,7 @@ def feed(seq: Sequence, tokens) -> list[str]:
     deltas = []
     for token in tokens:
         assert not seq.is_finished, "fed a token to a finished sequence"
-        seq.append_token(token)
+        step(seq, token)
         deltas.append(take(seq).new_text)
         if seq.is_finished:
             break
@@ -177,7 +197,7 @@ def test_a_new_sequence_has_its_whole_prompt_to_compute() -> None:
     assert (
         seq.num_uncomputed_tokens == 1
         and seq.output_token_ids == [ord("a")]
-        and seq.output_text == "a"
+        and text_of(seq) == "a"
     )
 
 
@@ -187,7 +207,7 @@ def test_eos_stops_and_carries_no_text() -> None:
     assert seq.is_finished and seq.status is Status.FINISHED
     assert (seq.finish_reason, seq.stop_reason) == (STOP, None)
     assert seq.output_token_ids == [ord("h"), ord("i"), EOS_ID]  # the EOS token is kept in the ids
-    assert seq.output_text == "hi"
+    assert text_of(seq) == "hi"
 
 
 def test_ignore_eos_runs_to_max_tokens() -> None:
@@ -199,7 +219,7 @@ def test_ignore_eos_runs_to_max_tokens() -> None:
         EOS_ID,
         ord("b"),
     ]
-    assert seq.output_text == "ab"
+    assert text_of(seq) == "ab"
 
 
 def test_a_different_eos_id_is_just_a_token() -> None:
@@ -214,13 +234,13 @@ def test_stop_token_ids_stop_with_a_reason() -> None:
     feed(seq, "ab.cd")
     assert (seq.finish_reason, seq.stop_reason) == (STOP, ord("."))
     assert seq.output_token_ids == list(b"ab.")  # the stop token stays in the ids...
-    assert seq.output_text == "ab."  # ...and in the text (only stop *strings* are cut)
+    assert text_of(seq) == "ab."  # ...and in the text (only stop *strings* are cut)
 
 
 def test_max_tokens_finishes_with_length() -> None:
     seq = make(max_tokens=3)
     feed(seq, "abcdef")
-    assert (seq.finish_reason, seq.stop_reason, seq.output_text, seq.num_output_tokens) == (
+    assert (seq.finish_reason, seq.stop_reason, text_of(seq), seq.num_output_tokens) == (
         LENGTH,
         None,
         "abc",
@@ -231,7 +251,7 @@ def test_max_tokens_finishes_with_length() -> None:
 def test_max_tokens_one() -> None:
     seq = make(max_tokens=1)
     seq.append_token(ord("z"))
-    assert seq.finish_reason == LENGTH and seq.output_text == "z"
+    assert seq.finish_reason == LENGTH and text_of(seq) == "z"
 
 
 @pytest.mark.parametrize(
@@ -247,14 +267,14 @@ def test_stop_string_is_cut_from_the_text() -> None:
     seq = make(max_tokens=50, stop=["world"])
     feed(seq, "Hello world, again")
     assert (seq.finish_reason, seq.stop_reason) == (STOP, "world")
-    assert seq.output_text == "Hello "
+    assert text_of(seq) == "Hello "
     assert bytes(seq.output_token_ids) == b"Hello world"  # the ids keep every sampled token
 
 
 def test_stop_string_spanning_two_tokens() -> None:
     seq = make(max_tokens=50, stop=["\n\n"])
     deltas = feed(seq, "one\n\ntwo")
-    assert seq.output_text == "one" and seq.stop_reason == "\n\n" and seq.num_output_tokens == 5
+    assert text_of(seq) == "one" and seq.stop_reason == "\n\n" and seq.num_output_tokens == 5
     assert "".join(deltas) == "one"
 
 
@@ -262,7 +282,7 @@ def test_the_earliest_stop_string_wins() -> None:
     # Both complete on the same token; "bcd" starts first.
     seq = make(max_tokens=50, stop=["cd", "bcd"])
     feed(seq, "abcde")
-    assert (seq.output_text, seq.stop_reason, seq.num_output_tokens) == ("a", "bcd", 4)
+    assert (text_of(seq), seq.stop_reason, seq.num_output_tokens) == ("a", "bcd", 4)
 
 
 @pytest.mark.parametrize(
@@ -281,7 +301,7 @@ def test_the_earliest_stop_string_wins() -> None:
 def test_stop_string_in_a_multi_byte_stream(text: str, stop: str, want: str) -> None:
     seq = make(max_tokens=50, stop=stop)
     deltas = feed(seq, text)
-    assert seq.output_text == want and seq.stop_reason == stop and seq.finish_reason == STOP
+    assert text_of(seq) == want and seq.stop_reason == stop and seq.finish_reason == STOP
     assert "".join(deltas) == want
     # It finished exactly on the byte that completed the stop string.
     full = text.encode("utf-8")
@@ -296,16 +316,14 @@ def test_stop_string_found_far_back_after_a_silent_byte() -> None:
     # later.
     seq = make(max_tokens=50, stop=["ab\u00e9"])
     feed(seq, "xxab\u00e9yy")
-    assert seq.output_text == "xx" and seq.num_output_tokens == len(b"xxab") + 2
+    assert text_of(seq) == "xx" and seq.num_output_tokens == len(b"xxab") + 2
 
 
 def test_length_finish_flushes_a_cut_off_character() -> None:
     seq = make(max_tokens=2)
     deltas = feed(seq, [ord("a"), 0xC3])  # the second byte of "é" never comes
     assert (
-        seq.finish_reason == LENGTH
-        and seq.output_text == "a\ufffd"
-        and "".join(deltas) == "a\ufffd"
+        seq.finish_reason == LENGTH and text_of(seq) == "a\ufffd" and "".join(deltas) == "a\ufffd"
     )
 
 
@@ -313,7 +331,7 @@ def test_finish_abort() -> None:
     seq = make(max_tokens=5)
     feed(seq, "ab")
     seq.finish(ABORT)
-    assert (seq.status, seq.finish_reason, seq.output_text) == (Status.FINISHED, ABORT, "ab")
+    assert (seq.status, seq.finish_reason, text_of(seq)) == (Status.FINISHED, ABORT, "ab")
 
 
 # -- text deltas -----------------------------------------------------------------------------------
@@ -380,9 +398,9 @@ def test_deltas_concatenate_to_the_final_text(text: str, stops: list[str]) -> No
         text = "a"
     want_text, want_stop = expected_cut(text, stops)
     assert seq.is_finished  # max_tokens = every byte: it ends at the latest on the last one
-    assert (seq.output_text, seq.stop_reason) == (want_text, want_stop)
+    assert (text_of(seq), seq.stop_reason) == (want_text, want_stop)
     assert seq.finish_reason == (STOP if want_stop is not None else LENGTH)
     # Streamed text is never taken back: the deltas are exactly the final (cut) text ...
-    assert "".join(deltas) == seq.output_text
+    assert "".join(deltas) == text_of(seq)
     # ... and every delta is made of whole characters (valid input never shows U+FFFD).
     assert all("\ufffd" not in d for d in deltas)

@@ -36,6 +36,7 @@ if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _HOMES = {
+    "CompletionOutput": "minivllm.engine.processing",
     "LLM": "minivllm.engine.llm_engine",
     "LLMEngine": "minivllm.engine.llm_engine",
     "EngineConfig": "minivllm.engine.config",
@@ -46,6 +47,7 @@ _HOMES = {
     "SpeculativeConfig": "minivllm.runner.speculative",
 }
 __all__ = [
+    "CompletionOutput",
     "LLM",
     "EngineConfig",
     "InferenceEngine",
@@ -59,7 +61,7 @@ __all__ = [
 if TYPE_CHECKING:
     from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLM, LLMEngine
-    from minivllm.engine.processing import RequestOutput
+    from minivllm.engine.processing import CompletionOutput, RequestOutput
     from minivllm.runner.speculative import SpeculativeConfig
     from minivllm.sched.scheduler import SchedulerConfig
     from minivllm.sched.sequence import SamplingParams

@@ -24,6 +24,7 @@ import torch
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.checkpoint import CheckpointError, load_model
+from minivllm.model.hf_tokenizer import load_tokenizer
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
 from minivllm.sched.sequence import SamplingParams
@@ -194,7 +195,7 @@ def generate(args: argparse.Namespace) -> None:
         kv_layout=KV_LAYOUTS[args.kv],
         enforce_eager=args.enforce_eager,
     )
-    engine = LLMEngine(load_model(args.model), config)
+    engine = LLMEngine(load_model(args.model), config, load_tokenizer(args.model))
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
     for delta in engine.stream([args.prompt], params):
@@ -225,7 +226,7 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
         kv_layout=KV_LAYOUTS[args.kv],
         enforce_eager=args.enforce_eager,
     )
-    return LLMEngine(load_model(args.model), config)
+    return LLMEngine(load_model(args.model), config, load_tokenizer(args.model))
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
@@ -265,7 +266,7 @@ def build_chat_engine(args: argparse.Namespace) -> LLMEngine:
     config = EngineConfig(
         scheduler=scheduler, speculative=speculative_config(args), kv_layout=layout
     )
-    return LLMEngine(load_model(args.model), config)
+    return LLMEngine(load_model(args.model), config, load_tokenizer(args.model))
 
 
 def chat(args: argparse.Namespace) -> int:

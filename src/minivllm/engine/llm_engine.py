@@ -5,6 +5,7 @@ The engine owns no policy of its own. A step is
     plan = scheduler.schedule()                      # who runs, how many tokens (pure Python)
     result = runner.execute(plan, sequences)         # ONE forward pass, one sampling call
     finished = scheduler.update(plan, result.tokens) # append, stop checks, free blocks
+    outputs.detokenize(stepped)                      # their text; a stop string ends one
 
 plus a `StepRecord` for the trace. With a `SpeculativeConfig` (chapter 06) the runner's drafter
 proposes tokens for every decoding sequence before the forward pass, the same single pass verifies
@@ -12,6 +13,10 @@ them, and `verify` turns its logits into runs of accepted tokens. Requests come 
 `add_request` (checked there, so a bad one never reaches the scheduler) and leave as
 `RequestOutput`s. `generate` runs a list of prompts to the end; `stream` yields text deltas as they
 are produced; `LLM` is the two-line front door.
+
+The engine's tokenizer (the byte tokenizer, or a checkpoint's own: `HFTokenizer`) encodes prompts
+and bad words (`InputProcessor`) and decodes outputs (`OutputProcessor`); the scheduler below sees
+token ids only, and the EOS ids the tokenizer names.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from minivllm.engine.trace import StepRecord
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.checkpoint import load_model, resolve_dtype
 from minivllm.model.fused import fuse_model
-from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.model.hf_tokenizer import HFTokenizer, load_tokenizer
+from minivllm.model.tokenizer import ByteTokenizer, Tokenizer
 from minivllm.model.transformer import ModelConfig, Transformer, placed_on
 from minivllm.runner.cuda_graph import DecodeGraphs
 from minivllm.runner.model_runner import ModelRunner, RunnerOutput
@@ -53,10 +59,11 @@ class LLMEngine:
         self,
         model: Transformer,
         config: EngineConfig | None = None,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer or ByteTokenizer()
+        self.eos_token_ids = eos_token_ids(model.config, tokenizer)
         self.device = _resolve_device(config)
         self.model = model = placed_on(model, self.device)  # the caller's stays where it was
         backend_name = resolve_backend_name(
@@ -107,8 +114,9 @@ class LLMEngine:
                 max_model_len=model.config.max_seq_len,
                 capture=self.device == "cuda",  # always, but where a test forces graphs on a CPU
             )
-        self.inputs = InputProcessor(self.tokenizer, request_limits(model.config, config))
-        self.outputs = OutputProcessor()
+        limits = request_limits(model.config, config)
+        self.inputs = InputProcessor(self.tokenizer, limits, self.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer)
         self.trace: list[StepRecord] = []
         self._next_id = 0
         # request id -> the seq ids of its samples, for requests with n > 1 (a lone request's
@@ -141,15 +149,17 @@ class LLMEngine:
         if request_id in self.groups or any(i in self.scheduler.sequences for i in seq_ids):
             raise ValueError(f"request id {request_id} is already in use by an unfinished request")
         seed = params.seed if params.seed is not None else derive_seed(self.config.seed, request_id)
+        bad_word_ids = self.inputs.bad_word_ids(params)
         samples = [
             Sequence(
                 seq_id,
                 prompt_ids,
                 params,
                 seed if index == 0 else derive_seed(seed, index),
-                self.model.config.eos_token_id,
+                self.eos_token_ids,
                 request_id=request_id,
                 index=index,
+                bad_word_ids=bad_word_ids,
             )
             for index, seq_id in enumerate(seq_ids)
         ]
@@ -229,6 +239,9 @@ class LLMEngine:
         self._record_logprobs(result, sequences)
         finished = self.scheduler.update(plan, result.tokens)
         stepped += [f for f in forks if f.status is not Status.WAITING]
+        for hit in self.outputs.detokenize(stepped):  # stop strings: the text's own finish
+            if self.scheduler.stop(hit.seq, hit.stop, hit.num_output_tokens):
+                finished.append(hit.seq)
         for seq in finished:
             if seq.request_id in self.groups and all(
                 i not in self.scheduler.sequences for i in self.groups[seq.request_id]
@@ -287,7 +300,8 @@ class LLMEngine:
         """Run every prompt to the end; one output per prompt, in the order of the prompts.
 
         A request with n > 1 samples returns the output of sample 0, with all n finished samples
-        in its `samples` (index order); with n == 1 `samples` stays empty."""
+        in its `samples` (index order); with n == 1 `samples` stays empty. Either way `outputs`
+        lists them as vLLM's `CompletionOutput`s, and `prompt` is a text prompt's text."""
         ids = self._add_all(prompts, params)
         wanted = {i: len(self.groups.get(i, (i,))) for i in ids}
         done: dict[int, dict[int, RequestOutput]] = {i: {} for i in ids}
@@ -296,10 +310,11 @@ class LLMEngine:
                 if out.finished and out.request_id in done:
                     done[out.request_id][out.index] = out
         results = []
-        for i in ids:
+        for i, prompt in zip(ids, [prompts] if isinstance(prompts, str) else prompts):
             first = done[i][0]
             if wanted[i] > 1:
                 first.samples = [done[i][index] for index in range(wanted[i])]
+            first.prompt = prompt if isinstance(prompt, str) else None
             results.append(first)
         return results
 
@@ -340,10 +355,22 @@ class LLMEngine:
 
 
 class LLM:
-    """The front door: `LLM("target").generate(["ROMEO:"], SamplingParams(max_tokens=50))`."""
+    """The front door: `LLM("target").generate(["ROMEO:"], SamplingParams(max_tokens=50))`.
 
-    def __init__(self, model: str | Path | Transformer = "target", **config) -> None:
-        # vLLM's `dtype`: the model's and the K/V cache's; "auto", the checkpoint's own
+    A model folder with a tokenizer.json brings its own tokenizer (`HFTokenizer`); `tokenizer`
+    (a `Tokenizer`, or a folder) overrides it. `dtype` is vLLM's: the model's and the K/V
+    cache's; "auto" is the checkpoint's own."""
+
+    def __init__(
+        self,
+        model: str | Path | Transformer = "target",
+        tokenizer: str | Path | Tokenizer | None = None,
+        **config,
+    ) -> None:
+        if isinstance(tokenizer, (str, Path)):
+            tokenizer = HFTokenizer.from_folder(tokenizer)
+        elif tokenizer is None and isinstance(model, (str, Path)):
+            tokenizer = load_tokenizer(model)  # None for the shipped models: the byte tokenizer
         dtype = config.pop("dtype", "auto")
         if isinstance(model, (str, Path)):  # a shipped model's name, or a Hugging Face folder
             model, dtype = load_model(model, dtype), "auto"
@@ -363,7 +390,7 @@ class LLM:
         # vLLM style: speculative={"method": "ngram", ...}
         if isinstance(config.get("speculative"), dict):
             config["speculative"] = SpeculativeConfig(**config["speculative"])
-        self.engine = LLMEngine(model, EngineConfig(scheduler=scheduler, **config))
+        self.engine = LLMEngine(model, EngineConfig(scheduler=scheduler, **config), tokenizer)
 
     def generate(
         self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None
@@ -387,6 +414,19 @@ def uses_cuda_graphs(config: EngineConfig, device: str) -> bool:
     """Whether an engine's decode steps replay CUDA graphs: on a CUDA device, unless
     `enforce_eager` (or forward workers, which run on a CPU only)."""
     return device == "cuda" and not config.enforce_eager and config.forward_processes == 1
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """The ids that end a request: the tokenizer's (a checkpoint's tokenizer may name several), or
+    without one the model config's, which the shipped models share with the byte tokenizer."""
+    ids = model_config.eos_token_id if tokenizer is None else tokenizer.eos_ids
+    ids = () if ids is None else (ids,) if isinstance(ids, int) else tuple(ids)
+    if bad := [i for i in ids if not 0 <= i < model_config.vocab_size]:
+        raise ValueError(
+            f"EOS token id {bad[0]} is outside the model's vocabulary 0.."
+            f"{model_config.vocab_size - 1}: the tokenizer does not belong to this model"
+        )
+    return ids
 
 
 def request_limits(model_config: ModelConfig, config: EngineConfig) -> RequestLimits:

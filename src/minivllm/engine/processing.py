@@ -1,30 +1,55 @@
 """What goes into the engine and what comes out of it, in one place (chapters 04 and 08).
 
+This is where text lives. The scheduler and the sequences below it know token ids only; the
+engine's tokenizer (`Tokenizer`: the byte tokenizer, or a checkpoint's own) is used here, and only
+here, in both directions, so a prompt is encoded and its answer decoded by the same tokenizer.
+
 `InputProcessor` turns a caller's prompt and `SamplingParams` into checked token ids *before* the
-scheduler sees them: a bad request raises an error that says what to change, and nothing in the
-engine changes. `OutputProcessor` turns a `Sequence` into the `RequestOutput` the caller gets after
-a step, and keeps each request's **stream cursor**: how much of its text and how many of its tokens
-were handed out already, so that every output also carries just what is new since the last one.
-`LLMEngine` and the server's `AsyncEngine` both use these two, so a rule about requests (a limit, a
-new parameter, how a stop string is held back) is written once. The same split is vLLM's
-`InputProcessor` / `OutputProcessor` (vllm/v1/engine/).
+scheduler sees them (bad words too: `bad_word_ids`): a bad request raises an error that says what
+to change, and nothing in the engine changes. `OutputProcessor` decodes each sequence's new tokens
+(a `Detokenizer` per sequence: whole characters only), looks for stop strings in that text, and
+turns a `Sequence` into the `RequestOutput` the caller gets after a step. A stop string found ends
+the request: `detokenize` returns it, and the engine ends the sequence in the scheduler
+(`Scheduler.stop`; vLLM aborts it with finish reason "stop"), the text cut at the stop string. The
+processor also keeps each request's **stream cursor**: how much of its text and how many of its
+tokens were handed out already, so that every output also carries just what is new since the last
+one. `LLMEngine` and the server's `AsyncEngine` both use these two, so a rule about requests (a
+limit, a new parameter, how a stop string is held back) is written once. The same split is vLLM's
+`InputProcessor` / `OutputProcessor` and its detokenizer (vllm/v1/engine/).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
-from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.model.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
 from minivllm.sched.sequence import SamplingParams, Sequence
 
 Prompt = str | SequenceOf[int]
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One sample of a request, as vLLM's class of the same name (`RequestOutput.outputs`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # the sampled tokens' logprobs summed, when asked for
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
 @dataclass
 class RequestOutput:
-    """A request as the caller sees it after a step: everything so far, and what is new."""
+    """A request as the caller sees it after a step: everything so far, and what is new.
+
+    One output is one sample (`index`); its fields are that sample's. `outputs` is vLLM's view:
+    every sample of the request as a `CompletionOutput` (after `generate`, all n of them)."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -50,6 +75,26 @@ class RequestOutput:
     # LLMEngine.generate with n > 1: all n finished samples in index order (this one first);
     # empty otherwise.
     samples: list[RequestOutput] = field(default_factory=list, repr=False, compare=False)
+    prompt: str | None = None  # the prompt's text, when it was given as text (LLMEngine.generate)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's `RequestOutput.outputs`: this output's samples (just itself when n is 1)."""
+        return [sample.completion() for sample in self.samples or [self]]
+
+    def completion(self) -> CompletionOutput:
+        cumulative = None
+        if self.logprobs is not None:
+            cumulative = sum(entry[t] for t, entry in zip(self.token_ids, self.logprobs))
+        return CompletionOutput(
+            self.index,
+            self.text,
+            list(self.token_ids),
+            cumulative,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+        )
 
     def delta(self) -> TextDelta:
         """The streamed piece of this output."""
@@ -91,8 +136,14 @@ class RequestLimits:
 class InputProcessor:
     """Checks and tokenises requests before they reach the scheduler."""
 
-    def __init__(self, tokenizer: ByteTokenizer, limits: RequestLimits) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: RequestLimits,
+        eos_token_ids: tuple[int, ...] | None = None,
+    ) -> None:
         self.tokenizer, self.limits = tokenizer, limits
+        self.eos_token_ids = tokenizer.eos_ids if eos_token_ids is None else eos_token_ids
 
     def process(
         self, prompt: Prompt, params: SamplingParams | None
@@ -158,14 +209,17 @@ class InputProcessor:
                 "SamplingParams.allowed_token_ids: every allowed token is also a one-token bad "
                 "word, so no token could ever be drawn"
             )
-        stops = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else {self.tokenizer.eos_id}
-        )
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stops = set(params.stop_token_ids) | set(eos)
         if params.min_tokens and allowed <= stops:
             raise ValueError(
                 f"SamplingParams.allowed_token_ids: only stop tokens are allowed, but min_tokens="
                 f"{params.min_tokens} bans them until then, so no token could be drawn"
             )
+
+    def bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """`bad_words` as token ids (no special tokens), for the sampler's ban."""
+        return tuple(tuple(self.tokenizer.encode(word)) for word in params.bad_words)
 
     @staticmethod
     def params(params: SamplingParams | None) -> SamplingParams:
@@ -224,63 +278,133 @@ class InputProcessor:
 
 
 @dataclass
-class _Cursor:
+class StopStringHit:
+    """A stop string found in a sequence's text: output token `num_output_tokens` completed it."""
+
+    seq: Sequence
+    stop: str
+    num_output_tokens: int
+
+
+@dataclass
+class _RequestState:
+    """What the output processor keeps per sequence (vLLM's `RequestState`): its detokenizer and
+    text, how far the stop-string search went, and the stream cursor."""
+
+    detokenizer: Detokenizer
+    text: str = ""  # the output text decoded so far (cut at a stop string)
+    num_decoded: int = 0  # output tokens fed to the detokenizer
+    text_checked: int = 0  # characters already searched for stop strings
+    stop: StopStringHit | None = None  # the stop string that ended it
+    final: bool = False  # the text will not change any more (the sequence finished)
     text_sent: int = 0  # characters of the output text already handed out
     tokens_sent: int = 0  # output tokens already handed out
 
 
 class OutputProcessor:
-    """Makes each step's `RequestOutput`s and keeps every request's stream cursor.
+    """Decodes sequences' tokens, finds stop strings, makes each step's `RequestOutput`s.
 
-    A cursor lives exactly as long as its `Sequence` (a weak reference): a server that runs for
-    days keeps none for the requests it finished, and a finished request asked again hands out
-    nothing twice."""
+    Per sequence it keeps a `_RequestState`. A state lives exactly as long as its `Sequence` (a
+    weak reference): a server that runs for days keeps none for the requests it finished, and a
+    finished request asked again hands out nothing twice."""
 
-    def __init__(self) -> None:
-        self.cursors: weakref.WeakKeyDictionary[Sequence, _Cursor] = weakref.WeakKeyDictionary()
+    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.states: weakref.WeakKeyDictionary[Sequence, _RequestState] = (
+            weakref.WeakKeyDictionary()
+        )
         self.num_tokens = 0  # generated tokens handed out so far, every request's (for stats)
 
+    def detokenize(self, seqs: Iterable[Sequence]) -> list[StopStringHit]:
+        """Decode the sequences' new tokens; the stop strings found. The caller ends those
+        sequences (`LLMEngine.step`: `Scheduler.stop`, which drops the tokens after the hit)."""
+        return [hit for seq in seqs if (hit := self._detokenize(seq)) is not None]
+
+    def _detokenize(self, seq: Sequence) -> StopStringHit | None:
+        state = self._state(seq)
+        if state.final:
+            return None
+        new = seq.output_token_ids[state.num_decoded :]
+        for count, token in enumerate(new, start=1):
+            state.num_decoded += 1
+            state.text += state.detokenizer.push(token)
+            if count == len(new) and seq.stopped_by_token:
+                break  # its stop token came first: no stop string ends at it
+            if (found := self._find_stop_string(seq, state)) is not None:
+                index, stop = found
+                # the stop string is not part of the answer, unless asked for
+                keep = len(stop) if seq.params.include_stop_str_in_output else 0
+                state.text, state.final = state.text[: index + keep], True
+                state.stop = StopStringHit(seq, stop, state.num_decoded)
+                return state.stop
+        if seq.is_finished:  # a cut-off character is shown as U+FFFD, not lost
+            state.text, state.final = state.text + state.detokenizer.flush(), True
+        return None
+
+    @staticmethod
+    def _find_stop_string(seq: Sequence, state: _RequestState) -> tuple[int, str] | None:
+        """Earliest stop string in the text; only the tail can hold a new match, so look there."""
+        best = None
+        for stop in seq.params.stop:
+            index = state.text.find(stop, max(0, state.text_checked - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        state.text_checked = len(state.text)
+        return best
+
+    def _state(self, seq: Sequence) -> _RequestState:
+        state = self.states.get(seq)
+        if state is None:
+            state = self.states[seq] = _RequestState(self.tokenizer.detokenizer())
+        return state
+
     def output(self, seq: Sequence) -> RequestOutput:
-        """The request's state now, with what is new since its last output."""
-        cursor = self.cursors.setdefault(seq, _Cursor())
+        """The request's state now, with what is new since its last output. Tokens not decoded
+        yet are decoded first; a stop string found then is reported as the sequence's end (the
+        engine has ended it in the scheduler already: `detokenize` came first)."""
+        self._detokenize(seq)
+        state = self._state(seq)
+        hit, token_ids = state.stop, seq.output_token_ids
+        if hit is not None:
+            token_ids = token_ids[: hit.num_output_tokens]
         new_logprobs = None
         if seq.output_logprobs is not None:  # before _take_tokens moves the cursor
-            new_logprobs = tuple(seq.output_logprobs[cursor.tokens_sent :])
-        new_text, new_token_ids = _take_text(seq, cursor), _take_tokens(seq, cursor)
+            new_logprobs = tuple(seq.output_logprobs[state.tokens_sent : len(token_ids)])
+        new_text, new_token_ids = _take_text(seq, state), _take_tokens(token_ids, state)
         self.num_tokens += len(new_token_ids)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=list(seq.prompt_token_ids),
-            token_ids=seq.output_token_ids,
-            text=seq.output_text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
+            token_ids=token_ids,
+            text=state.text,
+            finished=state.final,
+            finish_reason="stop" if hit is not None else seq.finish_reason,
+            stop_reason=hit.stop if hit is not None else seq.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
             num_preemptions=seq.num_preemptions,
             finish_message=seq.finish_message,
             new_text=new_text,
             new_token_ids=new_token_ids,
             index=seq.index,
-            logprobs=list(seq.output_logprobs) if seq.output_logprobs is not None else None,
+            logprobs=None if seq.output_logprobs is None else seq.output_logprobs[: len(token_ids)],
             new_logprobs=new_logprobs,
             prompt_logprobs=seq.prompt_logprobs,
         )
 
 
-def _take_text(seq: Sequence, cursor: _Cursor) -> str:
+def _take_text(seq: Sequence, state: _RequestState) -> str:
     """Text not handed out yet. While the request runs, hold back a tail that could still turn out
     to be the start of a stop string, so streamed text never has to be taken back."""
-    end = len(seq.output_text)
-    if not seq.is_finished and seq.params.stop:
+    end = len(state.text)
+    if not state.final and seq.params.stop:
         end -= max(len(s) for s in seq.params.stop) - 1
-    delta = seq.output_text[cursor.text_sent : max(end, cursor.text_sent)]
-    cursor.text_sent += len(delta)
+    delta = state.text[state.text_sent : max(end, state.text_sent)]
+    state.text_sent += len(delta)
     return delta
 
 
-def _take_tokens(seq: Sequence, cursor: _Cursor) -> tuple[int, ...]:
+def _take_tokens(token_ids: list[int], state: _RequestState) -> tuple[int, ...]:
     """Output token ids not handed out yet."""
-    new = tuple(seq.token_ids[seq.num_prompt_tokens + cursor.tokens_sent :])
-    cursor.tokens_sent += len(new)
+    new = tuple(token_ids[state.tokens_sent :])
+    state.tokens_sent += len(new)
     return new

@@ -7,12 +7,17 @@ UTF-8 become U+FFFD, the replacement character.
 A server streams text token by token, but one token is one *byte*, and a character may need up to
 four. `StreamingDecoder` holds back the bytes of a character that has not finished yet, so a client
 never receives half an emoji.
+
+`Tokenizer` is what the engine asks of any tokenizer: `ByteTokenizer` here, or a checkpoint's own
+(`HFTokenizer`, hf_tokenizer.py). Each makes fresh `Detokenizer`s, one per stream: token ids in,
+text out, never a broken character and never a piece that a later token changes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 BOS_ID = 256
 EOS_ID = 257
@@ -22,9 +27,40 @@ VOCAB_SIZE = 259
 REPLACEMENT_CHARACTER = "\ufffd"
 
 
+class Detokenizer(Protocol):
+    """One stream's text, token by token. Over a whole stream, what `push` returns plus `flush()`
+    equals the tokenizer's `decode` of all the ids at once, and nothing returned is taken back."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer. `encode(text, add_bos=True)` is a prompt: with the
+    special tokens the tokenizer puts first (BOS here; a checkpoint's tokenizer may add none).
+    `eos_ids` are every id that ends a request (a checkpoint may name several); `eos_id` is the
+    first. `decode` skips special tokens."""
+
+    bos_id: int | None
+    eos_id: int | None
+    eos_ids: tuple[int, ...]
+    vocab_size: int
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def token_repr(self, token_id: int) -> str: ...
+
+    def detokenizer(self) -> Detokenizer: ...
+
+
 class ByteTokenizer:
     bos_id = BOS_ID
     eos_id = EOS_ID
+    eos_ids = (EOS_ID,)
     pad_id = PAD_ID
     vocab_size = VOCAB_SIZE
 
@@ -56,6 +92,10 @@ class ByteTokenizer:
             raise ValueError(f"token id {token_id} is outside the vocabulary 0..{VOCAB_SIZE - 1}")
         char = bytes([token_id]).decode("latin-1")
         return char if char.isprintable() and token_id < 128 else f"<0x{token_id:02X}>"
+
+    def detokenizer(self) -> StreamingDecoder:
+        """A fresh streaming decoder for one stream of ids (below)."""
+        return StreamingDecoder()
 
 
 # After these four lead bytes the second byte has a narrower range than 80-BF: E0 and F0 would

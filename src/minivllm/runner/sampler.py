@@ -143,7 +143,7 @@ class LogitRules:
         p = seq.params
         if not p.has_logit_rules:  # the common case, checked without building anything
             return None
-        stops = (() if p.ignore_eos else (seq.eos_token_id,)) + p.stop_token_ids
+        stops = (() if p.ignore_eos else seq.eos_token_ids) + p.stop_token_ids
         return cls(
             history=seq.token_ids,
             prompt_len=seq.num_prompt_tokens,

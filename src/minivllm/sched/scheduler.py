@@ -16,7 +16,9 @@ the whole policy runs, and is tested, with no model at all.
    this step. A prompt larger than what is left of the budget is admitted with a first chunk.
 
 `update()` then records each sampled token and **retires** finished sequences on the spot, so their
-blocks are free for the very next `schedule()`.
+blocks are free for the very next `schedule()`. The scheduler knows tokens, not text: EOS, stop
+token ids and max_tokens end a sequence in `update()`; a stop string is found in the decoded text by
+the engine's output processor, which ends its sequence with `stop()`.
 
 Everything else is behind a seam, so this file holds only the ideas above:
 
@@ -151,6 +153,17 @@ class Scheduler:
         seq.finish(ABORT)
         self._retire(seq)
         return seq
+
+    def stop(self, seq: Sequence, stop: str, num_output_tokens: int) -> bool:
+        """The engine's output processor found stop string `stop` in the text, completed by output
+        token `num_output_tokens`: the sequence ends there, finish reason "stop" (vLLM's
+        `finish_requests`). Returns whether this ended it now; False if it had already finished
+        this step by length (the stop string wins: the reason changes, nothing else)."""
+        seq.stop_at(num_output_tokens, stop)
+        if self.sequences.get(seq.seq_id) is not seq:
+            return False
+        self._retire(seq)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.sequences)

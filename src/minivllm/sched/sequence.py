@@ -2,9 +2,13 @@
 
 `SamplingParams` is what the caller asks for; it is checked once, when the request arrives, and each
 bad field is named. `Sequence` is the engine's bookkeeping for one request: its token ids (prompt,
-then output), how many of them already have K/V in the cache (`num_computed_tokens`), its status,
-and the text decoded so far. It imports no torch: the scheduler (pure policy) and the tests use it
-bare.
+then output), how many of them already have K/V in the cache (`num_computed_tokens`) and its
+status. It imports no torch: the scheduler (pure policy) and the tests use it bare.
+
+It knows tokens, not text: EOS, stop token ids and max_tokens end a sequence here, as each token is
+appended. Text -- decoding, stop strings, bad words -- belongs to the engine's tokenizer and lives
+in engine/processing.py (vLLM's OutputProcessor and detokenizer); a stop string found there ends
+the sequence through the scheduler (`Scheduler.stop`, `Sequence.stop_at`).
 
 One number drives the whole engine: `num_tokens - num_computed_tokens`, the tokens the model still
 has to run. A fresh prompt has all of them left (a prefill, perhaps in chunks); a running sequence
@@ -19,10 +23,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-from minivllm.model.tokenizer import ByteTokenizer, StreamingDecoder
-
-_TOKENIZER = ByteTokenizer()
 
 
 def _is_int(value) -> bool:
@@ -44,8 +44,9 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 and top_p 1 switch those filters off. `seed` fixes the
     request's randomness: token i is drawn with a uniform number that depends only on (seed, i), so
     the request gives the same tokens whatever else is in the batch. `stop` strings end the request
-    and are cut from its text (kept with `include_stop_str_in_output`); `stop_token_ids` end it too
-    (the token is kept in the ids); EOS ends it unless `ignore_eos`.
+    and are cut from its text (kept with `include_stop_str_in_output`; the engine's output
+    processor finds them in the decoded text); `stop_token_ids` end it too (the token is kept in
+    the ids and its text); EOS ends it unless `ignore_eos`.
 
     vLLM's further parameters, with its meaning and its order (the sampler applies them to the
     logits before temperature): `allowed_token_ids` (only these may be drawn), `bad_words` (a
@@ -246,7 +247,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # the params' seed, or one the engine derived from its own seed and the request id
-    eos_token_id: int
+    eos_token_id: int | tuple[int, ...] | None  # the EOS id(s): a tokenizer may name several
     arrival_step: int = 0
     token_ids: list[int] = field(default_factory=list)  # prompt then output
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
@@ -261,7 +262,6 @@ class Sequence:
     # the stop token or string that ended it (None for EOS / length)
     stop_reason: int | str | None = None
     finish_message: str | None = None  # why, in words, when the engine ended it (cache_full)
-    output_text: str = ""
     # Parallel sampling (SamplingParams.n > 1): the caller's request id and which sample this is.
     # A lone request has request_id == seq_id and index 0.
     request_id: int | None = None
@@ -274,11 +274,9 @@ class Sequence:
     # k); prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
     output_logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
     prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)
-    bad_word_ids: tuple[tuple[int, ...], ...] = field(
-        init=False, repr=False
-    )  # bad_words, tokenized
-    _decoder: StreamingDecoder = field(default_factory=StreamingDecoder, repr=False)
-    _text_checked: int = field(default=0, repr=False)  # chars already searched for stop strings
+    # params.bad_words as token ids, by the engine's tokenizer (InputProcessor.bad_word_ids)
+    bad_word_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    eos_token_ids: tuple[int, ...] = field(init=False, repr=False)  # eos_token_id as a tuple
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -289,7 +287,8 @@ class Sequence:
             self.output_logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
-        self.bad_word_ids = tuple(tuple(_TOKENIZER.encode(w)) for w in self.params.bad_words)
+        eos = self.eos_token_id
+        self.eos_token_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
     @property
     def prompt_logprobs_done(self) -> bool:
@@ -338,36 +337,35 @@ class Sequence:
         return len(tokens)
 
     def append_token(self, token: int) -> None:
-        """Record a sampled token and decide whether the request is now done."""
+        """Record a sampled token and decide whether the request is now done (stop strings are
+        the output processor's: they need the text)."""
         self.token_ids.append(token)
-        self.output_text += self._decoder.push(token)
         params = self.params
         # The sampler never draws EOS or a stop token before min_tokens; a token run handed in
         # from outside still must not end the request early.
         may_stop = self.num_output_tokens > params.min_tokens
-        if token == self.eos_token_id and not params.ignore_eos and may_stop:
+        if token in self.eos_token_ids and not params.ignore_eos and may_stop:
             self.finish(STOP)
         elif token in params.stop_token_ids and may_stop:
             self.finish(STOP, stop_reason=token)
-        elif (hit := self._find_stop_string()) is not None:
-            self.finish(STOP, stop_reason=hit[1])
-            # the stop string is not part of the answer, unless asked for
-            end = hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)
-            self.output_text = self.output_text[:end]
         elif self.num_output_tokens >= params.max_tokens:
             self.finish(LENGTH)
 
-    def _find_stop_string(self) -> tuple[int, str] | None:
-        """Earliest stop string in the text; only the tail can hold a new match, so look there."""
-        best = None
-        for stop in self.params.stop:
-            index = self.output_text.find(stop, max(0, self._text_checked - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        self._text_checked = len(self.output_text)
-        return best
+    @property
+    def stopped_by_token(self) -> bool:
+        """Did its last token end it (EOS or a stop token id)? Then no stop string is looked for
+        in that token's text: the token came first, as when it was appended."""
+        return self.finish_reason == STOP and not isinstance(self.stop_reason, str)
+
+    def stop_at(self, num_output_tokens: int, stop: str) -> None:
+        """End on stop string `stop`, which output token `num_output_tokens` completed: the tokens
+        after it (a speculative run appends several at once) are dropped. It wins over a length
+        finish in the same step, as it would have token by token."""
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens :]
+        if self.output_logprobs is not None:
+            del self.output_logprobs[num_output_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
+        self.finish(STOP, stop_reason=stop)
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
-        # a cut-off character is shown as U+FFFD, not lost
-        self.output_text += self._decoder.flush()
         self.status, self.finish_reason, self.stop_reason = Status.FINISHED, reason, stop_reason

@@ -1,0 +1,149 @@
+"""A checkpoint's own tokenizer: `tokenizer.json` through Hugging Face's `tokenizers` library.
+
+A Hugging Face folder describes its tokenizer in three files. `tokenizer.json` is the tokenizer
+itself (normalizer, pre-tokenizer, BPE merges, decoder, the special tokens, and a post-processor
+that may put BOS before a prompt). `tokenizer_config.json` names the special tokens (`bos_token`,
+`eos_token`) and may override the post-processor (`add_bos_token`, `add_eos_token`): Llama 3's
+post-processor puts `<|begin_of_text|>` first, Qwen's puts nothing. `generation_config.json` may
+name several EOS ids (Llama 3 Instruct ends on `<|eot_id|>` or `<|end_of_text|>`). `HFTokenizer`
+reads the three and offers what the engine asks of any tokenizer (the `Tokenizer` protocol of
+tokenizer.py), like the shipped `ByteTokenizer`.
+
+**Streaming text.** One BPE token is several bytes, and a token may end in the middle of a UTF-8
+character (`日` is three bytes; a token may hold the last of them and the first of the next
+character). Decoding each token alone would show U+FFFD and never take it back. The
+`IncrementalDetokenizer` is vLLM's `detokenize_incrementally`
+(`vllm/transformers_utils/detokenizer_utils.py`): it decodes a short window of recent tokens twice,
+without and with the new ones, and hands out the difference only once it does not end in U+FFFD.
+The window starts a few tokens back (`prefix_offset`), so a decoder that looks at neighbours (a
+leading space that belongs to the previous word) decodes the new tokens as the whole text would.
+`tokenizers`' own `DecodeStream` (0.21 and later) works the same way, but has no `flush`: a stream
+that ends mid-character must end, as `decode` of all its ids does, with U+FFFD.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tokenizers
+
+from minivllm.model.tokenizer import REPLACEMENT_CHARACTER
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Token ids in, one at a time; text out once it decodes cleanly, never taken back."""
+
+    decode: Callable[[list[int]], str]
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0  # where the window decoded with each new token starts
+    read_offset: int = 0  # tokens before this have had their text handed out
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset :])
+        if len(text) <= len(before) or text.endswith(REPLACEMENT_CHARACTER):
+            return ""  # no text yet, or a character that the next token may still complete
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(before) :]
+
+    def flush(self) -> str:
+        """End of stream: whatever is held back can never complete (shown as U+FFFD)."""
+        before = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(before) :]
+
+
+class HFTokenizer:
+    """`tokenizer.json` + `tokenizer_config.json` (+ `generation_config.json`) from a folder."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        config: dict | None = None,
+        generation_config: dict | None = None,
+    ) -> None:
+        self.tokenizer, config = tokenizer, config or {}
+        self.bos_id = self._special_id(config, "bos_token")
+        self.pad_id = self._special_id(config, "pad_token")
+        # None: as tokenizer.json's post-processor does; True/False: transformers' override
+        self.add_bos_token = config.get("add_bos_token")
+        self.add_eos_token = config.get("add_eos_token")
+        eos = self._special_id(config, "eos_token")
+        more = (generation_config or {}).get("eos_token_id")
+        more = [more] if isinstance(more, int) else list(more or [])
+        self.eos_ids = tuple(dict.fromkeys(i for i in [eos, *more] if i is not None))
+        self.eos_id = self.eos_ids[0] if self.eos_ids else None
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> HFTokenizer:
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json")
+
+        def read(name: str) -> dict | None:
+            file = folder / name
+            return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+
+        tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return cls(tokenizer, read("tokenizer_config.json"), read("generation_config.json"))
+
+    def _special_id(self, config: dict, name: str) -> int | None:
+        token = config.get(name)
+        if isinstance(token, dict):  # a serialised AddedToken
+            token = token.get("content")
+        if token is None:
+            return None
+        token_id = self.tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"tokenizer_config.json's {name} {token!r} is not in the vocabulary")
+        return token_id
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`; with `add_bos` (a prompt), the special tokens the tokenizer adds
+        (its post-processor, as tokenizer_config's add_bos_token / add_eos_token override it)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=add_bos).ids
+        if not add_bos:
+            return ids
+        if self.bos_id is not None and self.add_bos_token is not None:
+            has_bos = ids[:1] == [self.bos_id]
+            if self.add_bos_token and not has_bos:
+                ids = [self.bos_id, *ids]
+            elif not self.add_bos_token and has_bos:
+                ids = ids[1:]
+        if self.eos_id is not None and self.add_eos_token is not None:
+            has_eos = ids[-1:] == [self.eos_id]
+            if self.add_eos_token and not has_eos:
+                ids = [*ids, self.eos_id]
+            elif not self.add_eos_token and has_eos:
+                ids = ids[:-1]
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, special tokens skipped (ids outside the vocabulary too)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_repr(self, token_id: int) -> str:
+        token = self.tokenizer.id_to_token(token_id)
+        if token is None:
+            raise ValueError(
+                f"token id {token_id} is outside the vocabulary 0..{self.vocab_size - 1}"
+            )
+        return token
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.decode)
+
+
+def load_tokenizer(path: str | Path) -> HFTokenizer | None:
+    """The tokenizer of a checkpoint folder, or None when it has no tokenizer.json (the shipped
+    models, named "target" or "draft", use the `ByteTokenizer`)."""
+    if (Path(path) / "tokenizer.json").is_file():
+        return HFTokenizer.from_folder(path)
+    return None
