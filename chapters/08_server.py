@@ -321,6 +321,24 @@ def metric_name(line: str) -> str:
 print("\n".join(line for line in metrics_text.splitlines() if metric_name(line) in wanted))
 
 # %% [markdown]
+# Two smaller surfaces sit beside OpenAI's and Anthropic's, each from a system this engine was
+# designed from. forge-infer's native `POST /generate` drops the envelope: one prompt in,
+# `{"text", "token_ids", "finish_reason"}` out (or, with `"stream": true`, Server-Sent Events of
+# that shape), through the same checks and limits as `/v1/completions`
+# (`serving/native_protocol.py`). astrai's `GET /stats` gives the engine's counters as JSON, read
+# like `/metrics` on the engine thread between two steps. A request may leave out `model`: as in
+# vLLM, it then means the served model.
+
+# %%
+native = httpx.post(
+    f"{server.url}/generate", json={"prompt": "ROMEO:\n", "max_tokens": 8, "temperature": 0}
+).json()
+print({key: native[key] for key in ("text", "token_ids", "finish_reason")})
+stats = httpx.get(f"{server.url}/stats").json()
+print({key: stats[key] for key in ("active_requests", "waiting_requests", "cache_usage")})
+assert stats["total_requests"] > 0 and stats["tokens_generated"] >= len(native["token_ids"])
+
+# %% [markdown]
 # ## Check: bad requests, and clients that leave
 #
 # Every mistake gets a 4xx with OpenAI's error body — the official client raises its usual

@@ -208,6 +208,35 @@ def test_dtype_auto_is_the_checkpoints_own(checkpoints) -> None:
         load_model(checkpoints["qwen2"], dtype="int8")
 
 
+def test_rope_frequencies_are_computed_once_per_device(checkpoints, monkeypatch) -> None:
+    """Not in every forward: a host-to-GPU copy each step would make the host wait for the GPU,
+    and cannot be captured in a CUDA graph."""
+    import minivllm.model.families as families
+
+    model = load_model(checkpoints["llama"])
+    calls = []
+    original = families.rope_inv_freq
+    monkeypatch.setattr(
+        families, "rope_inv_freq", lambda *args: calls.append(args) or original(*args)
+    )
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        first, second = model(ids), model(ids)
+    assert len(calls) == 1 and torch.equal(first, second)
+
+
+def test_a_tokenizer_naming_no_eos_leaves_the_models_own() -> None:
+    from types import SimpleNamespace
+
+    from minivllm.engine.llm_engine import eos_token_ids
+    from minivllm.model.transformer import ModelConfig
+
+    config = ModelConfig(vocab_size=300, eos_token_id=257)
+    assert eos_token_ids(config, SimpleNamespace(eos_ids=())) == (257,)
+    assert eos_token_ids(config, SimpleNamespace(eos_ids=(5, 9))) == (5, 9)
+    assert eos_token_ids(config, None) == (257,)
+
+
 def test_both_spellings_of_rope_settings_are_read() -> None:
     new = {
         "architectures": ["LlamaForCausalLM"],

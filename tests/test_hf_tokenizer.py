@@ -272,7 +272,7 @@ def test_llm_loads_a_folders_tokenizer(folders, monkeypatch) -> None:
 
     tokenizer = HFTokenizer.from_folder(folders["llama"])
     model = tiny_model(tokenizer)
-    monkeypatch.setattr(llm_engine, "load_model", lambda name: model)
+    monkeypatch.setattr(llm_engine, "load_model", lambda name, dtype="auto": model)
     llm = LLM(str(folders["llama"]), num_blocks=16, device="cpu")
     assert isinstance(llm.engine.tokenizer, HFTokenizer)
     assert llm.engine.eos_token_ids == tokenizer.eos_ids

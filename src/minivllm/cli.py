@@ -170,6 +170,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The loaded model's dtype (a checkpoint's own, `dtype="auto"`): the K/V cache takes the
+    same, so an attention kernel for that dtype can run and the cache is no larger than needed."""
+    return next(model.parameters()).dtype
+
+
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if not args.speculative:
         return None
@@ -190,12 +196,14 @@ def generate(args: argparse.Namespace) -> None:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+    model = load_model(args.model)
     config = EngineConfig(
         speculative=speculative_config(args),
         kv_layout=KV_LAYOUTS[args.kv],
         enforce_eager=args.enforce_eager,
+        dtype=model_dtype(model),
     )
-    engine = LLMEngine(load_model(args.model), config, load_tokenizer(args.model))
+    engine = LLMEngine(model, config, load_tokenizer(args.model))
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
     for delta in engine.stream([args.prompt], params):
@@ -219,14 +227,16 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
             SchedulerConfig.max_num_batched_tokens, args.max_num_seqs * per_decode
         ),
     )
+    model = load_model(args.model)
     config = EngineConfig(
         num_blocks=args.num_blocks,
         scheduler=scheduler,
         speculative=speculative_config(args),
         kv_layout=KV_LAYOUTS[args.kv],
         enforce_eager=args.enforce_eager,
+        dtype=model_dtype(model),
     )
-    return LLMEngine(load_model(args.model), config, load_tokenizer(args.model))
+    return LLMEngine(model, config, load_tokenizer(args.model))
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
@@ -263,10 +273,15 @@ def build_chat_engine(args: argparse.Namespace) -> LLMEngine:
     layout = KV_LAYOUTS[args.kv]
     caching = not args.no_prefix_caching and layout == "paged"
     scheduler = SchedulerConfig(enable_prefix_caching=caching)
+    model = load_model(args.model)
     config = EngineConfig(
-        scheduler=scheduler, speculative=speculative_config(args), kv_layout=layout
+        scheduler=scheduler,
+        speculative=speculative_config(args),
+        kv_layout=layout,
+        enforce_eager=args.enforce_eager,
+        dtype=model_dtype(model),
     )
-    return LLMEngine(load_model(args.model), config, load_tokenizer(args.model))
+    return LLMEngine(model, config, load_tokenizer(args.model))
 
 
 def chat(args: argparse.Namespace) -> int:

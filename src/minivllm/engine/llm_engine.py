@@ -418,8 +418,10 @@ def uses_cuda_graphs(config: EngineConfig, device: str) -> bool:
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """The ids that end a request: the tokenizer's (a checkpoint's tokenizer may name several), or
-    without one the model config's, which the shipped models share with the byte tokenizer."""
-    ids = model_config.eos_token_id if tokenizer is None else tokenizer.eos_ids
+    without one -- or where it names none -- the model config's, which the shipped models share
+    with the byte tokenizer."""
+    named = tokenizer.eos_ids if tokenizer is not None else None
+    ids = named if named else model_config.eos_token_id
     ids = () if ids is None else (ids,) if isinstance(ids, int) else tuple(ids)
     if bad := [i for i in ids if not 0 <= i < model_config.vocab_size]:
         raise ValueError(

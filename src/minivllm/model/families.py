@@ -101,6 +101,17 @@ class HFTransformer(Transformer):
             elif type(module) is RMSNorm:
                 module.__class__ = HFRMSNorm
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The RoPE frequencies on `device`, computed once per device: a copy from host memory in
+        every forward would make the host wait for the GPU each step, and cannot be captured in a
+        CUDA graph (runner/cuda_graph.py)."""
+        cache = self.__dict__.setdefault("_inv_freq_by_device", {})
+        if device not in cache:
+            config = self.config
+            frequencies = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+            cache[device] = frequencies.to(device)
+        return cache[device]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -112,10 +123,8 @@ class HFTransformer(Transformer):
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
             positions = positions.expand_as(input_ids)
         attention = attention if attention is not None else CausalAttention()
-        config = self.config
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin_scaled(positions, inv_freq, x.dtype)
+        cos, sin = rope_cos_sin_scaled(positions, self.inv_freq(positions.device), x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         return self.lm_head(self.model.norm(x))

@@ -1,13 +1,14 @@
 """The decode step as a CUDA graph: captured once per padded batch size, replayed every step
 (issue 34, as nano-vllm's `ModelRunner.capture_cudagraph` and vLLM's `CUDAGraphRunner`).
 
-Why. On a GPU the engine is bound by the host, not the device. Measured on an H100
-(`benchmarks/gpu_engine.py`), a batch-64 decode step of the shipped 6-layer model takes 11.7 ms
-with the torch attention backend and 20 ms with chapter 07's kernel ("cuda"), while its GPU
-kernels take 0.84 and 0.62 ms: the GPU is 7 % and 3 % busy. The step is ~245 kernel launches,
-each a few microseconds of Python and torch dispatch (numba's launches more), plus host syncs. A
-CUDA graph records those launches once and replays them as ONE launch: the host's cost of a step
-no longer grows with the number of kernels in it. (The sampler's syncs, after the forward, stay.)
+Why. On a GPU the engine is bound by the host, not the device. `benchmarks/gpu_engine.py` on an
+H100 (recorded in `benchmarks/results/gpu/gpu_engine.json`, its `decode_profiles`): an eager
+batch-64 decode step of the shipped 6-layer model is a couple of hundred kernel launches, each a
+few microseconds of Python and torch dispatch (numba's launches more), plus host syncs, and its
+GPU kernels are busy for under a tenth of the step. A CUDA graph records those launches once and
+replays them as ONE launch: the host's cost of a step no longer grows with the number of kernels
+in it. (The sampler's syncs, after the forward, stay.) The same file has the step times and the
+tokens/s with and without graphs.
 
 What is captured. The model's forward over a decode-only batch of `bs` rows -- embedding, every
 layer with its attention backend (K/V written through the slot mapping, then paged decode
