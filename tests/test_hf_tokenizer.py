@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLM, LLMEngine
 from minivllm.engine.processing import OutputProcessor
+from minivllm.model.chat_template import ChatTemplateError
 from minivllm.model.hf_tokenizer import HFTokenizer, IncrementalDetokenizer, load_tokenizer
 from minivllm.model.tokenizer import ByteTokenizer, Tokenizer
 from minivllm.model.transformer import ModelConfig, Transformer
@@ -81,7 +82,29 @@ def folders(tmp_path_factory) -> dict[str, Path]:
         "qwen": save(root / "qwen", False, {"bos_token": None, "eos_token": END}),
         "forced": save(root / "forced", False, {"bos_token": BOS, "add_bos_token": True}),
         "dropped": save(root / "dropped", True, {"bos_token": BOS, "add_bos_token": False}),
+        "chat": save(
+            root / "chat",
+            True,
+            {"bos_token": bos, "eos_token": EOT, "chat_template": CHAT_TEMPLATE},
+        ),
     }
+
+
+# A chat template in the manner of Llama 3's: BOS once, each turn's role and text, the turn's end
+# token, the generation prompt; a role it does not know is refused through raise_exception.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "{{ message['role'] }}: {{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+CONVERSATION = [
+    {"role": "system", "content": "Answer in French. "},
+    {"role": "user", "content": "café? 日本"},
+    {"role": "assistant", "content": "Oui 🙂"},
+    {"role": "user", "content": "naïve façade"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +325,41 @@ def test_generate_returns_vllms_output_types(llama) -> None:
         assert completion.finish_reason == LENGTH and len(completion.logprobs) == 6
         want = sum(entry[t] for t, entry in zip(sample.token_ids, sample.logprobs))
         assert completion.cumulative_logprob == pytest.approx(want) and want < 0
+
+
+def test_the_chat_template_renders_as_transformers_does(folders) -> None:
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folders["chat"]))
+    ours = HFTokenizer.from_folder(folders["chat"])
+    for generation_prompt in (True, False):
+        text = theirs.apply_chat_template(
+            CONVERSATION, add_generation_prompt=generation_prompt, tokenize=False
+        )
+        ids = theirs.apply_chat_template(
+            CONVERSATION, add_generation_prompt=generation_prompt, tokenize=True
+        )
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5: a BatchEncoding
+        assert ours.apply_chat_template(CONVERSATION, generation_prompt, tokenize=False) == text
+        assert ours.apply_chat_template(CONVERSATION, generation_prompt) == list(ids)
+    with pytest.raises(ChatTemplateError, match="unknown role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="no chat template"):
+        HFTokenizer.from_folder(folders["qwen"]).apply_chat_template(CONVERSATION)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_llm_chat_answers_in_the_models_layout(folders) -> None:
+    from minivllm.chat import TemplateFormat, chat_format_for
+
+    tokenizer = HFTokenizer.from_folder(folders["chat"])
+    llm = LLM(tiny_model(tokenizer), tokenizer=tokenizer, num_blocks=32, device="cpu")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    [out] = llm.chat(CONVERSATION, params)
+    assert out.prompt_token_ids == tokenizer.apply_chat_template(CONVERSATION)
+    assert out.prompt == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert out.prompt.endswith("assistant:") and len(out.outputs[0].token_ids) == 4
+    both = llm.chat([CONVERSATION, CONVERSATION[:2]], params)
+    assert both[0].outputs[0].token_ids == out.outputs[0].token_ids  # greedy: the same answer
+    assert isinstance(chat_format_for(tokenizer), TemplateFormat)  # `minivllm chat` uses it too
+    with pytest.raises(ValueError, match="no chat template"):
+        LLM(tiny_model(tokenizer), num_blocks=32, device="cpu").chat(CONVERSATION)

@@ -22,7 +22,7 @@ token ids only, and the EOS ids the tokenizer names.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -396,6 +396,33 @@ class LLM:
         self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         return self.engine.generate(prompts, sampling_params)
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages) or a list
+        of them, each laid out by the tokenizer's chat template and answered. A model whose
+        tokenizer has no template (the shipped byte-level ones) is refused: give it a prompt."""
+        render = getattr(self.engine.tokenizer, "apply_chat_template", None)
+        if render is None or getattr(self.engine.tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "this model's tokenizer has no chat template: use LLM.generate with a prompt"
+            )
+        single = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if single else list(messages)
+        prompts = [
+            list(render(c, add_generation_prompt=add_generation_prompt, tokenize=True))
+            for c in conversations
+        ]
+        outputs = self.engine.generate(prompts, sampling_params)
+        for output, conversation in zip(outputs, conversations):
+            output.prompt = render(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        return outputs
 
 
 @dataclass(frozen=True)

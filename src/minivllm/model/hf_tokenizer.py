@@ -24,12 +24,14 @@ that ends mid-character must end, as `decode` of all its ids does, with U+FFFD.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tokenizers
 
+from minivllm.model.chat_template import read_chat_template, render_chat_template
 from minivllm.model.tokenizer import REPLACEMENT_CHARACTER
 
 
@@ -67,8 +69,16 @@ class HFTokenizer:
         tokenizer: tokenizers.Tokenizer,
         config: dict | None = None,
         generation_config: dict | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.tokenizer, config = tokenizer, config or {}
+        # jinja2 source (model/chat_template.py); None: the tokenizer has no chat layout
+        self.chat_template = chat_template
+        # the special tokens as text, as a template reads them (`bos_token`, `eos_token`, ...)
+        self.special_tokens = {
+            name: self._special_text(config, name)
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
         self.bos_id = self._special_id(config, "bos_token")
         self.pad_id = self._special_id(config, "pad_token")
         # None: as tokenizer.json's post-processor does; True/False: transformers' override
@@ -92,7 +102,33 @@ class HFTokenizer:
             return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
 
         tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-        return cls(tokenizer, read("tokenizer_config.json"), read("generation_config.json"))
+        config = read("tokenizer_config.json") or {}
+        template = read_chat_template(folder, config)
+        return cls(tokenizer, config, read("generation_config.json"), template)
+
+    @staticmethod
+    def _special_text(config: dict, name: str) -> str | None:
+        token = config.get(name)
+        return token.get("content") if isinstance(token, dict) else token
+
+    def apply_chat_template(
+        self,
+        messages: SequenceOf[Mapping],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+    ) -> list[int] | str:
+        """The conversation in the model's own layout (Hugging Face's `apply_chat_template`): the
+        rendered text, or with `tokenize` its ids, encoded without the tokenizer's own special
+        tokens (the template wrote them)."""
+        if self.chat_template is None:
+            raise ValueError(
+                "this tokenizer has no chat template (no chat_template in tokenizer_config.json "
+                "and no chat_template.jinja): give a prompt, not messages"
+            )
+        text = render_chat_template(
+            self.chat_template, messages, add_generation_prompt, self.special_tokens
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False).ids if tokenize else text
 
     def _special_id(self, config: dict, name: str) -> int | None:
         token = config.get(name)
