@@ -66,7 +66,7 @@ from minivllm.attention.cuda.kernels import (
 )
 from minivllm.attention.cuda.launch import paged_attention, shared_bytes, split_partition_size
 from minivllm.attention.cuda.occupancy import H100_SXM, occupancy
-from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE
+from minivllm.attention.cuda.simulator import KERNEL_DEVICE, SIMULATOR, WARP_SIZE
 from minivllm.attention.numba_cpu import (
     _attend,
     _attend_units,
@@ -89,7 +89,7 @@ from minivllm.attention.torch_backend import DecodeAttention
 from minivllm.book import kernel_check, show, source, use_book_style
 from minivllm.book.figures.kernels import draw_cache_reads, draw_execution_model, draw_work_plan
 from minivllm.book.kernel_check import kernel_error, random_inputs, reference_attention
-from minivllm.book.kernel_trace import reads_by_thread, recorded
+from minivllm.book.kernel_trace import in_simulator, reads_by_thread, trace_group, trace_v1
 from minivllm.book.stats import within
 from minivllm.book.step_timing import decode_engine, time_decode_steps, time_thread_counts
 from minivllm.model.checkpoint import load_model
@@ -520,8 +520,10 @@ def run_policy(policy: str | None) -> tuple[float, float, list]:
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
     done = subprocess.run(
-        [sys.executable, "-c", POLICY_RUN], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", POLICY_RUN], env=env, capture_output=True, text=True
     )
+    if done.returncode != 0:
+        raise RuntimeError(f"the run with OMP_WAIT_POLICY={policy} failed:\n{done.stderr[-3000:]}")
     return tuple(json.loads(done.stdout.splitlines()[-1]))
 
 
@@ -795,8 +797,17 @@ def random_case(
     dtype=torch.float32,
     seed=0,
 ):
-    """Random inputs in the target model's head_dim and block size."""
-    return random_inputs(context_lens, num_heads, num_kv_heads, config.head_dim, 16, dtype, seed)
+    """Random inputs in the target model's head_dim and block size, where the kernels run."""
+    return random_inputs(
+        context_lens,
+        num_heads,
+        num_kv_heads,
+        config.head_dim,
+        16,
+        dtype,
+        seed,
+        device=KERNEL_DEVICE,
+    )
 
 
 checks = {"float32": (torch.float32, 1e-5), "float16": (torch.float16, 2e-3)}
@@ -811,38 +822,25 @@ for name, (dtype, tolerance) in checks.items():
 # The simulator runs the kernel in Python, so we can watch it. `kernel_trace.recorded` wraps the key
 # and value caches in arrays that note every element a CUDA thread reads, and by whom. One sequence
 # of 40 tokens, its three blocks scattered over a pool of eight, one head, 64 threads (two warps),
-# and the kernel launched by hand — grid, threads per block, stream, shared-memory bytes:
+# and the kernel launched by hand — grid, threads per block, stream, shared-memory bytes.
+# `in_simulator` runs it where the simulator is on: in this process without a GPU, in a child
+# process with one (a real GPU's reads happen in hardware, out of Python's sight).
 
 # %%
-q, k_cache, v_cache, _, _ = random_case([40], num_heads=1, num_kv_heads=1, seed=3)
-k_cache, v_cache = (
-    torch.randn(8, 16, 1, config.head_dim, generator=torch.Generator().manual_seed(s))
-    for s in (4, 5)
-)
-table, lens = torch.tensor([[5, 2, 7]], dtype=torch.int32), torch.tensor([40], dtype=torch.int32)
-key_reads, value_reads = [], []
-out = torch.full_like(q, float("nan"))
-threads = 2 * WARP_SIZE
-paged_attention_v1[(1, 1), threads, 0, shared_bytes(config.head_dim, threads, 40)](
-    out.numpy(),
-    q.numpy(),
-    recorded(k_cache.numpy(), key_reads),
-    recorded(v_cache.numpy(), value_reads),
-    table.numpy(),
-    lens.numpy(),
-    config.head_dim**-0.5,
-    1,
-)
-assert torch.allclose(
-    out, reference_attention(q, k_cache, v_cache, table, lens), rtol=1e-5, atol=1e-6
-)
+show(trace_v1)
+
+# %%
+trace = in_simulator(trace_v1, config.head_dim)
+key_reads, value_reads = trace.key_reads, trace.value_reads
 print(
     f"{len(key_reads)} key reads = 40 tokens x {config.head_dim} elements; {len(value_reads)} value reads"
 )
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "The key cache as one thread block reads it: one row per physical block, one cell per slot. A slot that was read is coloured by the warp that read it and numbered with that warp's round; slots of other sequences' blocks stay blank.", "name": "fig-07-cache-reads"}}
 fig, ax = plt.subplots(figsize=(7.5, 4))
-draw_cache_reads(ax, reads_by_thread(key_reads), table[0].tolist(), block_size=16, num_blocks=8)
+draw_cache_reads(
+    ax, reads_by_thread(key_reads), trace.block_table, block_size=16, num_blocks=trace.num_blocks
+)
 ax.set_title("key reads of one thread block: colour = warp, number = the warp's round")
 plt.show()
 
@@ -957,41 +955,8 @@ for partition in (None, 16):
 # head. v1 runs four thread blocks, one per head; v3 runs one for the group.
 
 # %%
-group_q, group_k, group_v, _, _ = random_case([40], num_heads=4, num_kv_heads=1, seed=9)
-group_k, group_v = (
-    torch.randn(8, 16, 1, config.head_dim, generator=torch.Generator().manual_seed(s))
-    for s in (10, 11)
-)
-v1_reads, v3_reads, table_reads = [], [], []
-paged_attention_v1[(1, 4), WARP_SIZE, 0, shared_bytes(config.head_dim, WARP_SIZE, 40)](
-    torch.empty_like(group_q).numpy(),
-    group_q.numpy(),
-    recorded(group_k.numpy(), v1_reads),
-    group_v.numpy(),
-    table.numpy(),
-    lens.numpy(),
-    config.head_dim**-0.5,
-    4,
-)
-lanes = default_lanes_per_token(config.head_dim)
-v3 = grouped_decode_kernel(config.head_dim, 4, lanes, 16)
-v3_out = torch.full((1, 4, 1, config.head_dim), float("nan"))
-v3[(1, 1, 1), WARP_SIZE, 0, 4 * shared_words(3, config.head_dim, 4, WARP_SIZE, lanes)](
-    v3_out.numpy(),
-    torch.empty(1, 4, 1).numpy(),
-    torch.empty(1, 4, 1).numpy(),
-    group_q.numpy(),
-    recorded(group_k.view(-1).numpy(), v3_reads),  # v3 takes the caches flattened
-    group_v.view(-1).numpy(),
-    recorded(table.numpy(), table_reads),
-    lens.numpy(),
-    40,
-    config.head_dim**-0.5,
-    48,  # one partition: the whole table
-)
-assert torch.allclose(
-    v3_out[:, :, 0], reference_attention(group_q, group_k, group_v, table, lens), atol=1e-6
-)
+group = in_simulator(trace_group, config.head_dim, 4)
+v1_reads, v3_reads, table_reads = group.v1_key_reads, group.v3_key_reads, group.v3_table_reads
 elements = 40 * config.head_dim
 print(f"key elements in the context: {elements}")
 print(f"v1 reads {len(v1_reads)} ({len(v1_reads) / elements:.0f} per element, one per head)")
@@ -1115,7 +1080,8 @@ params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 outputs = {}
 for backend in ("torch", "cuda"):
     engine = LLMEngine(
-        target, EngineConfig(num_blocks=16, block_size=16, device="cpu", attention_backend=backend)
+        target,
+        EngineConfig(num_blocks=16, block_size=16, device=KERNEL_DEVICE, attention_backend=backend),
     )
     outputs[backend] = engine.generate(["JULIET:\nO Romeo"], params)[0]
     print(f"{backend:>5} backend ({engine.runner.backend.__name__}): {outputs[backend].text!r}")

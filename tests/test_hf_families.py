@@ -167,16 +167,37 @@ def test_bfloat16_engine_matches_generate_in_bfloat16(checkpoints) -> None:
 
 
 def test_cuda_kernel_in_the_simulator(checkpoints, hf_models) -> None:
-    """The decode kernel in numba's CUDA simulator (slow: one family, two prompts, 3 tokens)."""
+    """The decode kernel in numba's CUDA simulator (slow: one family, two prompts, 3 tokens), or
+    natively on a GPU."""
+    from minivllm.attention.cuda.simulator import KERNEL_DEVICE
+
     hf, expected = hf_models["qwen3"]
     engine = LLMEngine(
         load_model(checkpoints["qwen3"], dtype=torch.float32),
-        EngineConfig(num_blocks=16, block_size=4, device="cpu", attention_backend="cuda"),
+        EngineConfig(num_blocks=16, block_size=4, device=KERNEL_DEVICE, attention_backend="cuda"),
     )
     prompts = [PROMPTS[0], PROMPTS[2]]
     outs = engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     for prompt, out, theirs in zip(prompts, outs, [expected[0], expected[2]]):
         assert_same_or_near_tie(hf, prompt, out.token_ids, theirs[:3], FP32_TOLERANCE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check)")
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_on_the_gpu_with_cuda_graphs(checkpoints, hf_models, family, backend) -> None:
+    """Every family on the GPU, decode steps replayed from CUDA graphs (RoPE scaling, biases, q/k
+    norms and tied embeddings all captured), greedy against Hugging Face's."""
+    hf, expected = hf_models[family]
+    engine = LLMEngine(
+        load_model(checkpoints[family], dtype=torch.float32),
+        EngineConfig(num_blocks=32, block_size=4, device="cuda", attention_backend=backend),
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for prompt, out, theirs in zip(PROMPTS, engine.generate(PROMPTS, params), expected):
+        assert_same_or_near_tie(hf, prompt, out.token_ids, theirs, FP32_TOLERANCE)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.capture_error is None and graphs.replays > 0
 
 
 # -- what the loader reads -------------------------------------------------------------------------

@@ -27,6 +27,8 @@ if not SIMULATOR and not cuda.is_available():
         "the environment, or import this module before anything else imports numba"
     )
 WARP_SIZE = 32
+# Where the kernels take their tensors: the GPU's memory, or the simulator's (the CPU's).
+KERNEL_DEVICE = "cpu" if SIMULATOR else "cuda"
 
 
 def _install_simulator_shuffle() -> None:
