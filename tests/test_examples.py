@@ -21,11 +21,12 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DASHES = "-" * 80
 
 
-def run(script: str, capsys) -> tuple[dict, list[str]]:
-    """The script's globals and the lines it printed."""
+def run(script: str, capsys) -> tuple[dict, list[str], str]:
+    """The script's globals, the lines it printed, and what it wrote to stderr."""
     capsys.readouterr()
     found = runpy.run_path(str(EXAMPLES / script), run_name="__main__")
-    return found, capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    return found, captured.out.splitlines(), captured.err
 
 
 def printed(line: str) -> tuple[str, str]:
@@ -38,7 +39,7 @@ def test_the_quickstart_prints_each_prompt_and_its_answer(
     chat_checkpoint, monkeypatch, capsys
 ) -> None:
     monkeypatch.setenv("MINIVLLM_MODEL", str(chat_checkpoint))
-    found, lines = run("basic.py", capsys)
+    found, lines, _ = run("basic.py", capsys)
     prompts, params = found["prompts"], found["sampling_params"]
     offline = LLM(str(chat_checkpoint)).generate(prompts, params, use_tqdm=False)
     assert [printed(line) for line in lines] == [(o.prompt, o.outputs[0].text) for o in offline]
@@ -49,11 +50,12 @@ def test_the_chat_example_prints_the_templated_conversations_and_answers(
     chat_checkpoint, monkeypatch, capsys
 ) -> None:
     monkeypatch.setenv("MINIVLLM_MODEL", str(chat_checkpoint))
-    found, lines = run("chat.py", capsys)
+    found, lines, err = run("chat.py", capsys)
     # one conversation, then a batch of two, each block closed by a line of dashes
     assert [i for i, line in enumerate(lines) if line == DASHES] == [1, 4]
     answers = [printed(line) for line in lines if line != DASHES]
     assert len(answers) == 3
+    assert "Processed prompts: 100%" in err and "2/2" in err  # use_tqdm=True: the batch's bar
     for prompt, _ in answers:  # the model's template laid it out, ready for the answer
         assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("assistant\n")
     # each answer is the engine's to that prompt (a fresh engine: the same request ids, seeds)

@@ -312,14 +312,17 @@ class LLMEngine:
         ids = self._add_all(prompts, params)
         wanted = {i: len(self.groups.get(i, (i,))) for i in ids}
         done: dict[int, dict[int, RequestOutput]] = {i: {} for i in ids}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
-        with bar:
+        bar = ProgressBar(total=len(ids), desc="Processed prompts") if use_tqdm else None
+        try:
             while any(len(done[i]) < wanted[i] for i in ids):
                 for out in self.step():
                     if out.finished and out.request_id in done:
                         done[out.request_id][out.index] = out
-                        if len(done[out.request_id]) == wanted[out.request_id]:
+                        if bar is not None and len(done[out.request_id]) == wanted[out.request_id]:
                             bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         results = []
         for i, prompt in zip(ids, [prompts] if isinstance(prompts, str) else prompts):
             first = done[i][0]
@@ -437,6 +440,13 @@ class LLM:
         for output, conversation in zip(outputs, conversations):
             output.prompt = render_conversation(tokenizer, conversation, tokenize=False, **layout)
         return outputs
+
+
+class ProgressBar(tqdm):
+    """vLLM's `use_tqdm` bar, without tqdm's monitor thread (it would outlive the bar: a
+    notebook that checks for threads left behind would find it)."""
+
+    monitor_interval = 0
 
 
 @dataclass(frozen=True)
