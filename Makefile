@@ -46,7 +46,7 @@ book: $(BOOK_STAMP)
 	$(PY) tools/notebooks.py execute
 	$(PY) tools/build_book.py
 
-LINTED := src tests benchmarks tools chapters book/scoreboard.py
+LINTED := src tests benchmarks tools chapters examples book/scoreboard.py
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check $(LINTED)

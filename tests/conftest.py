@@ -76,3 +76,99 @@ def target():
     from minivllm.model.checkpoint import load_model
 
     return load_model("target")
+
+
+# -- a checkpoint as Hugging Face publishes one, built offline -------------------------------------
+
+# What the tests' BPE tokenizers learn from: multi-byte characters that the merges split across
+# tokens (a token may end inside `日`), which is what incremental detokenizing must get right.
+BPE_CORPUS = (
+    "Hello world, café crème brûlée. 日本語のテキスト、日本の本。 emoji 🙂🎉 are fun! "
+    "The quick brown fox jumps over the lazy dog. naïve façade, Ελληνικά, русский текст. "
+)
+
+
+def train_bpe(special_tokens: list[str], vocab_size: int = 400):
+    """A tiny byte-level BPE tokenizer (GPT-2's, Llama 3's and Qwen's kind) trained with
+    `tokenizers`, its special tokens first in the vocabulary."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([BPE_CORPUS] * 10, trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def bpe_trainer():
+    """`train_bpe`, for test modules (a conftest is not imported by name)."""
+    return train_bpe
+
+
+# Qwen's ChatML layout, with the check a Mistral or Llama 2 template makes: a system message may
+# only come first, and user and assistant must alternate (else raise_exception, as they do).
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}"
+    "{%- if not loop.first %}{{ raise_exception('A system message must come first') }}{%- endif %}"
+    "{%- elif (message['role'] == 'user') != "
+    "((loop.index0 - (1 if messages[0]['role'] == 'system' else 0)) % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHATML_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+    """A Qwen3 chat model as it is published: random weights (float32, q/k norms, its own head
+    size, tied embeddings; logits spread over a few units, so greedy choices are rarely ties) with
+    an embedding padded past the tokenizer's vocabulary as Qwen's is, `tokenizer.json` (a BPE
+    trained here), `tokenizer_config.json` with a ChatML chat template, and
+    `generation_config.json`: `<|im_end|>` ends a turn."""
+    import json
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    tok = train_bpe(CHATML_TOKENS)
+    ids = {token: tok.token_to_id(token) for token in CHATML_TOKENS}
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=448,  # the tokenizer's 400 rounded up to a multiple of 64
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    folder = tmp_path_factory.mktemp("qwen3-chat")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder

@@ -24,6 +24,7 @@ from minivllm.model.checkpoint import (  # noqa: E402
 )
 from minivllm.model.families import HFTransformer, rope_inv_freq  # noqa: E402
 from minivllm.model.fused import fuse_model  # noqa: E402
+from minivllm.model.hf_tokenizer import HFTokenizer  # noqa: E402
 from minivllm.sched.sequence import SamplingParams  # noqa: E402
 
 LLAMA3_ROPE = {
@@ -152,11 +153,13 @@ def test_bfloat16_engine_matches_generate_in_bfloat16(checkpoints) -> None:
     from minivllm.attention.torch_backend import TorchPagedAttention
 
     folder = checkpoints["qwen3"]
-    llm = LLM(str(folder), num_blocks=32, block_size=4, device="cpu")
+    tokenizer = ids_tokenizer(TINY["vocab_size"])  # the random checkpoints ship none
+    cache = dict(num_blocks=32, block_size=4, device="cpu")
+    llm = LLM(str(folder), tokenizer, **cache)
     assert llm.engine.config.dtype == torch.bfloat16
     assert llm.engine.runner.backend is TorchPagedAttention
     with pytest.raises(ValueError, match="backend 'numba' takes torch.float32, not torch.bfloat16"):
-        LLM(str(folder), num_blocks=32, block_size=4, device="cpu", attention_backend="numba")
+        LLM(str(folder), tokenizer, **cache, attention_backend="numba")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
@@ -164,6 +167,15 @@ def test_bfloat16_engine_matches_generate_in_bfloat16(checkpoints) -> None:
             scale = hf(torch.tensor([prompt])).logits.float().abs().max().item()
         theirs = hf_greedy(hf, prompt)
         assert_same_or_near_tie(hf, prompt, out.token_ids, theirs, HALF_TOLERANCE * scale)
+
+
+def ids_tokenizer(vocab_size: int) -> HFTokenizer:
+    """A tokenizer with one made-up word per id, for tests that give token ids: a Hugging Face
+    folder without a tokenizer is refused (`load_tokenizer`)."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    return HFTokenizer(Tokenizer(models.WordLevel(vocab, unk_token="t0")))
 
 
 def test_cuda_kernel_in_the_simulator(checkpoints, hf_models) -> None:

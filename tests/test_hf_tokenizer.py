@@ -1,14 +1,16 @@
 """A checkpoint's own tokenizer (`HFTokenizer`) and text in the engine with it.
 
-The tokenizer is trained here, offline, with `tokenizers`: a tiny byte-level BPE with Llama-3-like
-special tokens, saved as tokenizer.json + tokenizer_config.json (+ generation_config.json) in a
-temporary folder. Its merges split multi-byte characters across tokens (a token may end inside
-`日`), which is what the incremental detokenizer must get right.
+The tokenizer is trained here, offline, with `tokenizers` (conftest's `train_bpe`): a tiny
+byte-level BPE with Llama-3-like special tokens, saved as tokenizer.json + tokenizer_config.json
+(+ generation_config.json) in a temporary folder. Its merges split multi-byte characters across
+tokens (a token may end inside `日`), which is what the incremental detokenizer must get right.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,34 +32,20 @@ from minivllm.sched.sequence import LENGTH, STOP, SamplingParams, Sequence
 tokenizers = pytest.importorskip("tokenizers")
 
 BOS, END, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
-CORPUS = (
-    "Hello world, café crème brûlée. 日本語のテキスト、日本の本。 emoji 🙂🎉 are fun! "
-    "The quick brown fox jumps over the lazy dog. naïve façade, Ελληνικά, русский текст. "
-)
 TEXTS = ["Hello world", "café 日本 🙂", "日本語のテキスト🎉🎉", "naïve façade — Ελληνικά!", ""]
 
 
-def train() -> tokenizers.Tokenizer:
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=[BOS, END, EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS] * 10, trainer)
-    return tok
-
-
-def save(folder: Path, bos_first: bool, config: dict, generation: dict | None = None) -> Path:
+def save(
+    tok: tokenizers.Tokenizer,
+    folder: Path,
+    bos_first: bool,
+    config: dict,
+    generation: dict | None = None,
+) -> Path:
     """A checkpoint's tokenizer files: Llama 3's post-processor puts BOS first, Qwen's none."""
     from tokenizers import processors
 
-    tok = train()
+    tok = tokenizers.Tokenizer.from_str(tok.to_str())  # a copy: the post-processor is this one's
     if bos_first:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))]
@@ -72,17 +60,23 @@ def save(folder: Path, bos_first: bool, config: dict, generation: dict | None = 
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
+def folders(tmp_path_factory, bpe_trainer) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tokenizers")
     bos = {"content": BOS, "special": True, "__type": "AddedToken"}  # as transformers saves it
+    tok = bpe_trainer([BOS, END, EOT])
     return {
         "llama": save(
-            root / "llama", True, {"bos_token": bos, "eos_token": EOT}, {"eos_token_id": [1, 2]}
+            tok,
+            root / "llama",
+            True,
+            {"bos_token": bos, "eos_token": EOT},
+            {"eos_token_id": [1, 2]},
         ),
-        "qwen": save(root / "qwen", False, {"bos_token": None, "eos_token": END}),
-        "forced": save(root / "forced", False, {"bos_token": BOS, "add_bos_token": True}),
-        "dropped": save(root / "dropped", True, {"bos_token": BOS, "add_bos_token": False}),
+        "qwen": save(tok, root / "qwen", False, {"bos_token": None, "eos_token": END}),
+        "forced": save(tok, root / "forced", False, {"bos_token": BOS, "add_bos_token": True}),
+        "dropped": save(tok, root / "dropped", True, {"bos_token": BOS, "add_bos_token": False}),
         "chat": save(
+            tok,
             root / "chat",
             True,
             {"bos_token": bos, "eos_token": EOT, "chat_template": CHAT_TEMPLATE},
@@ -301,8 +295,54 @@ def test_llm_loads_a_folders_tokenizer(folders, monkeypatch) -> None:
     assert llm.engine.eos_token_ids == tokenizer.eos_ids
     # a tokenizer that does not belong to the model is refused
     small = Transformer(ModelConfig(vocab_size=200, d_model=32, n_layers=1, n_heads=4, d_ff=48))
-    with pytest.raises(ValueError, match="EOS token id 257 is outside"):
+    with pytest.raises(ValueError, match="the ByteTokenizer has a vocabulary of 259 tokens, but"):
         LLMEngine(small, EngineConfig(num_blocks=16, device="cpu"), ByteTokenizer())
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_when_the_engine_is_built(
+    chat_checkpoint,
+) -> None:
+    """Its ids past the embedding's rows would index past it: one error naming tokenizer.json
+    and both sizes. A larger embedding (Qwen's padding: 448 rows for 400 ids here) is fine."""
+    folder = chat_checkpoint
+    tokenizer = HFTokenizer.from_folder(folder)
+    assert tokenizer.vocab_size == 400 and tokenizer.source == str(folder / "tokenizer.json")
+    small = Transformer(ModelConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=4, d_ff=48))
+    message = (
+        f"{folder / 'tokenizer.json'} has a vocabulary of 400 tokens, but the model's embedding "
+        "has 300 rows"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(small, tokenizer=str(folder), num_blocks=16, device="cpu")
+    llm = LLM(str(folder), num_blocks=16, device="cpu")  # 448 rows for 400 ids
+    assert llm.engine.model.config.vocab_size == 448 and llm.engine.tokenizer.vocab_size == 400
+
+
+def test_a_folder_without_a_tokenizer_is_refused_unless_one_is_given(
+    chat_checkpoint, tmp_path, capsys
+) -> None:
+    """A Hugging Face folder with no tokenizer.json would have its text read as bytes: refused,
+    naming the folder, what is missing and how to give one. The book's byte-level models (the
+    shipped ones, and a folder save_checkpoint wrote) keep the byte tokenizer."""
+    from minivllm.cli import main
+    from minivllm.model.checkpoint import CheckpointError, save_checkpoint
+
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(chat_checkpoint, folder)
+    (folder / "tokenizer.json").unlink()
+    message = f"{folder} has no tokenizer.json (it has tokenizer_config.json)"
+    with pytest.raises(CheckpointError, match=re.escape(message)) as refused:
+        LLM(str(folder), num_blocks=16, device="cpu")
+    assert f"LLM('{folder}', tokenizer=" in str(refused.value)
+    assert main(["generate", "Hi", "--model", str(folder), "--max-tokens", "2"]) == 2
+    assert message in capsys.readouterr().err
+    # given one, it runs
+    llm = LLM(str(folder), tokenizer=str(chat_checkpoint), num_blocks=16, device="cpu")
+    assert llm.engine.tokenizer.source == str(chat_checkpoint / "tokenizer.json")
+    assert load_tokenizer("target") is None and load_tokenizer("draft") is None
+    book = tmp_path / "book-model"
+    save_checkpoint(Transformer(ModelConfig(d_model=32, n_layers=1, n_heads=4, d_ff=48)), book)
+    assert load_tokenizer(book) is None
 
 
 @pytest.mark.usefixtures("one_torch_thread")

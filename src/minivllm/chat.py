@@ -45,6 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TextIO
 
+from minivllm.engine.conversation import has_chat_template, render_conversation
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.runner.sampler import derive_seed
 from minivllm.sched.sequence import SamplingParams
@@ -104,15 +105,13 @@ class TemplateFormat:
     stop: tuple[str, ...] = ()
 
     def render(self, messages: Sequence[Message]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
-        )
-        return list(ids)
+        # the layout of LLM.chat and the server's chat endpoints (engine/conversation.py)
+        return list(render_conversation(self.tokenizer, messages))
 
 
 def chat_format_for(tokenizer: Any) -> ChatFormat:
     """The tokenizer's chat template when it has one, else the play (the shipped byte tokenizer)."""
-    if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+    if has_chat_template(tokenizer):
         return TemplateFormat(tokenizer)
     return PlayFormat()
 

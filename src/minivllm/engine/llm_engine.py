@@ -27,9 +27,12 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tqdm import tqdm
+
 from minivllm.attention.backend import get_backend, resolve_backend_name, warm_up_backend
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.engine.config import EngineConfig, _resolve_device
+from minivllm.engine.conversation import render_conversation
 from minivllm.engine.processing import (
     InputProcessor,
     OutputProcessor,
@@ -62,6 +65,8 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
+        if tokenizer is not None:  # a tokenizer given must fit the model (not the default one)
+            check_vocabulary(model.config, tokenizer)
         self.tokenizer = tokenizer or ByteTokenizer()
         self.eos_token_ids = eos_token_ids(model.config, tokenizer)
         self.device = _resolve_device(config)
@@ -296,19 +301,28 @@ class LLMEngine:
         self,
         prompts: SequenceOf[str | SequenceOf[int]],
         params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to the end; one output per prompt, in the order of the prompts.
 
         A request with n > 1 samples returns the output of sample 0, with all n finished samples
         in its `samples` (index order); with n == 1 `samples` stays empty. Either way `outputs`
-        lists them as vLLM's `CompletionOutput`s, and `prompt` is a text prompt's text."""
+        lists them as vLLM's `CompletionOutput`s, and `prompt` is a text prompt's text. With
+        `use_tqdm`, a progress bar on stderr counts the finished requests (vLLM's)."""
         ids = self._add_all(prompts, params)
         wanted = {i: len(self.groups.get(i, (i,))) for i in ids}
         done: dict[int, dict[int, RequestOutput]] = {i: {} for i in ids}
-        while any(len(done[i]) < wanted[i] for i in ids):
-            for out in self.step():
-                if out.finished and out.request_id in done:
-                    done[out.request_id][out.index] = out
+        bar = ProgressBar(total=len(ids), desc="Processed prompts") if use_tqdm else None
+        try:
+            while any(len(done[i]) < wanted[i] for i in ids):
+                for out in self.step():
+                    if out.finished and out.request_id in done:
+                        done[out.request_id][out.index] = out
+                        if bar is not None and len(done[out.request_id]) == wanted[out.request_id]:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         results = []
         for i, prompt in zip(ids, [prompts] if isinstance(prompts, str) else prompts):
             first = done[i][0]
@@ -358,8 +372,9 @@ class LLM:
     """The front door: `LLM("target").generate(["ROMEO:"], SamplingParams(max_tokens=50))`.
 
     A model folder with a tokenizer.json brings its own tokenizer (`HFTokenizer`); `tokenizer`
-    (a `Tokenizer`, or a folder) overrides it. `dtype` is vLLM's: the model's and the K/V
-    cache's; "auto" is the checkpoint's own."""
+    (a `Tokenizer`, or a folder) overrides it, and a Hugging Face folder without one needs it
+    (`load_tokenizer` says so). `dtype` is vLLM's: the model's and the K/V cache's; "auto" is the
+    checkpoint's own."""
 
     def __init__(
         self,
@@ -393,36 +408,45 @@ class LLM:
         self.engine = LLMEngine(model, EngineConfig(scheduler=scheduler, **config), tokenizer)
 
     def generate(
-        self, prompts, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None
+        self,
+        prompts,
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        return self.engine.generate(prompts, sampling_params)
+        """vLLM's `LLM.generate`: every prompt run to its end, the outputs in the prompts' order;
+        `use_tqdm` (vLLM's default: on) shows a progress bar on stderr."""
+        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat(
         self,
         messages,
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages) or a list
-        of them, each laid out by the tokenizer's chat template and answered. A model whose
-        tokenizer has no template (the shipped byte-level ones) is refused: give it a prompt."""
-        render = getattr(self.engine.tokenizer, "apply_chat_template", None)
-        if render is None or getattr(self.engine.tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                "this model's tokenizer has no chat template: use LLM.generate with a prompt"
-            )
+        """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages, a content
+        being text or a list of text parts) or a list of them, each laid out by the tokenizer's
+        chat template -- or `chat_template`, jinja source that replaces it -- and answered
+        (engine/conversation.py, the server's layout too). A model whose tokenizer has no
+        template (the shipped byte-level ones, which read a chat as a play: `minivllm chat`) is
+        refused: give it a prompt, or a template."""
         single = bool(messages) and isinstance(messages[0], Mapping)
         conversations = [messages] if single else list(messages)
-        prompts = [
-            list(render(c, add_generation_prompt=add_generation_prompt, tokenize=True))
-            for c in conversations
-        ]
-        outputs = self.engine.generate(prompts, sampling_params)
+        tokenizer = self.engine.tokenizer
+        layout = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        prompts = [render_conversation(tokenizer, c, **layout) for c in conversations]
+        outputs = self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         for output, conversation in zip(outputs, conversations):
-            output.prompt = render(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
+            output.prompt = render_conversation(tokenizer, conversation, tokenize=False, **layout)
         return outputs
+
+
+class ProgressBar(tqdm):
+    """vLLM's `use_tqdm` bar, without tqdm's monitor thread (it would outlive the bar: a
+    notebook that checks for threads left behind would find it)."""
+
+    monitor_interval = 0
 
 
 @dataclass(frozen=True)
@@ -441,6 +465,23 @@ def uses_cuda_graphs(config: EngineConfig, device: str) -> bool:
     """Whether an engine's decode steps replay CUDA graphs: on a CUDA device, unless
     `enforce_eager` (or forward workers, which run on a CPU only)."""
     return device == "cuda" and not config.enforce_eager and config.forward_processes == 1
+
+
+def check_vocabulary(model_config: ModelConfig, tokenizer: Tokenizer) -> None:
+    """A tokenizer may produce ids 0..vocab_size-1, and each indexes a row of the model's
+    embedding: refuse one with more ids than rows. (Fewer is common: checkpoints pad their
+    embedding past the tokenizer's vocabulary, Qwen3's 151936 rows for 151669 ids.) Only a
+    tokenizer the caller gives is checked: without one, a model of another vocabulary (a random
+    test checkpoint) still takes token-id prompts, its text read as bytes."""
+    rows = model_config.vocab_size
+    if tokenizer.vocab_size > rows:
+        source = getattr(tokenizer, "source", None) or f"the {type(tokenizer).__name__}"
+        raise ValueError(
+            f"{source} has a vocabulary of {tokenizer.vocab_size} tokens, but the model's "
+            f"embedding has {rows} rows (config.json's vocab_size): token ids {rows} and up would "
+            "index past it. The tokenizer does not belong to this model: use the checkpoint's "
+            "own tokenizer.json"
+        )
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:

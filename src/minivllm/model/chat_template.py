@@ -72,7 +72,11 @@ def render_chat_template(
             add_generation_prompt=add_generation_prompt,
             **dict(special_tokens or {}),
         )
-    except jinja2.TemplateError as error:
+    except ChatTemplateError:
+        raise  # the template's own refusal (raise_exception), its message as it wrote it
+    except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as error:
+        # a template that reads the conversation in a way it does not allow (a missing key, text
+        # where it adds numbers): the conversation does not fit the template, said as such
         raise ChatTemplateError(f"the chat template failed: {error}") from None
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 import tokenizers
 
 from minivllm.model.chat_template import read_chat_template, render_chat_template
-from minivllm.model.tokenizer import REPLACEMENT_CHARACTER
+from minivllm.model.checkpoint import CheckpointError, model_folder, read_config, tokenizer_files
+from minivllm.model.tokenizer import BOS_ID, EOS_ID, REPLACEMENT_CHARACTER, VOCAB_SIZE
 
 
 @dataclass
@@ -70,8 +71,10 @@ class HFTokenizer:
         config: dict | None = None,
         generation_config: dict | None = None,
         chat_template: str | None = None,
+        source: str = "the tokenizer",
     ) -> None:
         self.tokenizer, config = tokenizer, config or {}
+        self.source = source  # what errors name: the tokenizer.json it was read from
         # jinja2 source (model/chat_template.py); None: the tokenizer has no chat layout
         self.chat_template = chat_template
         # the special tokens as text, as a template reads them (`bos_token`, `eos_token`, ...)
@@ -89,7 +92,9 @@ class HFTokenizer:
         more = [more] if isinstance(more, int) else list(more or [])
         self.eos_ids = tuple(dict.fromkeys(i for i in [eos, *more] if i is not None))
         self.eos_id = self.eos_ids[0] if self.eos_ids else None
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # the ids it can produce are 0..vocab_size-1: one past the highest (a vocabulary may have
+        # gaps, so not its count)
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @classmethod
     def from_folder(cls, path: str | Path) -> HFTokenizer:
@@ -104,7 +109,8 @@ class HFTokenizer:
         tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = read("tokenizer_config.json") or {}
         template = read_chat_template(folder, config)
-        return cls(tokenizer, config, read("generation_config.json"), template)
+        source = str(folder / "tokenizer.json")
+        return cls(tokenizer, config, read("generation_config.json"), template, source)
 
     @staticmethod
     def _special_text(config: dict, name: str) -> str | None:
@@ -116,18 +122,19 @@ class HFTokenizer:
         messages: SequenceOf[Mapping],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        chat_template: str | None = None,
     ) -> list[int] | str:
         """The conversation in the model's own layout (Hugging Face's `apply_chat_template`): the
         rendered text, or with `tokenize` its ids, encoded without the tokenizer's own special
-        tokens (the template wrote them)."""
-        if self.chat_template is None:
+        tokens (the template wrote them). `chat_template` (jinja source) replaces the tokenizer's
+        own for this call, as in transformers."""
+        template = chat_template or self.chat_template
+        if template is None:
             raise ValueError(
                 "this tokenizer has no chat template (no chat_template in tokenizer_config.json "
                 "and no chat_template.jinja): give a prompt, not messages"
             )
-        text = render_chat_template(
-            self.chat_template, messages, add_generation_prompt, self.special_tokens
-        )
+        text = render_chat_template(template, messages, add_generation_prompt, self.special_tokens)
         return self.tokenizer.encode(text, add_special_tokens=False).ids if tokenize else text
 
     def _special_id(self, config: dict, name: str) -> int | None:
@@ -178,8 +185,26 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str | Path) -> HFTokenizer | None:
-    """The tokenizer of a checkpoint folder, or None when it has no tokenizer.json (the shipped
-    models, named "target" or "draft", use the `ByteTokenizer`)."""
-    if (Path(path) / "tokenizer.json").is_file():
-        return HFTokenizer.from_folder(path)
-    return None
+    """The tokenizer of a model folder: its `tokenizer.json`, or None for the book's byte-level
+    models (the shipped "target" and "draft", and any that training/train.py writes: config.json's
+    vocabulary is the byte tokenizer's), which the engine gives the `ByteTokenizer`.
+
+    Any other folder without a tokenizer.json is refused here, before anything is built: the
+    engine would otherwise read its text as bytes, ids that mean nothing to this model."""
+    folder = model_folder(path)
+    if (folder / "tokenizer.json").is_file():
+        return HFTokenizer.from_folder(folder)
+    config = read_config(folder)
+    byte_level = (config.get("vocab_size"), config.get("bos_token_id"), config.get("eos_token_id"))
+    if byte_level == (VOCAB_SIZE, BOS_ID, EOS_ID):
+        return None
+    others = [name for name in tokenizer_files(folder) if name != "tokenizer.json"]
+    has = f" (it has {', '.join(others)})" if others else ""
+    raise CheckpointError(
+        f"{folder} has no tokenizer.json{has}: minivllm reads a model's tokenizer from its "
+        "tokenizer.json (the `tokenizers` format, with tokenizer_config.json beside it), and "
+        "without it cannot turn text into this model's token ids. Copy the model's tokenizer "
+        "files into the folder (`AutoTokenizer.from_pretrained(...).save_pretrained(folder)` "
+        "writes them), or pass a folder that has them: "
+        f"LLM({str(folder)!r}, tokenizer='/path/to/tokenizer/folder')"
+    )

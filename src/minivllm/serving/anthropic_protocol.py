@@ -1,9 +1,11 @@
 """The Anthropic Messages API as plain data: a second view of the same engine (chapter 08).
 
 `POST /v1/messages` takes a `system` prompt, `messages` of user and assistant turns, `max_tokens`
-(required), `stop_sequences`, `temperature`, `top_p`, `top_k` and `stream`. The chat becomes the
-same play as OpenAI's (openai_protocol.render_chat): the system prompt is the Chorus, the user
-ROMEO, the assistant JULIET. A whole answer is one `message` with one text block; a streamed one is
+(required), `stop_sequences`, `temperature`, `top_p`, `top_k` and `stream`. The chat is laid out
+as OpenAI's chat endpoint lays it out: with the model's chat template, the system prompt its first
+message (engine/conversation.py); or, for a model without one, as the same play
+(openai_protocol.render_chat): the system prompt is the Chorus, the user ROMEO, the assistant
+JULIET. A whole answer is one `message` with one text block; a streamed one is
 Anthropic's event sequence, each event an SSE `event:` line naming its type and a `data:` line:
 
     message_start, content_block_start, ping, content_block_delta (one per piece of text),
@@ -28,6 +30,7 @@ from minivllm.serving.openai_protocol import (
     END_OF_TURN,
     MAX_INT,
     ChatMessage,
+    TextPart,
     check_extra_fields,
 )
 
@@ -81,34 +84,46 @@ class MessagesRequest(BaseModel):
         check_extra_fields(self.model_extra, unsupported=UNSUPPORTED, no_effect=NO_EFFECT)
 
     def chat(self) -> list[ChatMessage]:
-        """The conversation as chat messages (the system prompt first), for render_chat."""
+        """The conversation as OpenAI's chat messages, the system prompt first: for the play
+        (render_chat) or the model's chat template. Content blocks stay separate parts."""
         chat = []
         system = self.system
-        if system is not None and not isinstance(system, str):
-            system = "".join(block.text for block in system)
-        if system and system.strip():
-            chat.append(ChatMessage(role="system", content=system))
+        if system is not None and (system if isinstance(system, str) else text_of(system)).strip():
+            chat.append(ChatMessage(role="system", content=content_of(system)))
         for number, message in enumerate(self.messages):
             if not message.text.strip():
                 raise RequestError(
                     f"messages.{number}: a {message.role} message has empty content",
                     param="messages",
                 )
-            chat.append(ChatMessage(role=message.role, content=message.text))
+            chat.append(ChatMessage(role=message.role, content=content_of(message.content)))
         return chat
 
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop_sequences or ())
 
-    def sampling_params(self) -> SamplingParams:
-        """Anthropic's defaults: temperature 1, no top-p or top-k. A turn ends at END_OF_TURN."""
+    def sampling_params(self, end_of_turn: str | None = END_OF_TURN) -> SamplingParams:
+        """Anthropic's defaults: temperature 1, no top-p or top-k. In a play a turn ends at
+        END_OF_TURN; a chat template ends it with a token (end_of_turn None: the EOS ends it)."""
+        ends = [end_of_turn] if end_of_turn is not None else []
         return SamplingParams(
             max_tokens=self.max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
-            stop=tuple(dict.fromkeys([*self.stops(), END_OF_TURN])),
+            stop=tuple(dict.fromkeys([*self.stops(), *ends])),
         )
+
+
+def text_of(blocks: list[TextBlock]) -> str:
+    return "".join(block.text for block in blocks)
+
+
+def content_of(content: str | list[TextBlock]) -> str | list[TextPart]:
+    """Anthropic's content as OpenAI's: text, or its text blocks as text parts."""
+    if isinstance(content, str):
+        return content
+    return [TextPart(type="text", text=block.text) for block in content]
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -118,14 +133,17 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def stop_reason(engine_reason: str | None, stop: int | str | None) -> tuple[str | None, str | None]:
+def stop_reason(
+    engine_reason: str | None, stop: int | str | None, end_of_turn: str | None = END_OF_TURN
+) -> tuple[str | None, str | None]:
     """Anthropic's (stop_reason, stop_sequence): a user's stop sequence is named; the end of the
-    turn (the blank line) or the end of the scene is "end_turn"; a limit is "max_tokens"."""
+    turn (the play's blank line `end_of_turn`, or the EOS a chat template ends a turn with) or
+    the end of the scene is "end_turn"; a limit is "max_tokens"."""
     if engine_reason is None:
         return None, None
     if engine_reason == LENGTH or engine_reason == "cache_full":
         return "max_tokens", None
-    if isinstance(stop, str) and stop != END_OF_TURN:
+    if isinstance(stop, str) and stop != end_of_turn:
         return "stop_sequence", stop
     return "end_turn", None
 

@@ -9,9 +9,10 @@ errors -- as plain dicts shaped like OpenAI's. It knows no engine and imports no
 
 Two translations live here. `CompletionRequest.sampling_params` turns OpenAI's knobs into the
 engine's `SamplingParams`. `render_chat` turns a chat -- a list of messages with roles -- into the
-only kind of text the model has ever read: a play. Each message is a turn, `SPEAKER:` on its own
-line, the speech, a blank line; the prompt ends with the header of the speaker who answers, and the
-answer ends at the blank line that closes its speech.
+only kind of text the shipped model has ever read: a play. Each message is a turn, `SPEAKER:` on
+its own line, the speech, a blank line; the prompt ends with the header of the speaker who answers,
+and the answer ends at the blank line that closes its speech. (A checkpoint whose tokenizer has a
+chat template reads the chat in its own layout instead: engine/conversation.py.)
 
 Every field a client sends is honoured, or refused with a 400 that names it -- never silently
 ignored. Known fields are checked with their bounds (a `top_k` of 2**63 never reaches a tensor);
@@ -291,8 +292,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions: the messages become a play; the model answers as the next
-    speaker."""
+    """POST /v1/chat/completions: the messages laid out by the model's chat template, or as a
+    play for a model without one; the model answers as the assistant (the next speaker)."""
 
     refused_here: ClassVar[dict[str, tuple]] = {"echo": (False,)}  # vLLM's: repeat the last turn
 

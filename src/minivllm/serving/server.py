@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minivllm.engine.conversation import ChatTemplateError, has_chat_template, render_conversation
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.processing import TextDelta
 from minivllm.sched.sequence import SamplingParams
@@ -173,6 +174,11 @@ class OpenAIServer:
         self.context = engine.engine.model.config.max_seq_len
         self.vocab_size = engine.engine.model.config.vocab_size
         self.tokenizer = engine.engine.tokenizer
+        # A chat is laid out by the model's chat template, whose turn ends with a token the EOS
+        # ids stop on; a model without one (the shipped byte-level ones) reads it as a play, whose
+        # turn ends at a blank line (END_OF_TURN).
+        self.templated = has_chat_template(self.tokenizer)
+        self.end_of_turn = None if self.templated else END_OF_TURN
         self.max_prompt_chars = self.limits.max_prompt_chars or self.context
         self.created = int(time.time())
 
@@ -206,7 +212,8 @@ class OpenAIServer:
         return SafeJSONResponse(header.body(choices, usage=total_usage(stream, answers)))
 
     async def chat_completions(self, request: Request):
-        """POST /v1/chat/completions: the chat rendered as a play, answered by the next speaker."""
+        """POST /v1/chat/completions: the chat laid out by the model's chat template (or, for a
+        model without one, as a play), answered by the assistant (the play's next speaker)."""
         body = await self._request(request, ChatCompletionRequest)
         check_count("messages", len(body.messages), self.limits.max_messages, "messages")
         check_stop_strings("stop", body.stops(), self.limits)
@@ -219,7 +226,8 @@ class OpenAIServer:
             body.truncate_prompt_tokens,
         )
         room = max(1, self.context - len(prompt_ids))  # the default: up to the context
-        params = sampling_params(lambda: body.sampling_params(room, extra_stop=[END_OF_TURN]))
+        turn_end = [self.end_of_turn] if self.end_of_turn else []
+        params = sampling_params(lambda: body.sampling_params(room, extra_stop=turn_end))
         header = ResponseHeader.new(
             "chat.completion.chunk" if body.stream else "chat.completion", self.model_name
         )
@@ -248,19 +256,21 @@ class OpenAIServer:
 
     # -- Anthropic ---------------------------------------------------------------------------------
     async def messages(self, request: Request):
-        """POST /v1/messages: Anthropic's view of the same play and the same engine."""
+        """POST /v1/messages: Anthropic's view of the same chat and the same engine."""
         body = await self._request(request, anthropic.MessagesRequest)
         check_count("messages", len(body.messages), self.limits.max_messages, "messages")
         check_stop_strings("stop_sequences", body.stops(), self.limits)
         prompt_ids = self._chat_prompt_ids(body.chat(), None)
-        params = sampling_params(body.sampling_params)
+        params = sampling_params(lambda: body.sampling_params(self.end_of_turn))
         stream = await self._add([prompt_ids], params, "messages")
         message_id = anthropic.new_message_id()
         if body.stream:
-            return event_stream(anthropic_stream(stream, message_id, self.model_name))
+            return event_stream(
+                anthropic_stream(stream, message_id, self.model_name, self.end_of_turn)
+            )
         (answer,) = await self._collect(request, stream)
         reason = anthropic.stop_reason(
-            answer.finish_reason, stream.stop_reasons.get(stream.choices[0])
+            answer.finish_reason, stream.stop_reasons.get(stream.choices[0]), self.end_of_turn
         )
         input_tokens = sum(stream.num_prompt_tokens.values())
         return SafeJSONResponse(
@@ -282,11 +292,16 @@ class OpenAIServer:
             raise RequestError("give either prompt or messages", param="prompt")
         if body.messages is not None:
             check_count("messages", len(body.messages), self.limits.max_messages, "messages")
-            text = render_chat(body.messages)
+            chars = sum(len(m.text) for m in body.messages)
+            check_prompt_chars("messages", chars, self.max_prompt_chars)
+            prompt = self._chat_prompt(body.messages)
         else:
-            text = body.prompt
-        check_prompt_chars("prompt", len(text), self.max_prompt_chars)
-        tokens = self.tokenizer.encode(text, add_bos=body.add_special_tokens)
+            prompt = body.prompt
+        if isinstance(prompt, str):
+            check_prompt_chars("prompt", len(prompt), self.max_prompt_chars)
+            tokens = self.tokenizer.encode(prompt, add_bos=body.add_special_tokens)
+        else:  # the chat template's own ids, special tokens and all: what the chat endpoint reads
+            tokens = prompt
         strings = [self.tokenizer.token_repr(t) for t in tokens] if body.return_token_strs else None
         return {
             "count": len(tokens),
@@ -422,7 +437,22 @@ class OpenAIServer:
         chars = sum(len(m.text) for m in messages)
         if truncate is None:
             check_prompt_chars("messages", chars, self.max_prompt_chars)
-        return self._prompt_ids(render_chat(messages), "messages", truncate)
+        return self._prompt_ids(self._chat_prompt(messages), "messages", truncate)
+
+    def _chat_prompt(self, messages: list[ChatMessage]) -> str | list[int]:
+        """The chat as the model reads it: the token ids of its chat template's layout (the same
+        as `LLM.chat`'s, engine/conversation.py), or, without a template, the play's text. A
+        template that refuses the conversation (its `raise_exception`) is the client's 400."""
+        if not self.templated:
+            return render_chat(messages)
+        try:
+            return render_conversation(
+                self.tokenizer, [m.model_dump(exclude_none=True) for m in messages]
+            )
+        except ChatTemplateError as error:
+            raise RequestError(
+                f"the model's chat template refused the conversation: {error}", param="messages"
+            ) from None
 
     async def _add(
         self, prompts: list[list[int]], params: SamplingParams, param: str = "prompt"
@@ -660,7 +690,7 @@ async def sse_stream(
 
 
 async def anthropic_stream(
-    stream: RequestStream, message_id: str, model: str
+    stream: RequestStream, message_id: str, model: str, end_of_turn: str | None = END_OF_TURN
 ) -> AsyncIterator[str]:
     """Anthropic's event sequence for one streamed message; an error after the start is an
     `error` event, as Anthropic sends it."""
@@ -683,7 +713,7 @@ async def anthropic_stream(
                     )
                 if delta.finish_reason is not None:
                     reason = anthropic.stop_reason(
-                        delta.finish_reason, stream.stop_reasons.get(choice_of(delta))
+                        delta.finish_reason, stream.stop_reasons.get(choice_of(delta)), end_of_turn
                     )
     except Exception as error:
         if not isinstance(error, EngineDeadError):
