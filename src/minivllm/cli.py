@@ -4,26 +4,32 @@
     minivllm generate "ROMEO:" --speculative draft --num-speculative-tokens 4
     minivllm serve --model target --host 127.0.0.1 --port 8000
     minivllm serve --kv basic    # the KV layout before paging: max_model_len reserved per request
+    minivllm serve --model ~/models/Qwen3-0.6B --kv-cache-memory 2GiB --max-model-len 4096
     minivllm chat --temperature 0.8 --max-tokens 128
 
 `generate` streams the continuation to stdout as the engine produces it; `serve` runs the
 OpenAI- and Anthropic-compatible HTTP server (chapter 08) until Ctrl-C; `chat` is a conversation in
-the terminal (chat.py: the turn format, Ctrl-C, the commands). A bad argument or a request
-that can never run exits with status 2 and a one-line reason on stderr; a server whose engine died
-exits with status 1, so that a supervisor restarts it.
+the terminal (chat.py: the turn format, Ctrl-C, the commands). Each says on stderr, as it starts,
+what its K/V cache holds and the longest sequence it serves (`--kv-cache-memory`,
+`--max-model-len`; engine/config.py says how they are settled). Sampling settings a command is not
+given come from the checkpoint's generation_config.json, as in vLLM, else the command's defaults.
+A bad argument or a request that can never run exits with status 2 and a one-line reason on
+stderr; a server whose engine died exits with status 1, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from decimal import Decimal
 
 import torch
 
-from minivllm.engine.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine
-from minivllm.model.checkpoint import CheckpointError, load_model
+from minivllm.engine.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_NUM_BLOCKS, EngineConfig
+from minivllm.engine.llm_engine import LLMEngine, default_sampling_params
+from minivllm.model.checkpoint import CheckpointError, load_model, sampling_defaults
 from minivllm.model.hf_tokenizer import load_tokenizer
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
@@ -33,6 +39,32 @@ from minivllm.serving.limits import ServerLimits
 API_KEY_VARIABLE = "MINIVLLM_API_KEY"  # as vLLM's VLLM_API_KEY
 # --kv: the EngineConfig.kv_layout each choice selects
 KV_LAYOUTS = {"paged": "paged", "basic": "contiguous"}
+# --kv-cache-memory: bytes per unit; KB, MB, GB are powers of 1000, KiB, MiB, GiB of 1024
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgt")},
+    **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgt")},
+}
+# where neither a flag nor the checkpoint's generation_config.json says (the rest: off)
+TEMPERATURE = 0.8
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from plain bytes ("1073741824") or a number and a unit ("4GiB", "512MiB", "1.5GB",
+    any case); argparse reports the error it raises as a bad value of its flag."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes (1073741824) or a number and a unit (512MiB, "
+            "4GiB, 2GB; KiB, MiB, GiB, TiB are powers of 1024, KB, MB, GB, TB of 1000)"
+        )
+    size = int(Decimal(match.group(1)) * SIZE_UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte")
+    return size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,9 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the text to continue (a BOS token is put in front)")
     gen.add_argument("--model", default="target", help="'target', 'draft', or a weights directory")
     gen.add_argument("--max-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    add_sampling_arguments(gen)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
@@ -67,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--num-blocks",
         type=int,
-        default=EngineConfig.num_blocks,
-        help="KV-cache blocks of 16 tokens",
+        default=None,
+        help="KV-cache blocks of 16 tokens, instead of --kv-cache-memory",
     )
     srv.add_argument(
         "--max-num-seqs",
@@ -127,9 +157,7 @@ def add_chat_parser(commands) -> None:
     )
     chat.add_argument("--model", default="target", help="'target', 'draft', or a weights directory")
     chat.add_argument("--max-tokens", type=int, default=128, help="per answer")
-    chat.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    chat.add_argument("--top-k", type=int, default=0, help="0 = off")
-    chat.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    add_sampling_arguments(chat)
     chat.add_argument(
         "--seed", type=int, default=0, help="the whole conversation repeats with the same seed"
     )
@@ -142,7 +170,50 @@ def add_chat_parser(commands) -> None:
     add_engine_arguments(chat)
 
 
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampling knobs; one not given is the checkpoint's (its generation_config.json, as
+    vLLM's generation_config="auto"), else the command's default (`sampling_settings`)."""
+    checkpoint = "default: the checkpoint's generation_config.json, else"
+    parser.add_argument(
+        "--temperature", type=float, default=None, help=f"0 = greedy ({checkpoint} {TEMPERATURE})"
+    )
+    parser.add_argument("--top-k", type=int, default=None, help=f"0 = off ({checkpoint} off)")
+    parser.add_argument("--top-p", type=float, default=None, help=f"1 = off ({checkpoint} off)")
+    parser.add_argument("--min-p", type=float, default=None, help=f"0 = off ({checkpoint} off)")
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=None, help=f"1 = off ({checkpoint} off)"
+    )
+
+
+def sampling_settings(args: argparse.Namespace) -> dict:
+    """temperature, top_k, top_p, min_p, repetition_penalty for SamplingParams: each flag given,
+    else the checkpoint's generation_config.json setting, else the command's default."""
+    recommended = sampling_defaults(args.model)
+    settings = {"temperature": TEMPERATURE}
+    settings.update({k: v for k, v in recommended.items() if k in SAMPLING_FLAGS})
+    settings.update({k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None})
+    return settings
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the longest sequence (prompt + output) served (default: the model's context, at "
+        "most what the KV cache holds)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        "--kv-cache-memory-bytes",  # vLLM's spelling
+        type=parse_size,
+        default=None,
+        dest="kv_cache_memory",
+        metavar="SIZE",
+        help="memory for the K/V cache: 4GiB, 512MiB, or bytes (default: "
+        f"{DEFAULT_NUM_BLOCKS} blocks, at most {DEFAULT_KV_CACHE_MEMORY / 2**30:g} GiB)",
+    )
     parser.add_argument(
         "--speculative",
         choices=["draft", "ngram"],
@@ -184,17 +255,30 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     )
 
 
+def capacity(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields that size the cache and the context."""
+    return {
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory_bytes": args.kv_cache_memory,
+        "num_blocks": getattr(args, "num_blocks", None),  # serve's
+    }
+
+
+def started(engine: LLMEngine) -> LLMEngine:
+    """Say on stderr what the engine's cache holds (stdout is the command's output)."""
+    print(engine.describe_capacity(), file=sys.stderr)
+    return engine
+
+
 def generate(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     params = SamplingParams(
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        **sampling_settings(args),
     )
     model = load_model(args.model)
     config = EngineConfig(
@@ -202,8 +286,9 @@ def generate(args: argparse.Namespace) -> None:
         kv_layout=KV_LAYOUTS[args.kv],
         enforce_eager=args.enforce_eager,
         dtype=model_dtype(model),
+        **capacity(args),
     )
-    engine = LLMEngine(model, config, load_tokenizer(args.model))
+    engine = started(LLMEngine(model, config, load_tokenizer(args.model)))
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
     for delta in engine.stream([args.prompt], params):
@@ -215,9 +300,13 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
-    """The engine `serve` runs: every setting checked here, before the server starts listening."""
+    """The engine `serve` runs: every setting checked here, before the server starts listening.
+    Requests that leave a sampling knob out get the checkpoint's generation_config.json setting
+    (the engine's `default_params`)."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.num_blocks is not None and args.kv_cache_memory is not None:
+        raise ValueError("give --num-blocks or --kv-cache-memory, not both")
     # a full batch must fit one step
     per_decode = 1 + (args.num_speculative_tokens if args.speculative else 0)
     scheduler = SchedulerConfig(
@@ -227,16 +316,17 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
             SchedulerConfig.max_num_batched_tokens, args.max_num_seqs * per_decode
         ),
     )
+    defaults = default_sampling_params(args.model)
     model = load_model(args.model)
     config = EngineConfig(
-        num_blocks=args.num_blocks,
         scheduler=scheduler,
         speculative=speculative_config(args),
         kv_layout=KV_LAYOUTS[args.kv],
         enforce_eager=args.enforce_eager,
         dtype=model_dtype(model),
+        **capacity(args),
     )
-    return LLMEngine(model, config, load_tokenizer(args.model))
+    return LLMEngine(model, config, load_tokenizer(args.model), defaults)
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
@@ -253,7 +343,7 @@ def serve(args: argparse.Namespace) -> int:
     limits = server_limits(args)  # checked before the model loads
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
-    engine = build_serving_engine(args)
+    engine = started(build_serving_engine(args))
     return serve_http(
         engine,
         args.served_model_name or args.model,
@@ -280,6 +370,7 @@ def build_chat_engine(args: argparse.Namespace) -> LLMEngine:
         kv_layout=layout,
         enforce_eager=args.enforce_eager,
         dtype=model_dtype(model),
+        **capacity(args),
     )
     return LLMEngine(model, config, load_tokenizer(args.model))
 
@@ -288,13 +379,9 @@ def chat(args: argparse.Namespace) -> int:
     from minivllm.chat import Chat, chat_format_for, repl
 
     params = SamplingParams(  # checked before the model loads
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
+        max_tokens=args.max_tokens, seed=args.seed, **sampling_settings(args)
     )
-    with build_chat_engine(args) as engine:
+    with started(build_chat_engine(args)) as engine:
         fmt = chat_format_for(engine.tokenizer)
         conversation = Chat(engine, params, fmt, system=args.system)
         banner = (

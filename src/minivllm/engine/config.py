@@ -1,4 +1,18 @@
-"""`EngineConfig`: the cache, the scheduler, the device and the attention backend of an engine."""
+"""`EngineConfig`: the cache, the scheduler, the device and the attention backend of an engine.
+
+How big the K/V cache is and how long a sequence may be are settled once, when the engine starts
+(`resolve_capacity`), from what the config asks and what the model is:
+
+- the cache: `num_blocks` if given; else as many blocks as `kv_cache_memory_bytes` holds at the
+  model's K/V bytes per token (kv/sizing.py); else 2048 blocks, but never more than 1 GiB of K/V
+  (`DEFAULT_NUM_BLOCKS`, `DEFAULT_KV_CACHE_MEMORY`, and why below);
+- the context, `max_model_len`: as asked, never beyond the model's own (config.json's
+  max_position_embeddings) nor beyond what the cache holds for one sequence; not asked, the model's
+  own, capped by the cache when the engine sized the cache from memory.
+
+The engine keeps the result as its `config` (`num_blocks` and `max_model_len` filled in), so the
+request checks, the block manager, the CUDA graphs, the server and `minivllm chat` read one number.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +22,37 @@ import torch
 
 from minivllm.attention.backend import backend_device, backend_names
 from minivllm.kv.block_manager import KV_LAYOUTS
+from minivllm.kv.sizing import CacheSize, blocks_for_memory
+from minivllm.model.transformer import ModelConfig
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
+
+# The cache when the config names neither num_blocks nor a memory budget. 2048 blocks of 16 (32k
+# tokens) is what the book's workloads were written against: 96 MiB of K/V for the shipped target
+# model, whose outputs must not change. A real checkpoint keeps ~1000x more per token (Qwen3-0.6B in
+# bfloat16: 112 KiB), so 2048 blocks would be 3.5 GiB allocated up front, and 4 GiB for Llama-3-8B,
+# more than a laptop spares beside the weights. The default therefore also stops at 1 GiB -- about
+# the weights of a 0.6B model in bfloat16; 9360 tokens of Qwen3-0.6B, 8192 of Llama-3-8B -- and says
+# so at start-up; `kv_cache_memory_bytes` (`--kv-cache-memory`) asks for more.
+DEFAULT_NUM_BLOCKS = 2048
+DEFAULT_KV_CACHE_MEMORY = 2**30
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    num_blocks: int = 2048  # 2048 blocks x 16 tokens: 32k tokens, ~100 MB of K/V for the target
+    # KV-cache blocks of `block_size` tokens. None: from kv_cache_memory_bytes, or the default
+    # above. Given, it wins over a budget (as vLLM's num_gpu_blocks_override), and it is taken as
+    # an experiment with the cache's size (chapter 05 makes it smaller than one sequence on
+    # purpose): the context is not cut to it, and a sequence that outgrows it ends "cache_full".
+    num_blocks: int | None = None
     block_size: int = 16
+    # vLLM's name: the bytes of K/V to allocate (the draft model's included, with speculative
+    # decoding by a draft model); the cache gets the whole blocks that fit.
+    kv_cache_memory_bytes: int | None = None
+    # The longest sequence, prompt + output, the engine accepts. None: the model's own context,
+    # capped by the cache when the cache was sized from memory. More than the model's context, or
+    # than the cache holds, is refused.
+    max_model_len: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0  # requests without a seed get one derived from this and their id
     dtype: torch.dtype = torch.float32
@@ -48,6 +85,12 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"EngineConfig.{name} must be None or an int >= 1, got {value!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(
                 f"EngineConfig.kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}"
@@ -85,3 +128,39 @@ def _resolve_device(config: EngineConfig) -> str:
         return config.device
     cpu_only = config.forward_processes > 1 or backend_device(config.attention_backend) == "cpu"
     return "cuda" if torch.cuda.is_available() and not cpu_only else "cpu"
+
+
+def resolve_capacity(
+    config: EngineConfig, model_config: ModelConfig, bytes_per_token: int
+) -> tuple[CacheSize, int]:
+    """The cache (blocks, and what they hold) and max_model_len of an engine running a model with
+    context `model_config.max_seq_len` and `bytes_per_token` of K/V per token (see the module
+    docstring). Raises ValueError, saying what to change, for a length the model or the cache
+    cannot take."""
+    context, block_size = model_config.max_seq_len, config.block_size
+    asked = config.max_model_len
+    if asked is not None and asked > context:
+        raise ValueError(
+            f"max_model_len {asked} is longer than the model's context of {context} tokens "
+            f"(max_position_embeddings in its config.json): ask for at most {context}"
+        )
+    if config.num_blocks is not None:
+        cache = CacheSize(config.num_blocks, block_size, bytes_per_token)
+    else:
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
+            budget = min(DEFAULT_NUM_BLOCKS * block_size * bytes_per_token, DEFAULT_KV_CACHE_MEMORY)
+        cache = blocks_for_memory(budget, block_size, bytes_per_token)
+    if asked is None:
+        sized_from_memory = config.num_blocks is None
+        return cache, min(context, cache.num_tokens) if sized_from_memory else context
+    if asked > cache.num_tokens:
+        needed = -(-asked // block_size)
+        needed_bytes = needed * block_size * bytes_per_token
+        raise ValueError(
+            f"max_model_len {asked} needs {needed} blocks of {block_size} for one sequence, but "
+            f"the KV cache is {cache.describe()}: raise kv_cache_memory_bytes "
+            f"(--kv-cache-memory) to at least {needed_bytes} bytes "
+            f"({needed_bytes / 2**20:.1f} MiB) or num_blocks to {needed}, or lower max_model_len"
+        )
+    return cache, asked

@@ -27,11 +27,12 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from minivllm.attention.backend import get_backend, resolve_backend_name, warm_up_backend
 from minivllm.attention.storage import PagedKVStorage
-from minivllm.engine.config import EngineConfig, _resolve_device
+from minivllm.engine.config import EngineConfig, _resolve_device, resolve_capacity
 from minivllm.engine.conversation import render_conversation
 from minivllm.engine.processing import (
     InputProcessor,
@@ -42,7 +43,14 @@ from minivllm.engine.processing import (
 )
 from minivllm.engine.trace import StepRecord
 from minivllm.kv.block_manager import BlockManager
-from minivllm.model.checkpoint import load_model, resolve_dtype
+from minivllm.kv.sizing import kv_bytes_per_token
+from minivllm.model.checkpoint import (
+    CheckpointError,
+    load_model,
+    model_folder,
+    resolve_dtype,
+    sampling_defaults,
+)
 from minivllm.model.fused import fuse_model
 from minivllm.model.hf_tokenizer import HFTokenizer, load_tokenizer
 from minivllm.model.tokenizer import ByteTokenizer, Tokenizer
@@ -63,12 +71,28 @@ class LLMEngine:
         model: Transformer,
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
+        default_params: SamplingParams | None = None,
     ) -> None:
-        self.config = config = config or EngineConfig()
+        """`default_params`: what a request without SamplingParams of its own gets (vLLM's
+        `get_default_sampling_params`; `LLM` and the command line pass a checkpoint's
+        generation_config.json settings, `default_sampling_params`); None: `SamplingParams()`.
+
+        The cache and the context are settled here, before anything large is allocated
+        (`resolve_capacity`); `self.config` is the config with `num_blocks` and `max_model_len`
+        filled in, and `self.cache` says what the blocks hold."""
+        config = config or EngineConfig()
         if tokenizer is not None:  # a tokenizer given must fit the model (not the default one)
             check_vocabulary(model.config, tokenizer)
         self.tokenizer = tokenizer or ByteTokenizer()
         self.eos_token_ids = eos_token_ids(model.config, tokenizer)
+        speculative = loaded_draft(config.speculative)  # its K/V shares the cache's budget
+        self.cache, max_model_len = resolve_capacity(
+            config, model.config, cache_bytes_per_token(model, speculative, config.dtype)
+        )
+        self.config = config = replace(
+            config, num_blocks=self.cache.num_blocks, max_model_len=max_model_len
+        )
+        self.default_params = InputProcessor.params(default_params)
         self.device = _resolve_device(config)
         self.model = model = placed_on(model, self.device)  # the caller's stays where it was
         backend_name = resolve_backend_name(
@@ -80,7 +104,7 @@ class LLMEngine:
             config.num_blocks,
             config.block_size,
             layout=config.kv_layout,
-            max_model_len=model.config.max_seq_len,
+            max_model_len=max_model_len,
         )
         # With CUDA graphs the storage has one block more than the manager hands out: the sink
         # that a graph's padding rows write to (runner/cuda_graph.py).
@@ -89,15 +113,16 @@ class LLMEngine:
             model.config, config.num_blocks + graphs, config.block_size, config.dtype, self.device
         )
         scheduler_config, self.drafter = config.scheduler, None
-        if config.speculative is not None:  # reserve k lookahead slots after each decode for drafts
+        if speculative is not None:  # reserve k lookahead slots after each decode for drafts
             self.drafter = make_drafter(
-                config.speculative,
+                speculative,
                 model,
                 self.manager,
                 config.num_blocks,
                 config.dtype,
                 self.device,
                 backend,
+                max_model_len,
             )
             scheduler_config = replace(
                 scheduler_config, num_lookahead_slots=config.speculative.num_speculative_tokens
@@ -116,11 +141,13 @@ class LLMEngine:
                 backend,
                 sink_block=config.num_blocks,
                 max_num_seqs=scheduler_config.max_num_seqs,
-                max_model_len=model.config.max_seq_len,
+                max_model_len=max_model_len,
                 capture=self.device == "cuda",  # always, but where a test forces graphs on a CPU
             )
         limits = request_limits(model.config, config)
-        self.inputs = InputProcessor(self.tokenizer, limits, self.eos_token_ids)
+        self.inputs = InputProcessor(
+            self.tokenizer, limits, self.eos_token_ids, self.default_params
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self.trace: list[StepRecord] = []
         self._next_id = 0
@@ -207,6 +234,16 @@ class LLMEngine:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def describe_capacity(self) -> str:
+        """The start-up line: what the K/V cache holds and the longest sequence served, e.g.
+        "KV cache: 2048 blocks of 16 = 32768 tokens (96.0 MiB of K/V) in float32;
+        max_model_len 512"."""
+        dtype = str(self.config.dtype).removeprefix("torch.")
+        return (
+            f"KV cache: {self.cache.describe()} in {dtype}; "
+            f"max_model_len {self.config.max_model_len}"
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -371,26 +408,42 @@ class LLMEngine:
 class LLM:
     """The front door: `LLM("target").generate(["ROMEO:"], SamplingParams(max_tokens=50))`.
 
-    A model folder with a tokenizer.json brings its own tokenizer (`HFTokenizer`); `tokenizer`
-    (a `Tokenizer`, or a folder) overrides it, and a Hugging Face folder without one needs it
-    (`load_tokenizer` says so). `dtype` is vLLM's: the model's and the K/V cache's; "auto" is the
-    checkpoint's own."""
+    vLLM's arguments, by vLLM's names: `model` (a shipped model's name, a Hugging Face checkpoint
+    folder, or a `Transformer`); `tokenizer` (a `Tokenizer`, or a folder; None: a folder's own
+    tokenizer.json, else the byte tokenizer -- a Hugging Face folder without one needs it,
+    `load_tokenizer` says so); `dtype` (the model's and the K/V cache's; "auto": the checkpoint's
+    own); `seed`; `max_model_len` (None: the model's context, capped by the cache);
+    `kv_cache_memory_bytes` (the K/V budget; None: `EngineConfig`'s default);
+    `generation_config` ("auto": a request without SamplingParams gets the checkpoint's
+    generation_config.json settings, `get_default_sampling_params`; "vllm": SamplingParams()
+    alone; or a folder holding a generation_config.json). Any other `EngineConfig` or
+    `SchedulerConfig` field by its name (`num_blocks=64`, `max_num_seqs=8`, `speculative={...}`)."""
 
     def __init__(
         self,
         model: str | Path | Transformer = "target",
         tokenizer: str | Path | Tokenizer | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        generation_config: str | Path = "auto",
         **config,
     ) -> None:
         if isinstance(tokenizer, (str, Path)):
             tokenizer = HFTokenizer.from_folder(tokenizer)
         elif tokenizer is None and isinstance(model, (str, Path)):
             tokenizer = load_tokenizer(model)  # None for the shipped models: the byte tokenizer
-        dtype = config.pop("dtype", "auto")
-        if isinstance(model, (str, Path)):  # a shipped model's name, or a Hugging Face folder
-            model, dtype = load_model(model, dtype), "auto"
+        folder = model if isinstance(model, (str, Path)) else None
+        default_params = default_sampling_params(folder, generation_config)
+        if folder is not None:  # a shipped model's name, or a Hugging Face folder
+            model, dtype = load_model(folder, dtype), "auto"
         auto = dtype == "auto"
         config["dtype"] = next(model.parameters()).dtype if auto else resolve_dtype(dtype)
+        config.update(
+            seed=seed, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes
+        )
         scheduler_keys = {
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -405,7 +458,18 @@ class LLM:
         # vLLM style: speculative={"method": "ngram", ...}
         if isinstance(config.get("speculative"), dict):
             config["speculative"] = SpeculativeConfig(**config["speculative"])
-        self.engine = LLMEngine(model, EngineConfig(scheduler=scheduler, **config), tokenizer)
+        self.engine = LLMEngine(
+            model, EngineConfig(scheduler=scheduler, **config), tokenizer, default_params
+        )
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer prompts are encoded and outputs decoded with (vLLM's name)."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams (vLLM's name): the
+        checkpoint's generation_config.json settings over SamplingParams' defaults."""
+        return self.engine.default_params
 
     def generate(
         self,
@@ -499,13 +563,55 @@ def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer | None) -> tup
     return ids
 
 
+def default_sampling_params(
+    model: str | Path | None, generation_config: str | Path = "auto"
+) -> SamplingParams:
+    """vLLM's `generation_config`: "auto", the settings `model`'s generation_config.json
+    recommends (temperature, top_k, top_p, min_p, repetition_penalty, and max_new_tokens as
+    max_tokens; `sampling_defaults`) over SamplingParams' own defaults -- none for a shipped model,
+    or a model given as a `Transformer` (`model` None); "vllm", SamplingParams() alone; anything
+    else, the folder whose generation_config.json to read."""
+    if generation_config == "vllm" or (generation_config == "auto" and model is None):
+        return SamplingParams()
+    folder = model if generation_config == "auto" else generation_config
+    settings = sampling_defaults(folder)  # a setting that is no number: CheckpointError
+    try:
+        return SamplingParams(**settings)
+    except ValueError as error:  # a number out of range: name the file it came from
+        where = model_folder(folder) / "generation_config.json"
+        raise CheckpointError(f"{where}: {error}") from None
+
+
+def loaded_draft(speculative: SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """The config with a draft model named by path loaded, so that its K/V (kept at the target's
+    slots, in blocks of the same pool) can be counted in the cache's size before the cache is
+    built."""
+    if speculative is None or speculative.method != "draft":
+        return speculative
+    if isinstance(speculative.draft_model, (str, Path)):
+        return replace(speculative, draft_model=load_model(speculative.draft_model))
+    return speculative
+
+
+def cache_bytes_per_token(
+    model: Transformer, speculative: SpeculativeConfig | None, dtype: torch.dtype
+) -> int:
+    """K/V bytes one token takes in the engine's cache dtype: the model's, plus a draft model's
+    (`loaded_draft`), which keeps its own K/V for every slot."""
+    configs = [model.config]
+    if speculative is not None and speculative.method == "draft":
+        configs.append(speculative.draft_model.config)
+    return sum(kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim, dtype) for c in configs)
+
+
 def request_limits(model_config: ModelConfig, config: EngineConfig) -> RequestLimits:
-    """What a request may ask of this engine: the model's vocabulary and context, the cache."""
+    """What a request may ask of this engine (its config as resolved, `LLMEngine.config`): the
+    model's vocabulary, the engine's context (max_model_len), the cache."""
     scheduler = config.scheduler
     unchunked = None if scheduler.chunked_prefill else scheduler.max_num_batched_tokens
     return RequestLimits(
         vocab_size=model_config.vocab_size,
-        max_model_len=model_config.max_seq_len,
+        max_model_len=config.max_model_len,
         max_prompt_blocks=config.num_blocks,
         block_size=config.block_size,
         max_unchunked_prompt=unchunked,

@@ -141,15 +141,18 @@ class InputProcessor:
         tokenizer: Tokenizer,
         limits: RequestLimits,
         eos_token_ids: tuple[int, ...] | None = None,
+        default_params: SamplingParams | None = None,
     ) -> None:
         self.tokenizer, self.limits = tokenizer, limits
         self.eos_token_ids = tokenizer.eos_ids if eos_token_ids is None else eos_token_ids
+        self.default_params = self.params(default_params)
 
     def process(
         self, prompt: Prompt, params: SamplingParams | None
     ) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the params, both checked; raises TypeError or ValueError."""
-        params = self.params(params)
+        """The prompt's token ids and the params (None: the engine's defaults), both checked;
+        raises TypeError or ValueError."""
+        params = self.default_params if params is None else self.params(params)
         prompt_ids = self.prompt_ids(prompt)
         self.check_params(params)
         self.check_fits(prompt_ids, params)

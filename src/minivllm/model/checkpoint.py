@@ -14,7 +14,8 @@ and Llama 3's, a sliding window shorter than the context -- is refused with one 
 file, as is a missing, extra or misshapen tensor or a shard the index names that is not there;
 all before the model's memory is allocated. The weights are then copied in one tensor at a time
 from the memory-mapped files, so a checkpoint is never held twice. `tokenizer_files` and
-`generation_config` say what else the folder holds (the tokenizer is built elsewhere).
+`generation_config` say what else the folder holds (the tokenizer is built elsewhere), and
+`sampling_defaults` the sampling settings its generation_config.json recommends.
 """
 
 from __future__ import annotations
@@ -229,7 +230,47 @@ def read_config(folder: Path) -> dict:
 def generation_config(folder: str | Path) -> dict:
     """`generation_config.json` (the checkpoint's end tokens and sampling defaults), or {}."""
     path = model_folder(folder) / "generation_config.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(found).__name__}")
+    return found
+
+
+# generation_config.json's sampling settings, as vLLM applies them (`generation_config="auto"`):
+# file key -> (SamplingParams' name, transformers' GenerationConfig default). vLLM reads the file's
+# difference from GenerationConfig(), so a value equal to transformers' default sets nothing (a
+# file saying top_k 50 leaves top_k off, as in vLLM).
+GENERATION_SAMPLING_KEYS = {
+    "temperature": ("temperature", 1.0),
+    "top_k": ("top_k", 50),
+    "top_p": ("top_p", 1.0),
+    "min_p": ("min_p", None),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "max_new_tokens": ("max_tokens", None),
+}
+
+
+def sampling_defaults(folder: str | Path) -> dict[str, int | float]:
+    """The sampling settings a checkpoint recommends in its generation_config.json, by
+    SamplingParams' names (max_new_tokens is max_tokens); {} for a folder without one (the
+    shipped models). `do_sample` is not read, as vLLM does not: a request's temperature says it."""
+    config, found = generation_config(folder), {}
+    for key, (name, transformers_default) in GENERATION_SAMPLING_KEYS.items():
+        value = config.get(key)
+        if value is None or value == transformers_default:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise CheckpointError(
+                f"{model_folder(folder) / 'generation_config.json'}: {key} must be a number, "
+                f"got {value!r}"
+            )
+        found[name] = value
+    return found
 
 
 TOKENIZER_FILES = (

@@ -344,7 +344,10 @@ def make_drafter(
     dtype: torch.dtype,
     device: str = "cpu",
     backend: type = TorchPagedAttention,
+    max_model_len: int | None = None,
 ) -> NgramDrafter | ModelDrafter:
+    """The drafter `config` names; a draft model must cover the engine's context (`max_model_len`,
+    by default the target's whole context)."""
     if config.method == "ngram":
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
     draft = config.draft_model
@@ -360,9 +363,10 @@ def make_drafter(
             f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the target's "
             f"({target.config.vocab_size}): their token ids would not mean the same thing"
         )
-    if draft.config.max_seq_len < target.config.max_seq_len:
+    context = target.config.max_seq_len if max_model_len is None else max_model_len
+    if draft.config.max_seq_len < context:
         raise ValueError(
-            f"the draft model's context ({draft.config.max_seq_len}) is shorter than the target's "
-            f"({target.config.max_seq_len}): it could not draft for long sequences"
+            f"the draft model's context ({draft.config.max_seq_len}) is shorter than the engine's "
+            f"max_model_len ({context}): it could not draft for long sequences"
         )
     return ModelDrafter(draft, manager, num_blocks, dtype, device, backend)

@@ -29,6 +29,7 @@ adapts: `engine/` may not import upward.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from collections.abc import Sequence as SequenceOf
@@ -179,8 +180,10 @@ class InferenceEngine:
     def _request(
         self, prompt: Prompts, sampling: dict
     ) -> tuple[list[Prompt], SamplingParams, bool]:
-        """The prompts as a list, the SamplingParams (checked: a ValueError or TypeError names a
-        bad keyword), and whether a list came in; EngineDeadError after `shutdown`."""
+        """The prompts as a list, the SamplingParams (the engine's defaults -- a checkpoint's
+        generation_config.json -- with the keywords given over them; checked: a ValueError or
+        TypeError names a bad keyword), and whether a list came in; EngineDeadError after
+        `shutdown`."""
         if self._closed:
             raise EngineDeadError("the engine was shut down")
         many = not isinstance(prompt, str)
@@ -189,7 +192,7 @@ class InferenceEngine:
             raise ValueError("no prompts: give a str, or a non-empty list of prompts")
         if many and all(isinstance(p, int) for p in prompts):
             raise TypeError("token ids are one prompt: put them inside a list, [[256, 72, ...]]")
-        params = SamplingParams(**sampling)
+        params = dataclasses.replace(self.engine.engine.default_params, **sampling)
         if params.n != 1:
             raise ValueError("generate answers one text per prompt, so n must be 1: use LLM")
         return prompts, params, many

@@ -171,7 +171,7 @@ class OpenAIServer:
     ) -> None:
         self.engine, self.model_name = engine, model_name
         self.limits, self.api_key = limits or ServerLimits(), api_key
-        self.context = engine.engine.model.config.max_seq_len
+        self.context = engine.engine.config.max_model_len  # the engine's, not the model's
         self.vocab_size = engine.engine.model.config.vocab_size
         self.tokenizer = engine.engine.tokenizer
         # A chat is laid out by the model's chat template, whose turn ends with a token the EOS
@@ -375,6 +375,7 @@ class OpenAIServer:
         body = await off_the_loop_if_big(len(data), validate, data, model)
         if getattr(body, "model", None) is not None:  # optional on /tokenize and /detokenize
             self._check_model(body.model)
+        with_model_defaults(body, self.engine.engine.default_params)
         return body
 
     def _authorize(self, request: Request) -> None:
@@ -529,6 +530,20 @@ def validation_problem(error: ValidationError) -> RequestError:
     if len(problems) > MAX_LISTED_PROBLEMS:
         listed += f"; and {len(problems) - MAX_LISTED_PROBLEMS} more"
     return RequestError("invalid request: " + listed, param=params[0] if params else None)
+
+
+# The sampling knobs a request may leave out, which then take the engine's default (vLLM's
+# default_sampling_params: the checkpoint's generation_config.json, else SamplingParams' own)
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def with_model_defaults(body: BaseModel, defaults: SamplingParams) -> None:
+    """Fill each sampling knob the request left out (None) with the engine's default, as vLLM's
+    servers do; fields the endpoint does not have are left alone. max_tokens is not one: each
+    endpoint has its own default, and chat's depends on the room the prompt leaves."""
+    for name in MODEL_DEFAULT_FIELDS:
+        if name in type(body).model_fields and getattr(body, name) is None:
+            setattr(body, name, getattr(defaults, name))
 
 
 def sampling_params(make: Callable[[], SamplingParams]) -> SamplingParams:
