@@ -2,14 +2,15 @@
 
     python tools/kernel_registers.py [--cc 9.0] [--write]
 
-numba-cuda compiles a kernel to PTX with libNVVM, and `ptxas -v` (the assembler the driver would run)
-reports the registers, spills and stack of each kernel for a chosen compute capability: the
+numba-cuda compiles a kernel to PTX with libNVVM, and `ptxas -v` (the assembler the driver would
+run) reports the registers, spills and stack of each kernel for a chosen compute capability: the
 numbers Nsight Compute shows in its launch statistics (`ptxas` for sm_90 gave v3 the 128 registers
 the H100 run recorded). This needs a CUDA toolkit (`ptxas`, `libnvvm.so`, `libdevice.10.bc`;
 found under `$CUDA_HOME`, else /usr/local/cuda), not a GPU: numba's simulator is kept off with
 `MINIVLLM_CUDA_COMPILE_ONLY=1`. A toolkit without NVRTC (numba asks it only which architectures
-exist) is told the list below. Also counted, from the PTX: global loads by width and 64-bit
-integer instructions, the address arithmetic that wide loads save. These are compiler counts, not
+exist) is told the list below. Also counted, from the PTX: global loads by width (static
+instructions, not executions: v4's 2-byte loads are its queries, once per block) and 64-bit integer
+instructions, the address arithmetic that wide loads save. These are compiler counts, not
 measurements: occupancy and bandwidth come from the GPU run (`benchmarks/paged_attention.py`).
 
 The shape is the benchmark's: head_dim 128, 32 query heads over 8 K/V heads (group 4), block size
@@ -89,20 +90,27 @@ def signature(dtype):
 
 
 def kernels() -> dict[str, tuple]:
-    """name -> (python function, numba dtype) for each kernel compiled here."""
+    """name -> (python function, numba dtype, register cap, v4 layout) for each kernel compiled
+    here: the variants `benchmarks/paged_attention.py` times, in both cache dtypes."""
     from numba import types
 
     from minivllm.attention.cuda.grouped import default_lanes_per_token, grouped_decode_kernel
     from minivllm.attention.cuda.tiled import tiled_decode_kernel, tiled_layout
 
     found = {}
+    lanes = default_lanes_per_token(HEAD_DIM)
+    v3 = grouped_decode_kernel(HEAD_DIM, GROUP, lanes, BLOCK_SIZE).py_func
     for dtype, name in ((types.float16, "float16"), (types.float32, "float32")):
-        lanes = default_lanes_per_token(HEAD_DIM)
-        v3 = grouped_decode_kernel(HEAD_DIM, GROUP, lanes, BLOCK_SIZE)
-        found[f"v3 {name}"] = (v3.py_func, dtype)
-        layout = tiled_layout(HEAD_DIM, dtype.bitwidth // 8, THREADS)
-        v4 = tiled_decode_kernel(HEAD_DIM, GROUP, BLOCK_SIZE, layout)
-        found[f"v4 {name}"] = (v4.py_func, dtype, layout)
+        found[f"v3 {name}"] = (v3, dtype, None, None)
+        found[f"v3 regs<=64 {name}"] = (v3, dtype, 64, None)
+        for variant, knobs, cap in (
+            ("v4", {}, None),
+            ("v4 regs<=64", {}, 64),
+            ("v4 no prefetch", {"prefetch": False}, None),
+        ):
+            layout = tiled_layout(HEAD_DIM, dtype.bitwidth // 8, THREADS, **knobs)
+            v4 = tiled_decode_kernel(HEAD_DIM, GROUP, BLOCK_SIZE, layout)
+            found[f"{variant} {name}"] = (v4.py_func, dtype, cap, layout)
     return found
 
 
@@ -117,8 +125,11 @@ def ptx_counts(ptx: str) -> dict[str, int]:
     }
 
 
-def ptxas(ptx: str, cc: tuple[int, int], home: Path) -> dict[str, int]:
-    """`ptxas -v` of the PTX: registers, spill bytes and stack per thread."""
+def ptxas(
+    ptx: str, cc: tuple[int, int], home: Path, max_registers: int | None = None
+) -> dict[str, int]:
+    """`ptxas -v` of the PTX (with the cap the driver would be given, if any): registers, spill
+    bytes and stack per thread."""
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
         source.write_text(ptx)
@@ -130,6 +141,7 @@ def ptxas(ptx: str, cc: tuple[int, int], home: Path) -> dict[str, int]:
                 str(source),
                 "-o",
                 str(Path(folder) / "kernel.cubin"),
+                *([f"-maxrregcount={max_registers}"] if max_registers else []),
             ],
             capture_output=True,
             text=True,
@@ -156,33 +168,43 @@ def main() -> None:
     from numba import cuda
 
     rows = {}
-    print(f"{'kernel':<14} {'registers':>9} {'stack':>5} {'spills':>6} {'16B loads':>9} "
-          f"{'2B loads':>8} {'int64 ops':>9}  layout")
-    for name, (function, dtype, *layout) in kernels().items():
+    print(
+        f"{'kernel':<24} {'registers':>9} {'stack':>5} {'spills':>6} {'vector loads':>12} "
+        f"{'2-byte loads':>12} {'int64 ops':>9}"
+    )
+    for name, (function, dtype, cap, layout) in kernels().items():
         ptx, _ = cuda.compile_ptx(function, signature(dtype), cc=cc)
-        row = ptxas(ptx, cc, home) | ptx_counts(ptx)
-        if layout:
-            row["layout"] = vars(layout[0])
+        row = ptxas(ptx, cc, home, cap) | ptx_counts(ptx)
+        row["max_registers"] = cap
+        if layout is not None:
+            row["layout"] = vars(layout)
         rows[name] = row
         loads = row["global_loads"]
+        vector_loads = sum(n for op, n in loads.items() if ".v2." in op or ".v4." in op)
         print(
-            f"{name:<14} {row['registers']:>9} {row['stack_bytes']:>5} "
-            f"{row['spill_store_bytes'] + row['spill_load_bytes']:>6} "
-            f"{loads.get('ld.global.v4.u32', 0) + loads.get('ld.global.v4.f32', 0):>9} "
-            f"{loads.get('ld.global.u16', 0):>8} {row['int64_instructions']:>9}  "
-            + (" ".join(f"{k}={v}" for k, v in row.get("layout", {}).items()))
+            f"{name:<24} {row['registers']:>9} {row['stack_bytes']:>5} "
+            f"{row['spill_store_bytes'] + row['spill_load_bytes']:>6} {vector_loads:>12} "
+            f"{loads.get('ld.global.u16', 0):>12} {row['int64_instructions']:>9}"
         )
     if args.write:
-        ptxas_version = subprocess.run(
-            [str(home / "bin" / "ptxas"), "--version"], capture_output=True, text=True
-        ).stdout.strip().splitlines()[-1]
+        ptxas_version = (
+            subprocess.run(
+                [str(home / "bin" / "ptxas"), "--version"], capture_output=True, text=True
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         record = {
             "tool": "tools/kernel_registers.py",
             "what": "compiler counts (ptxas -v), not GPU measurements",
             "compute_capability": f"{cc[0]}.{cc[1]}",
             "ptxas": ptxas_version,
-            "shape": {"head_dim": HEAD_DIM, "group": GROUP, "block_size": BLOCK_SIZE,
-                      "threads": THREADS},
+            "shape": {
+                "head_dim": HEAD_DIM,
+                "group": GROUP,
+                "block_size": BLOCK_SIZE,
+                "threads": THREADS,
+            },
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "kernels": rows,
         }

@@ -268,7 +268,7 @@ class GroupedDecode:
         foreign = v4_knobs if version == "v3" else v3_knobs
         given = [name for name, value in foreign.items() if value is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} do not apply to {version}")
+            raise ValueError(f"{version} takes no {', '.join(given)}: another version's knob")
         for name, tensor in (("block_tables", block_tables), ("context_lens", context_lens)):
             if tensor.dtype != torch.int32:
                 raise ValueError(f"{name} must be int32, got {tensor.dtype}")

@@ -418,4 +418,3 @@ def tiled_decode_kernel(
                 exp_sums[seq, first_head + g, part] = total_sum
 
     return paged_attention_v4
-

@@ -136,9 +136,7 @@ def _prefetch_intrinsic():
     @intrinsic
     def prefetch_l2(typingctx, array, index):
         if not (
-            isinstance(array, types.Array)
-            and array.ndim == 1
-            and isinstance(index, types.Integer)
+            isinstance(array, types.Array) and array.ndim == 1 and isinstance(index, types.Integer)
         ):
             return None
 
