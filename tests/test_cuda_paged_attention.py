@@ -309,10 +309,10 @@ def v3_case():
         (
             lambda c: {
                 "version": "v4",
-                # the same cache one float further on: no longer on a 16-byte boundary
+                # the same cache one float further on: off the 8-byte boundary of two-float loads
                 "key_cache": torch.empty(c[1].numel() + 1, device=DEVICE)[1:].view(c[1].shape),
             },
-            "v4 reads key_cache in 16-byte vectors",
+            r"v4 reads key_cache in 8-byte vectors: its data must start on a multiple of 8",
         ),
     ],
 )

@@ -29,7 +29,6 @@ from minivllm.attention.cuda.kernels import (
 )
 from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE, _simulator_pace
 from minivllm.attention.cuda.tiled import tiled_decode_kernel, tiled_layout, tiled_shared_words
-from minivllm.attention.cuda.vectors import MAX_VECTOR_BYTES
 
 # -- launchers -------------------------------------------------------------------------------------
 DEFAULT_THREADS = 128  # 4 warps per block
@@ -310,18 +309,20 @@ class GroupedDecode:
         if version == "v3":
             self.shared = 4 * shared_words(table_entries, head_dim, group, threads, lanes)
             kernel = grouped_decode_kernel(head_dim, group, lanes, block_size, max_registers)
-            self._kernels = {itemsize: (kernel, self.shared) for itemsize in (2, 4)}
+            # one kernel for both dtypes, reading element by element
+            self._kernels = {size: (kernel, self.shared, size) for size in (2, 4)}
         else:
             # v4's layout depends on the element size (its loads are a number of bytes wide):
-            # one kernel per cache dtype, sized here for both.
+            # one kernel per cache dtype, sized here for both, with the alignment its loads need.
             knobs = {k: v for k, v in v4_knobs.items() if v is not None}
             self._kernels = {}
-            for itemsize in (2, 4):
-                layout = tiled_layout(head_dim, itemsize, threads, **knobs)
+            for size in (2, 4):
+                layout = tiled_layout(head_dim, size, threads, **knobs)
                 words = tiled_shared_words(table_entries, group, layout)
                 kernel = tiled_decode_kernel(head_dim, group, block_size, layout, max_registers)
-                self._kernels[itemsize] = (kernel, 4 * words)
-            self.shared = max(shared for _, shared in self._kernels.values())
+                vector_bytes = max(layout.key_vector, layout.value_vector) * size
+                self._kernels[size] = (kernel, 4 * words, vector_bytes)
+            self.shared = max(shared for _, shared, _ in self._kernels.values())
         if self.shared > SHARED_LIMIT:
             raise ValueError(
                 f"a thread block would need {self.shared} bytes of shared memory (limit "
@@ -410,14 +411,13 @@ class GroupedDecode:
             if self.partial is None
             else self.partial
         )
-        kernel, shared = self._kernels[q.element_size()]
-        if self.version == "v4":
-            for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-                if cache.data_ptr() % MAX_VECTOR_BYTES:
-                    raise ValueError(
-                        f"v4 reads {name} in {MAX_VECTOR_BYTES}-byte vectors: its data must start "
-                        f"on a {MAX_VECTOR_BYTES}-byte boundary, got address {cache.data_ptr():#x}"
-                    )
+        kernel, shared, alignment = self._kernels[q.element_size()]
+        for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if cache.data_ptr() % alignment:
+                raise ValueError(
+                    f"{self.version} reads {name} in {alignment}-byte vectors: its data must "
+                    f"start on a multiple of {alignment} bytes, got address {cache.data_ptr():#x}"
+                )
         grid = (self.num_seqs, self.num_kv_heads, self.parts)
         with _simulator_pace():
             kernel[grid, self.threads, self.stream, shared](

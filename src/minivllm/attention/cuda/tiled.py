@@ -11,27 +11,35 @@ v3's grid (one block per sequence, K/V head and partition, the block table stage
 and splits each tile of `tile` tokens into three phases:
 
 1. **Scores.** Teams of `key_lanes` lanes take a token each (`tile / teams` tokens a team, their
-   loads issued `key_batch` tokens at a time); a lane reads its stretch of the key row as 16-byte
-   vectors (`vectors.py`), dots it with its stretch of each query head (pre-scaled by
-   scale x log2(e), so that softmax runs on `exp2`) and the team adds the pieces with shuffles.
-   The scores, and each token's cache row, go to shared memory.
-2. **Softmax, once per (head, token).** A warp per query head takes the tile's max, rescales the
-   head's running max and sum (held in shared memory) and turns the scores into weights in place;
-   one `exp2` per score, not one per lane of a team.
+   loads issued `key_batch` tokens at a time); a lane reads its stretch of the key row as one
+   8-byte vector (`vectors.py`: one load where numba would issue four, without its 64-bit index
+   arithmetic), dots it with its stretch of each query head (pre-scaled by scale x log2(e), so
+   that softmax runs on `exp2`), and the team adds the pieces by a reduce-scatter: at each shuffle
+   a lane hands half of its heads to its partner, so group 4 over 32 lanes costs 6 shuffles a
+   token, not 20. The scores, and each token's cache row, go to shared memory.
+2. **Prefetch, then softmax once per (head, token).** The block asks for this tile's value rows
+   and the next tile's key rows to come into L2 (a prefetch holds no register while in flight, so
+   the memory system gets a tile's worth of requests whatever the occupancy). Then a warp per
+   query head takes the tile's max, rescales the head's running max and sum (held in shared
+   memory) and turns the scores into weights in place: one `exp2` per score, not one per lane.
 3. **Values, each output element owned by one thread.** Teams of `value_lanes` lanes take a token
-   each and split head_dim between them, 8-byte vectors a lane; each lane keeps only its elements'
-   running output for the group's heads (group x head_dim / value_lanes floats: 16 at head_dim 128,
-   group 4), rescaled once a tile. Every team shares the block's running max, so at the end the
-   teams' outputs add up (through shared memory), no log-sum-exp merge between them.
+   each and split head_dim between them, an 8-byte vector a lane; each lane keeps only its
+   elements' running output for the group's heads (group x head_dim / value_lanes floats: 16 at
+   head_dim 128, group 4), rescaled once a tile. Every team shares the block's running max, so at
+   the end the teams' outputs add up (through shared memory), no log-sum-exp merge between them.
 
 Two barriers a tile: the scores and the weights are double-buffered so that the next tile's
 scores may be written while a slow warp still reads this tile's weights. The output is v3's:
 each partition's normalised output, max (in natural-log units) and sum, for `merge_partitions`.
 
-Compiled per (head_dim, group, block_size, threads, itemsize) and the layout's sizes: every loop
-has a constant trip count, so the per-thread arrays live in registers. Nothing here is measured:
-`tools/kernel_registers.py` counts the compiler's registers, `benchmarks/paged_attention.py` the
-bandwidth on a GPU.
+Compiled per (head_dim, group, block_size) and layout (threads, element size, the knobs): every
+loop has a constant trip count, so the per-thread arrays live in registers. Shared-memory indices
+are cast to unsigned and the thread and block indices widened from unsigned, which spares numba's
+negative-index and signed-division fix-ups and the 64-bit registers they hold. For the benchmark's
+shape (float16, head_dim 128, group 4, 128 threads) CUDA 13's ptxas for sm_90 gives this kernel 70
+registers to v3's 128, and 64 with no spill when capped there (`tools/kernel_registers.py`,
+`benchmarks/results/kernel_registers.json`): compiler counts; the bandwidth is measured on a GPU
+by `benchmarks/paged_attention.py`.
 """
 
 from __future__ import annotations
@@ -57,8 +65,8 @@ LOG2E, LN2 = float32(math.log2(math.e)), float32(math.log(2.0))
 
 @dataclass(frozen=True)
 class TiledLayout:
-    """How v4's threads split a tile, from the shapes and three choices (`key_bytes`,
-    `value_bytes`: the width of a lane's loads; `tile`: tokens per tile, at least)."""
+    """How v4's threads split a tile: from the shapes and `tiled_layout`'s knobs (the width of a
+    lane's loads, tokens per tile, loads issued together, the prefetches)."""
 
     head_dim: int
     itemsize: int  # bytes per cache element
