@@ -26,7 +26,8 @@ local memory), v4 (`attention/cuda/tiled.py`: v3 tiled, with fewer live values p
 8-byte vector loads, scores reduce-scattered, one exp2 per score, each output element owned by one
 thread, the next rows prefetched into L2), v4 split (with v3 split's partition size), v4 regs<=64
 (capped so that 8 blocks fit an SM; `tools/kernel_registers.py` counts what ptxas spills for it)
-and v4 no prefetch (the prefetches' share), the engine's torch reference (gather through the
+v4 no prefetch (the prefetches' share) and v4 256 threads regs<=64 (8 warps a block: more resident
+warps from the same grid), the engine's torch reference (gather through the
 block table, then SDPA) and `scaled_dot_product_attention` over K/V gathered in advance (the
 attention arithmetic without the paged gather). Goals (issue 17): >= 80 % of the copy
 bandwidth at batch 64 x context 1k, >= 60 % at batch 1 x 4k.
@@ -65,12 +66,15 @@ from minivllm.book.kernel_check import kernel_error, random_inputs
 RESULTS = Path(__file__).parent / "results" / "paged_attention.json"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, PARTITION = 32, 8, 128, 16, 512
 SHAPE = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
-# v4's variants on one partition: its defaults, capped at 64 registers (ptxas fits the benchmark's
-# shape in 64 with no spill), without the L2 prefetches.
+# v4's variants on one partition: its defaults; capped at 64 registers (ptxas fits the benchmark's
+# shape in 64 with no spill); without the L2 prefetches; 8 warps a block, capped. At batch 64 x 8
+# K/V heads the grid is 512 blocks, about 4 per SM whatever the registers allow: only bigger
+# blocks (or more partitions) turn fewer registers into more resident warps.
 V4_VARIANTS = {
     "v4": {},
     "v4 regs<=64": {"max_registers": 64},
     "v4 no prefetch": {"prefetch": False},
+    "v4 256 threads regs<=64": {"threads": 256, "max_registers": 64},
 }
 SYSTEMS = (
     "v1",
@@ -84,6 +88,7 @@ SYSTEMS = (
     "v4 split",
     "v4 regs<=64",
     "v4 no prefetch",
+    "v4 256 threads regs<=64",
     "torch paged",
     "SDPA (pre-gathered)",
 )
@@ -305,8 +310,9 @@ def kernel_resources() -> dict:
     for key in _compiled_v3_keys():
         dispatchers[f"v3 {key}"] = grouped_decode_kernel(*key)
     for name, knobs in V4_VARIANTS.items():  # the float16 kernels `GroupedDecode` launched
-        layout_knobs = {k: v for k, v in knobs.items() if k != "max_registers"}
-        layout = tiled_layout(HEAD_DIM, 2, DEFAULT_THREADS, **layout_knobs)
+        layout_knobs = {k: v for k, v in knobs.items() if k not in ("max_registers", "threads")}
+        threads = knobs.get("threads", DEFAULT_THREADS)
+        layout = tiled_layout(HEAD_DIM, 2, threads, **layout_knobs)
         dispatchers[name] = tiled_decode_kernel(
             HEAD_DIM, HEADS // KV_HEADS, BLOCK_SIZE, layout, knobs.get("max_registers")
         )

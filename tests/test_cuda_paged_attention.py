@@ -316,7 +316,7 @@ def v3_case():
         ),
     ],
 )
-def test_v3_refuses_bad_arguments_before_a_launch(change, message) -> None:
+def test_v3_and_v4_refuse_bad_arguments_before_a_launch(change, message) -> None:
     q, key_cache, value_cache, tables, lens = v3_case()
     arguments = {
         "q": q,
@@ -432,6 +432,17 @@ def test_v4_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_s
         case, partition_size=partition_size, threads=128, grouped=True, version="v4"
     )
     assert error <= TOLERANCE[dtype]
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("partition_size", [None, 512])
+def test_v4_with_eight_warps_a_block_on_the_gpu(partition_size) -> None:
+    """The benchmark's 256-thread variant: 8 key teams and 8 value teams a block."""
+    case = grid_case(16, 128, 4, torch.float16, [1, 15, 53, 517, 2000])
+    error = relative_error(
+        case, partition_size=partition_size, threads=256, grouped=True, version="v4"
+    )
+    assert error <= TOLERANCE[torch.float16]
 
 
 def test_the_engine_gives_the_same_tokens_with_the_kernel_backend(monkeypatch) -> None:

@@ -14,7 +14,8 @@ instructions, the address arithmetic that wide loads save. These are compiler co
 measurements: occupancy and bandwidth come from the GPU run (`benchmarks/paged_attention.py`).
 
 The shape is the benchmark's: head_dim 128, 32 query heads over 8 K/V heads (group 4), block size
-16, 128 threads a block. `--write` records the table in `benchmarks/results/kernel_registers.json`.
+16, 128 threads a block (256 where named). `--write` records the table in
+`benchmarks/results/kernel_registers.json`.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ def prepare_numba(home: Path) -> None:
 
     nvvm.get_libdevice = libs.get_libdevice = lambda: str(libdevice)
     nvvm.open_libdevice = libs.open_libdevice = open_libdevice
-    os.environ.setdefault("NUMBAPRO_NVVM", str(next((home / "lib64").glob("libnvvm.so*"))))
 
 
 def signature(dtype):
@@ -103,12 +103,13 @@ def kernels() -> dict[str, tuple]:
     for dtype, name in ((types.float16, "float16"), (types.float32, "float32")):
         found[f"v3 {name}"] = (v3, dtype, None, None)
         found[f"v3 regs<=64 {name}"] = (v3, dtype, 64, None)
-        for variant, knobs, cap in (
-            ("v4", {}, None),
-            ("v4 regs<=64", {}, 64),
-            ("v4 no prefetch", {"prefetch": False}, None),
+        for variant, knobs, threads, cap in (
+            ("v4", {}, THREADS, None),
+            ("v4 regs<=64", {}, THREADS, 64),
+            ("v4 no prefetch", {"prefetch": False}, THREADS, None),
+            ("v4 256 threads regs<=64", {}, 256, 64),
         ):
-            layout = tiled_layout(HEAD_DIM, dtype.bitwidth // 8, THREADS, **knobs)
+            layout = tiled_layout(HEAD_DIM, dtype.bitwidth // 8, threads, **knobs)
             v4 = tiled_decode_kernel(HEAD_DIM, GROUP, BLOCK_SIZE, layout)
             found[f"{variant} {name}"] = (v4.py_func, dtype, cap, layout)
     return found
@@ -169,7 +170,7 @@ def main() -> None:
 
     rows = {}
     print(
-        f"{'kernel':<24} {'registers':>9} {'stack':>5} {'spills':>6} {'vector loads':>12} "
+        f"{'kernel':<32} {'registers':>9} {'stack':>5} {'spills':>6} {'vector loads':>12} "
         f"{'2-byte loads':>12} {'int64 ops':>9}"
     )
     for name, (function, dtype, cap, layout) in kernels().items():
@@ -182,7 +183,7 @@ def main() -> None:
         loads = row["global_loads"]
         vector_loads = sum(n for op, n in loads.items() if ".v2." in op or ".v4." in op)
         print(
-            f"{name:<24} {row['registers']:>9} {row['stack_bytes']:>5} "
+            f"{name:<32} {row['registers']:>9} {row['stack_bytes']:>5} "
             f"{row['spill_store_bytes'] + row['spill_load_bytes']:>6} {vector_loads:>12} "
             f"{loads.get('ld.global.u16', 0):>12} {row['int64_instructions']:>9}"
         )
