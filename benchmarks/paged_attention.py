@@ -22,9 +22,14 @@ pass, the step's arguments prepared once as the engine does), v3 split (v3 with 
 the engine picks for the batch, `split_partition_size`), v3 warp/token (v3 with a whole warp on
 each token instead of 16 lanes: fewer registers, fewer loads in flight per lane), v3 regs<=96 and
 regs<=64 (v3 compiled with its registers per thread capped: more resident warps, some spilled to
-local memory), the engine's torch reference (gather through the block table, then SDPA) and
-`scaled_dot_product_attention` over K/V gathered in advance (the attention arithmetic without the
-paged gather). Goals (issue 17): >= 80 % of the copy
+local memory), v4 (`attention/cuda/tiled.py`: v3 tiled, with fewer live values per thread --
+8-byte vector loads, scores reduce-scattered, one exp2 per score, each output element owned by one
+thread, the next rows prefetched into L2), v4 split (with v3 split's partition size), v4 regs<=64
+(capped so that 8 blocks fit an SM; `tools/kernel_registers.py` counts what ptxas spills for it)
+v4 no prefetch (the prefetches' share) and v4 256 threads regs<=64 (8 warps a block: more resident
+warps from the same grid), the engine's torch reference (gather through the
+block table, then SDPA) and `scaled_dot_product_attention` over K/V gathered in advance (the
+attention arithmetic without the paged gather). Goals (issue 17): >= 80 % of the copy
 bandwidth at batch 64 x context 1k, >= 60 % at batch 1 x 4k.
 
 For Nsight Compute, profile one system on one shape without writing the results:
@@ -42,6 +47,7 @@ import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as 
 # isort: split
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import platform
@@ -59,6 +65,17 @@ from minivllm.book.kernel_check import kernel_error, random_inputs
 
 RESULTS = Path(__file__).parent / "results" / "paged_attention.json"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, PARTITION = 32, 8, 128, 16, 512
+SHAPE = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
+# v4's variants on one partition: its defaults; capped at 64 registers (ptxas fits the benchmark's
+# shape in 64 with no spill); without the L2 prefetches; 8 warps a block, capped. At batch 64 x 8
+# K/V heads the grid is 512 blocks, about 4 per SM whatever the registers allow: only bigger
+# blocks (or more partitions) turn fewer registers into more resident warps.
+V4_VARIANTS = {
+    "v4": {},
+    "v4 regs<=64": {"max_registers": 64},
+    "v4 no prefetch": {"prefetch": False},
+    "v4 256 threads regs<=64": {"threads": 256, "max_registers": 64},
+}
 SYSTEMS = (
     "v1",
     "v2",
@@ -67,6 +84,11 @@ SYSTEMS = (
     "v3 warp/token",
     "v3 regs<=96",
     "v3 regs<=64",
+    "v4",
+    "v4 split",
+    "v4 regs<=64",
+    "v4 no prefetch",
+    "v4 256 threads regs<=64",
     "torch paged",
     "SDPA (pre-gathered)",
 )
@@ -151,6 +173,8 @@ def check_small_case() -> dict[str, float]:
         "v2": kernel_error(inputs, partition_size=4, threads=32),
         "v3": kernel_error(inputs, threads=32, grouped=True),
         "v3 split": kernel_error(inputs, partition_size=4, threads=32, grouped=True),
+        "v4": kernel_error(inputs, threads=32, grouped=True, version="v4"),
+        "v4 split": kernel_error(inputs, partition_size=4, threads=32, grouped=True, version="v4"),
     }
 
 
@@ -160,7 +184,7 @@ def contenders(q, key_cache, value_cache, tables, lens, context: int, sms: int) 
     keys, values = gather(key_cache, value_cache, tables, context)
     batch = q.shape[0]
     split = split_partition_size(batch, KV_HEADS, context, BLOCK_SIZE, sms)
-    shape = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
+    shape = SHAPE
     v3 = GroupedDecode(tables, lens, context, block_size=BLOCK_SIZE, **shape)
     v3_split = GroupedDecode(
         tables, lens, context, block_size=BLOCK_SIZE, partition_size=split, **shape
@@ -175,6 +199,15 @@ def contenders(q, key_cache, value_cache, tables, lens, context: int, sms: int) 
         cap: GroupedDecode(tables, lens, context, block_size=BLOCK_SIZE, max_registers=cap, **shape)
         for cap in (96, 64)
     }
+    v4 = {
+        name: GroupedDecode(
+            tables, lens, context, block_size=BLOCK_SIZE, version="v4", **knobs, **shape
+        )
+        for name, knobs in V4_VARIANTS.items()
+    }
+    v4["v4 split"] = GroupedDecode(
+        tables, lens, context, block_size=BLOCK_SIZE, partition_size=split, version="v4", **shape
+    )
     return {
         "v1": lambda: paged_attention(
             q, key_cache, value_cache, tables, lens, max_context_len=context
@@ -193,6 +226,10 @@ def contenders(q, key_cache, value_cache, tables, lens, context: int, sms: int) 
         "v3 warp/token": lambda: v3_warp(q, key_cache, value_cache),
         "v3 regs<=96": lambda: v3_capped[96](q, key_cache, value_cache),
         "v3 regs<=64": lambda: v3_capped[64](q, key_cache, value_cache),
+        **{
+            name: functools.partial(decode, q, key_cache, value_cache)
+            for name, decode in v4.items()
+        },
         "torch paged": lambda: sdpa_gathered(q, *gather(key_cache, value_cache, tables, context)),
         "SDPA (pre-gathered)": lambda: sdpa_gathered(q, keys, values),
     }, split
@@ -266,10 +303,19 @@ def kernel_resources() -> dict:
         paged_attention_v1,
         paged_attention_v2,
     )
+    from minivllm.attention.cuda.launch import DEFAULT_THREADS
+    from minivllm.attention.cuda.tiled import tiled_decode_kernel, tiled_layout
 
     dispatchers = {"v1": paged_attention_v1, "v2": paged_attention_v2, "merge": merge_partitions}
     for key in _compiled_v3_keys():
         dispatchers[f"v3 {key}"] = grouped_decode_kernel(*key)
+    for name, knobs in V4_VARIANTS.items():  # the float16 kernels `GroupedDecode` launched
+        layout_knobs = {k: v for k, v in knobs.items() if k not in ("max_registers", "threads")}
+        threads = knobs.get("threads", DEFAULT_THREADS)
+        layout = tiled_layout(HEAD_DIM, 2, threads, **layout_knobs)
+        dispatchers[name] = tiled_decode_kernel(
+            HEAD_DIM, HEADS // KV_HEADS, BLOCK_SIZE, layout, knobs.get("max_registers")
+        )
     resources = {}
     for name, dispatcher in dispatchers.items():
         for signature, overload in dispatcher.overloads.items():

@@ -3,8 +3,10 @@
 On a CPU the kernels run in numba's CUDA simulator -- the same source, every CUDA thread a Python
 thread -- so these shapes are small: v3 is checked on a set of cases in which every block size
 (8/16/32), head_dim (32/64/128), GQA group (1/2/4) and dtype appears, and the full product of them
-runs natively when a GPU is present. Inputs are fresh random numbers (never zeros) and the output is
-poisoned with NaN before the launch, so an element the kernel forgets to write cannot pass.
+runs natively when a GPU is present; v4 on two of those cases and on what only its tiles have, and
+natively on every head_dim, group and dtype. Inputs are fresh random numbers (never zeros) and the
+output is poisoned with NaN before the launch, so an element the kernel forgets to write cannot
+pass.
 """
 
 from __future__ import annotations
@@ -197,6 +199,45 @@ def test_v3_split_kv_merges_partitions(partition_size, dtype) -> None:
     assert error <= TOLERANCE[dtype]
 
 
+# v4 (tiled) in the simulator, in tiles of 32 tokens (the least: a warp's worth), so that short
+# contexts span several: two of v3's cases, then what only v4 has, then its split form.
+V4_TILE = 32
+
+
+@pytest.mark.parametrize("block_size, head_dim, group, dtype", [V3_CASES[1], V3_CASES[3]])
+def test_v4_matches_the_reference(block_size, head_dim, group, dtype) -> None:
+    lens = [1, block_size + 3]
+    case = make_case((group, 1, head_dim), block_size, lens, dtype, seed=block_size + head_dim)
+    assert relative_error(case, grouped=True, version="v4", tile=V4_TILE) <= TOLERANCE[dtype]
+
+
+def test_v4_rescales_over_tiles_and_scatters_a_padded_group() -> None:
+    """70 tokens: three tiles, so the running max is rescaled twice and both score buffers are
+    reused. Six query heads, padded to eight for the scores' reduce-scatter, two heads a lane (a
+    float16 row of 16 is 4 lanes' worth of 8-byte loads); two warps, three heads each in the
+    softmax."""
+    case = make_case((6, 1, 16), 8, [70, 5], torch.float16, seed=6)
+    error = relative_error(case, threads=64, grouped=True, version="v4", tile=V4_TILE)
+    assert error <= TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize(
+    "shape, block_size, lens, partition_size, dtype",
+    [
+        # 3 partitions; the short sequence has 1 real and 2 empty ones
+        ((4, 2, 32), 8, [19, 6], 8, torch.float16),
+        # a group of 3 (padded to 4, one head a lane group); partitions of 16 in blocks of 4
+        ((3, 1, 16), 4, [40, 33], 16, torch.float32),
+    ],
+)
+def test_v4_split_kv_merges_partitions(shape, block_size, lens, partition_size, dtype) -> None:
+    case = make_case(shape, block_size, lens, dtype, seed=partition_size)
+    error = relative_error(
+        case, partition_size=partition_size, grouped=True, version="v4", tile=V4_TILE
+    )
+    assert error <= TOLERANCE[dtype]
+
+
 def test_v3_decode_serves_every_layer_of_a_step() -> None:
     """One `GroupedDecode` per step, called per layer with that layer's caches and queries."""
     layers = [make_case((4, 2, 32), 8, [5, 12], torch.float32, seed=s) for s in (1, 2)]
@@ -261,9 +302,21 @@ def v3_case():
             "out must be like q",
         ),
         (lambda c: {"partition_size": 50_000}, "bytes of shared memory"),
+        (lambda c: {"version": "v5"}, r"version must be one of \('v3', 'v4'\), got 'v5'"),
+        (lambda c: {"version": "v4", "lanes_per_token": 4}, "v4 takes no lanes_per_token"),
+        (lambda c: {"tile": 64}, "v3 takes no tile"),
+        (lambda c: {"version": "v4", "tile": 0}, "tile must be a positive number of tokens"),
+        (
+            lambda c: {
+                "version": "v4",
+                # the same cache one float further on: off the 8-byte boundary of two-float loads
+                "key_cache": torch.empty(c[1].numel() + 1, device=DEVICE)[1:].view(c[1].shape),
+            },
+            r"v4 reads key_cache in 8-byte vectors: its data must start on a multiple of 8",
+        ),
     ],
 )
-def test_v3_refuses_bad_arguments_before_a_launch(change, message) -> None:
+def test_v3_and_v4_refuse_bad_arguments_before_a_launch(change, message) -> None:
     q, key_cache, value_cache, tables, lens = v3_case()
     arguments = {
         "q": q,
@@ -359,10 +412,43 @@ def test_v3_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_s
     assert error <= TOLERANCE[dtype]
 
 
+V4_GRID = [
+    (16, head_dim, group, dtype)
+    for head_dim, group, dtype in itertools.product(
+        [32, 64, 128], [1, 2, 4], [torch.float32, torch.float16]
+    )
+] + [(8, 128, 4, torch.float16), (32, 128, 4, torch.float16)]
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("block_size, head_dim, group, dtype", V4_GRID)
+@pytest.mark.parametrize("partition_size", [None, 64, 512])
+def test_v4_full_grid_on_the_gpu(block_size, head_dim, group, dtype, partition_size) -> None:
+    """Every head_dim, group and dtype at block size 16, the other block sizes at one shape (each
+    shape is a compilation); its default tile of 64 tokens."""
+    lens = [1, block_size - 1, 3 * block_size + 5, 517, 2000]
+    case = grid_case(block_size, head_dim, group, dtype, lens)
+    error = relative_error(
+        case, partition_size=partition_size, threads=128, grouped=True, version="v4"
+    )
+    assert error <= TOLERANCE[dtype]
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("partition_size", [None, 512])
+def test_v4_with_eight_warps_a_block_on_the_gpu(partition_size) -> None:
+    """The benchmark's 256-thread variant: 8 key teams and 8 value teams a block."""
+    case = grid_case(16, 128, 4, torch.float16, [1, 15, 53, 517, 2000])
+    error = relative_error(
+        case, partition_size=partition_size, threads=256, grouped=True, version="v4"
+    )
+    assert error <= TOLERANCE[torch.float16]
+
+
 def test_the_engine_gives_the_same_tokens_with_the_kernel_backend(monkeypatch) -> None:
     """A tiny random model, so the simulator can run every decode of a few requests through the
-    kernel."""
-    from minivllm.attention.cuda.backend import CudaPagedAttention
+    kernel: "cuda" on v3, "cuda-v4" on v4."""
+    from minivllm.attention.cuda.backend import CudaPagedAttention, CudaTiledPagedAttention
     from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.model.transformer import ModelConfig, Transformer, init_weights
@@ -376,23 +462,26 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel_backend(monkeypatch) -
         [[256, 65, 66], [256, 71, 72, 73, 74]],
         SamplingParams(max_tokens=3, temperature=0),
     )
-    outputs, used_v3 = {}, []
+    outputs, ran, versions = {}, {}, []
     original_call = GroupedDecode.__call__
 
     def counting_call(self, *args, **kwargs):
-        used_v3.append(self.parts)
+        versions.append(self.version)
         return original_call(self, *args, **kwargs)
 
     monkeypatch.setattr(GroupedDecode, "__call__", counting_call)
-    for backend in ["torch", "cuda"]:
+    for backend in ["torch", "cuda", "cuda-v4"]:
+        versions.clear()
         engine = LLMEngine(
             model,
             EngineConfig(num_blocks=16, block_size=4, device=DEVICE, attention_backend=backend),
         )
         outputs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
-    assert engine.runner.backend is CudaPagedAttention
-    assert used_v3, "the decodes did not run on the v3 kernel"
-    assert outputs["cuda"] == outputs["torch"] and all(len(t) == 3 for t in outputs["torch"])
+        ran[backend] = (engine.runner.backend, sorted(set(versions)))
+    assert ran["cuda"] == (CudaPagedAttention, ["v3"]), "the decodes did not run on v3"
+    assert ran["cuda-v4"] == (CudaTiledPagedAttention, ["v4"]), "the decodes did not run on v4"
+    assert all(len(t) == 3 for t in outputs["torch"])
+    assert outputs["cuda"] == outputs["torch"] and outputs["cuda-v4"] == outputs["torch"]
 
 
 @pytest.mark.skipif(
@@ -411,7 +500,7 @@ def test_the_real_model_gives_the_same_greedy_tokens_on_the_gpu_kernel(target) -
     prompts = [text[i * 500 : i * 500 + 20 + 37 * i] for i in range(8)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     outputs = {}
-    for backend in ["torch", "cuda"]:
+    for backend in ["torch", "cuda", "cuda-v4"]:
         engine = LLMEngine(target, EngineConfig(device="cuda", attention_backend=backend))
         outputs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
-    assert outputs["cuda"] == outputs["torch"]
+    assert outputs["cuda"] == outputs["torch"] and outputs["cuda-v4"] == outputs["torch"]

@@ -2,8 +2,8 @@
 
 On a machine with an NVIDIA GPU, from a clean checkout, it runs:
 
-1. the CUDA kernel tests natively (`tests/test_cuda_paged_attention.py`: v1, v2, v3, v3 split, the
-   full grids of block size x head_dim x group x dtype x partition);
+1. the CUDA kernel tests natively (`tests/test_cuda_paged_attention.py`: v1, v2, v3, v4, their
+   splits, the full grids of block size x head_dim x group x dtype x partition);
 2. the engine's tests, where `device="auto"` now means the GPU, and the real model's greedy tokens
    on the kernel backend against the torch backend (every other test file of `tests/` but the
    book-building ones);

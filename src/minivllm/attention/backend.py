@@ -13,6 +13,8 @@ What plugs in here:
     "cuda"   `CudaPagedAttention`, chapter 07's numba-cuda decode kernel (prefill chunks stay the
              reference's). Registered by module path: importing it switches numba's CUDA simulator
              on when there is no GPU, so it is imported only when first asked for.
+    "cuda-v4" the same with the decodes on v4, the tiled kernel (fewer live values per thread);
+             "auto" never picks it: it replaces "cuda" once a GPU run has measured it faster.
     "numba"  `NumbaPagedAttention`, the native CPU kernel (numba_cpu.py, chapter 07): reads K/V
              in place through the block tables, decodes and prefill chunks in one call. "auto"
              picks it for a float32 cache on a CPU, where `benchmarks/throughput.py` measures it
@@ -163,4 +165,9 @@ register_backend(
     devices=("cpu",),
     dtypes=(torch.float32,),
     only_on="cpu",  # a CPU kernel over a cache in CPU memory
+)
+register_backend(
+    "cuda-v4",  # chapter 07's v4 (tiled): named explicitly only until a GPU run measures it
+    "minivllm.attention.cuda.backend:CudaTiledPagedAttention",
+    dtypes=(torch.float32, torch.float16),
 )

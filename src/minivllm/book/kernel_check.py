@@ -94,11 +94,13 @@ def kernel_error(
     threads: int = DEFAULT_THREADS,
     grouped: bool = False,
     lanes_per_token: int | None = None,
+    version: str = "v3",
+    tile: int | None = None,
 ) -> float:
     """Launch the kernel on `inputs` into a NaN-poisoned output; its max error relative to the
     reference's largest element. v1 (v2 with a `partition_size`), or with `grouped` v3 (its split
-    form with a `partition_size`). Raises AssertionError if the kernel left any output element
-    unwritten."""
+    form with a `partition_size`; v4 and its `tile` with `version="v4"`). Raises AssertionError if
+    the kernel left any output element unwritten."""
     out = torch.full_like(inputs[0], float("nan"))
     if grouped:
         longest = int(inputs[4].max())  # the host knows it; here the inputs are ours to read
@@ -109,6 +111,8 @@ def kernel_error(
             threads=threads,
             lanes_per_token=lanes_per_token,
             out=out,
+            version=version,
+            tile=tile,
         )
     else:
         paged_attention(*inputs, partition_size=partition_size, threads=threads, out=out)

@@ -1,4 +1,6 @@
-"""Chapter 07's kernel as an engine attention backend, registered as "cuda"."""
+"""Chapter 07's kernel as an engine attention backend, registered as "cuda" (v3); v4, the tiled
+kernel, as "cuda-v4", which "auto" never picks: it becomes the default once a GPU run has measured
+it against v3."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ class KernelDecodeAttention:
     `DecodeAttention`. Built once per step: the block tables and context lengths are converted, and
     the launch sized, once for all the layers."""
 
+    version = "v3"  # which of `GroupedDecode`'s kernels
+
     def __init__(self, storage: PagedKVStorage, batch: VarlenBatch) -> None:
         nd = batch.num_decodes
         self.storage = storage
@@ -48,6 +52,7 @@ class KernelDecodeAttention:
             head_dim=config.head_dim,
             block_size=storage.block_size,
             threads=ENGINE_THREADS,
+            version=self.version,
         )
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -64,3 +69,16 @@ class CudaPagedAttention(TorchPagedAttention):
 
     def __init__(self, storage: PagedKVStorage, batch: VarlenBatch) -> None:
         super().__init__(storage, batch, decodes=KernelDecodeAttention)
+
+
+class TiledKernelDecodeAttention(KernelDecodeAttention):
+    """The decode group on v4 (`tiled.py`: fewer live values per thread)."""
+
+    version = "v4"
+
+
+class CudaTiledPagedAttention(TorchPagedAttention):
+    """`CudaPagedAttention` with its decodes on v4: `EngineConfig(attention_backend="cuda-v4")`."""
+
+    def __init__(self, storage: PagedKVStorage, batch: VarlenBatch) -> None:
+        super().__init__(storage, batch, decodes=TiledKernelDecodeAttention)

@@ -1,6 +1,7 @@
 """Launching chapter 07's kernels from torch tensors: argument checks, grid and shared-memory
-sizes, v1 (one block per sequence and head), v2 (partitions, then the merge) and v3 (grouped
-flash-decoding, `grouped_paged_attention`, the engine's kernel).
+sizes, v1 (one block per sequence and head), v2 (partitions, then the merge), v3 (grouped
+flash-decoding, `grouped_paged_attention`, the engine's kernel) and v4 (v3 tiled, with fewer live
+values per thread: `GroupedDecode(version="v4")`).
 
 A launch must not stall the host. Three things would: reading a device tensor's value
 (`int(context_lens.max())` waits for the GPU to finish everything queued before it); handing numba
@@ -27,9 +28,11 @@ from minivllm.attention.cuda.kernels import (
     paged_attention_v2,
 )
 from minivllm.attention.cuda.simulator import SIMULATOR, WARP_SIZE, _simulator_pace
+from minivllm.attention.cuda.tiled import tiled_decode_kernel, tiled_layout, tiled_shared_words
 
 # -- launchers -------------------------------------------------------------------------------------
 DEFAULT_THREADS = 128  # 4 warps per block
+GROUPED_VERSIONS = ("v3", "v4")  # the grouped decode kernels `GroupedDecode` can launch
 SHARED_LIMIT = 48 * 1024  # dynamic shared memory a block may have without opting in to more
 
 
@@ -217,15 +220,19 @@ def split_partition_size(
 
 
 class GroupedDecode:
-    """v3 for one decode step: checks, sizes and converts what every layer shares (block tables,
-    context lengths, grid, shared memory) once; each call then attends one layer's queries.
+    """v3 (or v4) for one decode step: checks, sizes and converts what every layer shares (block
+    tables, context lengths, grid, shared memory) once; each call then attends one layer's queries.
 
     `max_context_len` is the longest context of the batch, which the host knows without asking the
     device. A context outside 1..max_context_len is refused here when `context_lens` is on the CPU;
     on a GPU the kernel writes NaN for that sequence rather than read outside its shared table.
     `partition_size=None` attends each context in one partition (one thread block per sequence and
     K/V head); a number of tokens, a multiple of the block size, splits the contexts (split-KV, for
-    few and long sequences) and merges the partitions with v2's `merge_partitions`."""
+    few and long sequences) and merges the partitions with v2's `merge_partitions`.
+
+    `version="v4"` launches the tiled kernel (`tiled.py`), same grid and outputs.
+    `lanes_per_token` is v3's knob; `tile`, `key_batch`, `value_batch` and `prefetch` are v4's
+    (None: `tiled_layout`'s defaults); `max_registers` caps either."""
 
     def __init__(
         self,
@@ -242,7 +249,25 @@ class GroupedDecode:
         threads: int = DEFAULT_THREADS,
         lanes_per_token: int | None = None,
         max_registers: int | None = None,
+        version: str = "v3",
+        tile: int | None = None,
+        key_batch: int | None = None,
+        value_batch: int | None = None,
+        prefetch: bool | None = None,
     ) -> None:
+        if version not in GROUPED_VERSIONS:
+            raise ValueError(f"version must be one of {GROUPED_VERSIONS}, got {version!r}")
+        v3_knobs = {"lanes_per_token": lanes_per_token}
+        v4_knobs = {
+            "tile": tile,
+            "key_batch": key_batch,
+            "value_batch": value_batch,
+            "prefetch": prefetch,
+        }
+        foreign = v4_knobs if version == "v3" else v3_knobs
+        given = [name for name, value in foreign.items() if value is not None]
+        if given:
+            raise ValueError(f"{version} takes no {', '.join(given)}: another version's knob")
         for name, tensor in (("block_tables", block_tables), ("context_lens", context_lens)):
             if tensor.dtype != torch.int32:
                 raise ValueError(f"{name} must be int32, got {tensor.dtype}")
@@ -280,9 +305,24 @@ class GroupedDecode:
                 f"{partition_size}"
             )
         group = num_heads // num_kv_heads
-        self.shared = 4 * shared_words(
-            partition_size // block_size, head_dim, group, threads, lanes
-        )
+        table_entries = partition_size // block_size
+        if version == "v3":
+            self.shared = 4 * shared_words(table_entries, head_dim, group, threads, lanes)
+            kernel = grouped_decode_kernel(head_dim, group, lanes, block_size, max_registers)
+            # one kernel for both dtypes, reading element by element
+            self._kernels = {size: (kernel, self.shared, size) for size in (2, 4)}
+        else:
+            # v4's layout depends on the element size (its loads are a number of bytes wide):
+            # one kernel per cache dtype, sized here for both, with the alignment its loads need.
+            knobs = {k: v for k, v in v4_knobs.items() if v is not None}
+            self._kernels = {}
+            for size in (2, 4):
+                layout = tiled_layout(head_dim, size, threads, **knobs)
+                words = tiled_shared_words(table_entries, group, layout)
+                kernel = tiled_decode_kernel(head_dim, group, block_size, layout, max_registers)
+                vector_bytes = max(layout.key_vector, layout.value_vector) * size
+                self._kernels[size] = (kernel, 4 * words, vector_bytes)
+            self.shared = max(shared for _, shared, _ in self._kernels.values())
         if self.shared > SHARED_LIMIT:
             raise ValueError(
                 f"a thread block would need {self.shared} bytes of shared memory (limit "
@@ -293,7 +333,7 @@ class GroupedDecode:
         self.partition_size, self.max_context_len = partition_size, max_context_len
         self.parts = -(-max_context_len // partition_size)
         self.scale = head_dim**-0.5 if scale is None else scale
-        self.kernel = grouped_decode_kernel(head_dim, group, lanes, block_size, max_registers)
+        self.version = version
         self.device = context_lens.device
         self.tables, self.lens = device_view(block_tables), device_view(context_lens)
         self.stream = torch_stream(self.device)
@@ -371,9 +411,16 @@ class GroupedDecode:
             if self.partial is None
             else self.partial
         )
+        kernel, shared, alignment = self._kernels[q.element_size()]
+        for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if cache.data_ptr() % alignment:
+                raise ValueError(
+                    f"{self.version} reads {name} in {alignment}-byte vectors: its data must "
+                    f"start on a multiple of {alignment} bytes, got address {cache.data_ptr():#x}"
+                )
         grid = (self.num_seqs, self.num_kv_heads, self.parts)
         with _simulator_pace():
-            self.kernel[grid, self.threads, self.stream, self.shared](
+            kernel[grid, self.threads, self.stream, shared](
                 device_view(partial),
                 *self.stats,
                 device_view(q),
@@ -404,10 +451,13 @@ def grouped_paged_attention(
     threads: int = DEFAULT_THREADS,
     lanes_per_token: int | None = None,
     out: torch.Tensor | None = None,
+    version: str = "v3",
+    tile: int | None = None,
 ) -> torch.Tensor:
-    """v3 (grouped flash-decoding) in one call, the arguments of `paged_attention` plus the longest
-    context, which the caller knows (`block_tables` and `context_lens` int32). For many layers of
-    one step, build a `GroupedDecode` once and call it per layer."""
+    """v3 (grouped flash-decoding; v4, tiled, with `version="v4"` and its `tile`) in one call, the
+    arguments of `paged_attention` plus the longest context, which the caller knows
+    (`block_tables` and `context_lens` int32). For many layers of one step, build a
+    `GroupedDecode` once and call it per layer."""
     if q.dim() != 3 or key_cache.dim() != 4:
         raise ValueError(
             f"q must be [num_seqs, num_heads, head_dim] and the caches [num_blocks, block_size, "
@@ -425,5 +475,7 @@ def grouped_paged_attention(
         partition_size=partition_size,
         threads=threads,
         lanes_per_token=lanes_per_token,
+        version=version,
+        tile=tile,
     )
     return decode(q, key_cache, value_cache, out=out)

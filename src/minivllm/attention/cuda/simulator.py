@@ -1,5 +1,9 @@
 """Switches numba's CUDA simulator on when torch sees no GPU (before anything imports
-`numba.cuda`), and gives the simulator what it lacks for chapter 07's kernels."""
+`numba.cuda`), and gives the simulator what it lacks for chapter 07's kernels.
+
+`MINIVLLM_CUDA_COMPILE_ONLY=1` keeps the simulator off on a machine without a GPU: numba's real CUDA
+target then compiles the kernels to PTX (`tools/kernel_registers.py` counts their registers with
+ptxas), and nothing can be launched."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
-if not torch.cuda.is_available():
+COMPILE_ONLY = os.environ.get("MINIVLLM_CUDA_COMPILE_ONLY") == "1"
+if not torch.cuda.is_available() and not COMPILE_ONLY:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
     if "numba" in sys.modules:  # imported already (by the CPU kernel, say): it must read it again
         sys.modules["numba"].config.reload_config()
@@ -20,7 +25,7 @@ from numba import cuda  # noqa: E402
 
 # What numba itself decided when numba.cuda was first imported, not what the environment says now.
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)
-if not SIMULATOR and not cuda.is_available():
+if not SIMULATOR and not COMPILE_ONLY and not cuda.is_available():
     raise ImportError(
         "numba sees no CUDA GPU and its simulator is off: numba was imported before "
         "minivllm.attention.cuda could set NUMBA_ENABLE_CUDASIM=1. Set that variable in "
