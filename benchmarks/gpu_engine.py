@@ -2,13 +2,17 @@
 same GPU and workload (issue 34, `make gpu-check`).
 
     python benchmarks/gpu_engine.py [--requests 64] [--seed 0] [--repeats 3] [--dtype float32]
-        [--out benchmarks/results/gpu_engine.json]
+        [--shape qwen3-0.6b] [--out benchmarks/results/gpu_engine.json]
 
 The workload is `throughput.py`'s: prompts are 16-200-byte slices of the shipped validation text,
-outputs 32-256 tokens, greedy, `ignore_eos`, on the shipped target model. Systems:
+outputs 32-256 tokens, greedy, `ignore_eos`, on the shipped target model -- or, with `--shape`, on
+a random-initialised Hugging Face Qwen3 checkpoint of that real shape (`real_model.py`'s
+`make_checkpoint`; the prompts' byte ids are token ids there), loaded by minivllm's loader and by
+`transformers`' `from_pretrained`. Systems:
 
 * minivllm `LLMEngine(device="cuda")` with the `torch` attention backend (gather through the block
-  table, then SDPA) and with the `cuda` backend (chapter 07's numba-cuda kernels), each run eagerly
+  table, then SDPA), the `cuda` backend (chapter 07's numba-cuda v3 kernel) and `cuda-v4` (its
+  tiled v4), each run eagerly
   (`enforce_eager=True`) and with its decode steps replayed as CUDA graphs (runner/cuda_graph.py:
   captured at engine start, the capture time and the memory its pool took are reported);
 * Hugging Face `LlamaForCausalLM.generate` holding the same tensors, on the same GPU: all requests
@@ -53,7 +57,8 @@ from minivllm.model.tokenizer import PAD_ID
 RESULTS = Path(__file__).parent / "results" / "gpu_engine.json"
 
 
-BACKENDS = ("torch", "cuda")
+BACKENDS = ("torch", "cuda", "cuda-v4")
+MAX_MODEL_LEN = 512  # the workload's longest request is 201 + 256 tokens: the graphs' table width
 GRAPHS = " + CUDA graphs"
 
 
@@ -65,6 +70,7 @@ def engine_system(model, requests, backend: str, dtype: torch.dtype, graphs: boo
     blocks = max(2048, sum(-(-(len(r.prompt_ids) + r.max_tokens) // 16) for r in requests))
     config = EngineConfig(
         num_blocks=blocks,
+        max_model_len=MAX_MODEL_LEN,
         device="cuda",
         attention_backend=backend,
         dtype=dtype,
@@ -177,14 +183,28 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--shape", default=None, help="a real_model.py shape (qwen3-0.6b): a random checkpoint"
+    )
+    parser.add_argument("--dir", type=Path, default=None, help="where --shape's folder is built")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/gpu_engine.json")
     args = parser.parse_args()
+    if args.out is None:
+        suffix = "" if args.shape is None else "_" + args.shape.replace(".", "").replace("-", "_")
+        args.out = RESULTS.with_name(f"gpu_engine{suffix}.json")
     if not torch.cuda.is_available():
         print("no CUDA GPU here: the engine-on-GPU comparison needs one; nothing measured")
         return
     dtype = getattr(torch, args.dtype)
     requests = make_workload(args.requests, args.seed)
-    model = load_model("target")
+    folder = "target"
+    if args.shape is not None:
+        from real_model import DEFAULT_DIR, make_checkpoint
+
+        started = time.perf_counter()
+        folder = make_checkpoint(args.dir or DEFAULT_DIR, args.shape, args.dtype)
+        print(f"checkpoint {folder} ready in {time.perf_counter() - started:.0f} s", flush=True)
+    model = load_model(folder, args.dtype)
     systems, captures = {}, {}
     for backend in BACKENDS:
         for graphs in (False, True):
@@ -198,7 +218,14 @@ def main() -> None:
                     "pool_mib": round(captured.pool_bytes / 2**20, 1),
                     "capture_error": captured.capture_error,  # None: every size captured
                 }
-    hf, hf_version = build_hf(load_model("target"))
+    if args.shape is None:
+        hf, hf_version = build_hf(load_model("target"))
+    else:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        hf.generation_config.eos_token_id = None  # every request runs to its own max_tokens
+        hf_version = transformers.__version__
     hf = hf.to(device="cuda", dtype=dtype)
     systems["HF generate (one batch)"] = hf_system(hf, requests)
 
@@ -270,7 +297,13 @@ def main() -> None:
             cuda_runtime=torch.version.cuda,
             transformers=hf_version,
         ),
-        "workload": {"requests": args.requests, "seed": args.seed, "dtype": args.dtype},
+        "workload": {
+            "requests": args.requests,
+            "seed": args.seed,
+            "dtype": args.dtype,
+            "model": "target" if args.shape is None else f"random {args.shape} ({folder.name})",
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
         "repeats": args.repeats,
         "rows": rows,
     }

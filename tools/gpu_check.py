@@ -86,7 +86,7 @@ WHEEL_PINS = [
 LLVMLITE = "llvmlite==0.50.0"
 # Test files that build the HTML book or a student copy (they need the book's toolchain, not a GPU).
 NOT_GPU_TESTS = {"test_book_offline.py", "test_student_mode.py"}
-STAGES = ("kernels", "engine", "chapters", "paged_attention", "gpu_engine")
+STAGES = ("kernels", "engine", "chapters", "paged_attention", "gpu_engine", "gpu_engine_real")
 BENCHMARK_RESERVE_S = 200  # of the budget, kept for the two benchmarks after the checks
 
 
@@ -260,6 +260,19 @@ def main() -> None:
             "--repeats",
             "1" if args.quick else "3",
         ],
+        # the same on a random checkpoint of Qwen3-0.6B's shape, in float16 (the kernels' dtype)
+        "gpu_engine_real": [
+            sys.executable,
+            "benchmarks/gpu_engine.py",
+            "--shape",
+            "qwen3-0.6b",
+            "--dtype",
+            "float16",
+            "--repeats",
+            "1" if args.quick else "3",
+            "--out",
+            str(RESULTS / "gpu_engine_real.json"),
+        ],
     }
     # time kept for the benchmarks after the checks, unless they are skipped
     reserve = BENCHMARK_RESERVE_S if set(benchmarks) - set(args.skip) else 0
@@ -292,7 +305,8 @@ def save(record: dict, started: float) -> None:
     out_path.write_text(json.dumps(record, indent=2) + "\n")
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])
-        for path in [out_path, RESULTS / "paged_attention.json", RESULTS / "gpu_engine.json"]:
+        for name in ("gpu_check", "paged_attention", "gpu_engine", "gpu_engine_real"):
+            path = RESULTS / f"{name}.json"
             if path.exists():
                 shutil.copy(path, out / path.name)
         logs = out / "logs"  # the record holds each log's tail; the whole log where it failed
