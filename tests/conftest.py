@@ -89,22 +89,12 @@ BPE_CORPUS = (
 
 
 def train_bpe(special_tokens: list[str], vocab_size: int = 400):
-    """A tiny byte-level BPE tokenizer (GPT-2's, Llama 3's and Qwen's kind) trained with
-    `tokenizers`, its special tokens first in the vocabulary."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    """A tiny byte-level BPE tokenizer (GPT-2's, Llama 3's and Qwen's kind) trained on
+    `BPE_CORPUS` by the package's builder (chapter 09 trains its own with it), its special tokens
+    first in the vocabulary."""
+    from minivllm.book.tiny_checkpoint import train_bpe_tokenizer
 
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special_tokens,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([BPE_CORPUS] * 10, trainer)
-    return tok
+    return train_bpe_tokenizer([BPE_CORPUS] * 10, vocab_size, special_tokens)
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,14 @@
 """A checkpoint's own tokenizer (`HFTokenizer`) and text in the engine with it.
 
-The tokenizer is trained here, offline, with `tokenizers` (conftest's `train_bpe`): a tiny
-byte-level BPE with Llama-3-like special tokens, saved as tokenizer.json + tokenizer_config.json
+The tokenizer is trained offline with `tokenizers` (conftest's `train_bpe`, through
+`minivllm.book.tiny_checkpoint`, the builder chapter 09 uses too): a tiny byte-level BPE with
+Llama-3-like special tokens, saved as tokenizer.json + tokenizer_config.json
 (+ generation_config.json) in a temporary folder. Its merges split multi-byte characters across
 tokens (a token may end inside `日`), which is what the incremental detokenizer must get right.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minivllm.book.tiny_checkpoint import save_tokenizer
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLM, LLMEngine
 from minivllm.engine.processing import OutputProcessor
@@ -43,20 +44,7 @@ def save(
     generation: dict | None = None,
 ) -> Path:
     """A checkpoint's tokenizer files: Llama 3's post-processor puts BOS first, Qwen's none."""
-    from tokenizers import processors
-
-    tok = tokenizers.Tokenizer.from_str(tok.to_str())  # a copy: the post-processor is this one's
-    if bos_first:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))]
-        )
-    folder.mkdir(parents=True)
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **config}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    if generation is not None:
-        (folder / "generation_config.json").write_text(json.dumps(generation))
-    return folder
+    return save_tokenizer(folder, tok, config, generation, BOS if bos_first else None)
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +134,7 @@ def stream(detokenizer, ids: list[int]) -> list[str]:
     return [*pieces, detokenizer.flush()]
 
 
+@pytest.mark.exercise("ch09.1")
 def test_a_token_can_split_a_character(llama) -> None:
     """The trained merges end some tokens inside a multi-byte character: decoded alone they show
     U+FFFD, streamed they never do."""
@@ -155,6 +144,24 @@ def test_a_token_can_split_a_character(llama) -> None:
     assert "".join(pieces) == "日本語のテキスト🎉" and not any("\ufffd" in p for p in pieces)
 
 
+@pytest.mark.exercise("ch09.1")
+def test_the_window_worked_by_hand() -> None:
+    """Two toy decoders, no tokenizer files. One id per UTF-8 byte: a character comes out with its
+    last byte, never before. And a decoder that drops the space a text starts with (as
+    SentencePiece's does): the window keeps the handed-out word as the new word's left neighbour,
+    so the space between the words survives."""
+    by_bytes = IncrementalDetokenizer(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    assert [by_bytes.push(b) for b in "a日🙂".encode()] == ["a", "", "", "日", "", "", "", "🙂"]
+    assert (by_bytes.prefix_offset, by_bytes.read_offset, by_bytes.flush()) == (4, 8, "")
+    cut = IncrementalDetokenizer(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    assert [cut.push(b) for b in "é".encode()[:1]] == [""] and cut.flush() == "\ufffd"
+    words = [" Hello", " world", "!"]
+    spaced = IncrementalDetokenizer(lambda ids: "".join(words[i] for i in ids).removeprefix(" "))
+    assert [spaced.push(i) for i in range(3)] == ["Hello", " world", "!"]
+    assert (spaced.prefix_offset, spaced.read_offset) == (2, 3)
+
+
+@pytest.mark.exercise("ch09.1")
 @pytest.mark.parametrize("text", TEXTS)
 def test_streamed_text_is_the_decoded_text(llama, text: str) -> None:
     ids = llama.encode(text, add_bos=True) + [llama.eos_id]
@@ -163,6 +170,7 @@ def test_streamed_text_is_the_decoded_text(llama, text: str) -> None:
     assert not any("\ufffd" in p for p in pieces)
 
 
+@pytest.mark.exercise("ch09.1")
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_any_ids_stream_to_their_decoded_text(llama, data) -> None:

@@ -38,11 +38,19 @@ from minivllm.model.transformer import (
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """The rotation speed of each coordinate pair, `[head_dim / 2]`; with Llama 3's scaling as
-    transformers' `_compute_llama3_parameters` computes it (`modeling_rope_utils.py`)."""
+    transformers' `_compute_llama3_parameters` computes it (`modeling_rope_utils.py`).
+
+    Llama 3.1's rule, for a pair turning at f radians per position (wavelength 2 pi / f) and the
+    context C it was trained on: a wavelength longer than C / low_freq_factor turns at f / factor;
+    one shorter than C / high_freq_factor keeps f; one between blends the two,
+    (1 - s) f / factor + s f with s = (C / wavelength - low_freq_factor) / (high_freq_factor -
+    low_freq_factor), so the speeds join up at both ends."""
     steps = torch.arange(0, head_dim, 2, dtype=torch.float32)
     inv_freq = 1.0 / theta ** (steps / head_dim)
     if scaling is None:
         return inv_freq
+    # EXERCISE ch09.2: Llama 3 RoPE scaling -- slow pairs / factor, fast kept, those between blended
+    ### BEGIN SOLUTION
     factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
     old_context = scaling.original_max_position_embeddings
     low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
@@ -53,6 +61,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+    ### END SOLUTION
 
 
 def rope_cos_sin_scaled(

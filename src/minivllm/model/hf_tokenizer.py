@@ -46,20 +46,32 @@ class IncrementalDetokenizer:
     read_offset: int = 0  # tokens before this have had their text handed out
 
     def push(self, token_id: int) -> str:
+        """One more id; the text it makes final. The window is `ids[prefix_offset:]`, and its
+        first `read_offset - prefix_offset` ids are the ones whose text was handed out already:
+        the new text is what decoding the window adds to decoding those alone. It is held back
+        ("") while it is empty or ends in U+FFFD (a character the next id may complete); once
+        handed out, the window moves: it starts where the handed-out ids ended, and every id so
+        far is read."""
         self.ids.append(token_id)
+        # EXERCISE ch09.1: window decode -- new text unless it ends in U+FFFD; then move the offsets
+        ### BEGIN SOLUTION
         before = self.decode(self.ids[self.prefix_offset : self.read_offset])
         text = self.decode(self.ids[self.prefix_offset :])
         if len(text) <= len(before) or text.endswith(REPLACEMENT_CHARACTER):
             return ""  # no text yet, or a character that the next token may still complete
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(before) :]
+        ### END SOLUTION
 
     def flush(self) -> str:
         """End of stream: whatever is held back can never complete (shown as U+FFFD)."""
+        # EXERCISE ch09.1: window decode -- hand out whatever push held back, as it decodes now
+        ### BEGIN SOLUTION
         before = self.decode(self.ids[self.prefix_offset : self.read_offset])
         text = self.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         return text[len(before) :]
+        ### END SOLUTION
 
 
 class HFTokenizer:
