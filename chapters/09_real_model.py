@@ -177,8 +177,8 @@ for name, tok in [("bytes (chapter 01)", ByteTokenizer()), ("BPE, 1024 ids", tok
     print(f"{name:<19} {count:>7} tokens, {len(held_out) / count:.2f} characters per token")
 
 # %% [markdown]
-# A real vocabulary of 128 000 to 150 000 ids, trained on terabytes, goes much further; that is why
-# real models are byte-level BPE and not bytes.
+# A real vocabulary (the second row of the first table), trained on trillions of tokens, goes much
+# further; that is why real models are byte-level BPE and not bytes.
 #
 # ## Build 2: text, one token at a time
 #
@@ -252,7 +252,7 @@ show(IncrementalDetokenizer)
 
 # %%
 rng = random.Random(0)
-for _ in range(300):
+for _trial in range(300):
     stream_ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 24))]
     detokenizer, streamed = tokenizer.detokenizer(), ""
     for count, token_id in enumerate(stream_ids, start=1):
@@ -307,9 +307,10 @@ print(f"{len(prompt_ids)} ids, {sum(i in special_ids for i in prompt_ids)} of th
 #
 # ## Build 4: four families, one transformer
 #
-# vLLM has a model file per family, each a few hundred lines, most of them the same. Here the
-# families are a handful of fields on the book's `ModelConfig`, read from `config.json` by
-# `config_from_hf`; `ModelConfig`'s repr shows them only where they differ from the book's model:
+# vLLM keeps a model file per family (`llama.py`, `qwen2.py`, `qwen3.py`, …), which share much of
+# their code. Here the families are a handful of fields on the book's `ModelConfig`, read from
+# `config.json` by `config_from_hf`; `ModelConfig`'s repr shows them only where they differ from
+# the book's model:
 
 # %%
 for name in ("Qwen3-0.6B", "Meta-Llama-3-8B", "Llama-3.1-8B"):
@@ -324,7 +325,8 @@ for name in ("Qwen3-0.6B", "Meta-Llama-3-8B", "Llama-3.1-8B"):
 # - `tie_word_embeddings` (Qwen3-0.6B): the LM head *is* the embedding matrix, one tensor, not a
 #   copy {cite}`press2017tying`; the checkpoint stores it once.
 # - `explicit_head_dim` (Qwen3): the head size is its own number, not `d_model / n_heads` —
-#   Qwen3-0.6B's query heads together are twice as wide as the model (the table at the top).
+#   Qwen3-0.6B's query heads together are wider than the model (`n_heads`, `explicit_head_dim`
+#   and `d_model` above).
 # - `qk_norm` (Qwen3): an RMSNorm on every query and key head before RoPE, which keeps attention
 #   logits from growing large {cite}`dehghani2023scaling,yang2025qwen3`. The book's attention does
 #   not apply it, so `families.py` does, in a subclass that only checkpoints get:
@@ -347,26 +349,26 @@ show(rope_inv_freq)
 # %% [markdown]
 # ## See: Llama 3.1's RoPE, stretched
 #
-# The wavelength of each of Llama 3.1 8B's 64 rotation pairs — how many positions a full turn
-# takes — with and without its scaling:
+# The wavelength of each of Llama 3.1 8B's rotation pairs — how many positions a full turn takes —
+# with and without its scaling:
 
-# %% tags=["hide-input"] mystnb={"figure": {"caption": "Llama 3.1 8B's RoPE: the wavelength of each rotation pair, as trained on 8192 positions (grey) and as scaled (blue). Pairs whose wavelength is under 2048 are kept, those over 8192 are slowed by 8, those between blended.", "name": "fig-09-rope-scaling"}}
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Llama 3.1 8B's RoPE: the wavelength of each rotation pair, as trained (grey) and as scaled (blue). Pairs whose wavelength is under the lower dashed line are kept, those over the upper one slowed by the scaling factor, those between blended.", "name": "fig-09-rope-scaling"}}
 llama31 = config_from_hf(shipped_config("Llama-3.1-8B"))
 plain = rope_inv_freq(llama31.head_dim, llama31.rope_theta)
 scaled = rope_inv_freq(llama31.head_dim, llama31.rope_theta, llama31.rope_scaling)
 scaling = llama31.rope_scaling
-old_context = scaling.original_max_position_embeddings
+trained_context = scaling.original_max_position_embeddings
 fig, ax = plt.subplots(figsize=(7.5, 3.4))
 pairs = np.arange(len(plain))
 ax.semilogy(pairs, 2 * np.pi / plain.numpy(), "o", ms=3, color="#999999", label="as trained")
 ax.semilogy(pairs, 2 * np.pi / scaled.numpy(), "o", ms=3, color=sequence_color(0), label="scaled")
 for wavelength, label in [
-    (old_context / scaling.high_freq_factor, "kept below"),
-    (old_context / scaling.low_freq_factor, f"slowed x{scaling.factor:g} above"),
+    (trained_context / scaling.high_freq_factor, "kept below"),
+    (trained_context / scaling.low_freq_factor, f"slowed x{scaling.factor:g} above"),
 ]:
     ax.axhline(wavelength, color="#d62728", lw=0.8, ls="--")
     ax.annotate(f"{label} {wavelength:g}", (1, wavelength), va="bottom", fontsize=8)
-ax.set_xlabel("rotation pair (of the head's 128 coordinates)")
+ax.set_xlabel(f"rotation pair (of the head's {llama31.head_dim} coordinates)")
 ax.set_ylabel("wavelength (positions)")
 ax.legend(loc="lower right")
 plt.show()
@@ -412,9 +414,11 @@ prompts = ["ROMEO: Tokyo 東京 🙂", "JULIET:"]
 engines = {}
 for name, folder in folders.items():
     config = config_from_hf(json.loads((folder / "config.json").read_text()))
-    per_token = kv_bytes_per_token(config.n_layers, config.n_kv_heads, config.head_dim, "float32")
-    cache = blocks_for_memory(2 * 2**20, block_size=16, bytes_per_token=per_token)
-    print(f"{name}: {per_token} bytes of K/V per token; 2 MiB buys {cache.describe()}")
+    kv_per_token = kv_bytes_per_token(
+        config.n_layers, config.n_kv_heads, config.head_dim, "float32"
+    )
+    cache = blocks_for_memory(2 * 2**20, block_size=16, bytes_per_token=kv_per_token)
+    print(f"{name}: {kv_per_token} bytes of K/V per token; 2 MiB buys {cache.describe()}")
     engines[name] = LLM(str(folder), num_blocks=cache.num_blocks, block_size=cache.block_size)
     for out in engines[name].generate(prompts, greedy):
         print(f"  {out.prompt!r} -> {out.text!r}")
@@ -532,9 +536,8 @@ plt.show()
 
 # %% [markdown]
 # Grouped-query attention multiplies the requests that fit by about its group size (the last
-# column).
-# And the small model is hardly cheaper per token than the 8 B one: its cache is nearly as deep
-# and its heads as wide. What it saves is weights, which leaves more of the GPU to the cache.
+# column). And the small model is hardly cheaper per token than the 8 B one: its cache is nearly as
+# deep and its heads as wide. What it saves is weights, which leaves more of the GPU to the cache.
 # Continuous batching (chapter 04) can only batch what the cache holds, so this number bounds the
 # batch, and with it the throughput.
 #
@@ -552,8 +555,8 @@ def whole_text_each_token(ids: list[int]) -> str:
     shown = ""
     for count in range(1, len(ids) + 1):
         text = tokenizer.decode(ids[:count])
-        if not text.endswith("\ufffd"):
-            shown = text  # a real server would send text[len(shown):]
+        if not text.endswith("\ufffd"):  # a server sends what is new: text[len(shown):]
+            shown = text
     return shown
 
 
@@ -575,11 +578,17 @@ for length in (250, 500, 1000, 2000):
 # %% [markdown]
 # ## Your own checkpoint
 #
-# Point `MINIVLLM_MODEL` at a Hugging Face folder — a Llama, Mistral, Qwen2 or Qwen3 checkpoint
-# you have downloaded, e.g. with `huggingface-cli download Qwen/Qwen3-0.6B --local-dir
-# ~/models/Qwen3-0.6B` — and run the chapter again (`MINIVLLM_MODEL=~/models/Qwen3-0.6B jupyter
-# lab`). The cells below then load it, size its cache to 1 GiB, show how its tokenizer writes the
-# text of Build 2, and stream a chat answer. Without it they say so and skip; their output is never
+# Point `MINIVLLM_MODEL` at a Hugging Face folder you have downloaded — a Llama, Qwen2 or Qwen3
+# checkpoint, or a Mistral whose sliding window covers its context (`config_from_hf` refuses the
+# others rather than compute them wrong) — and run the chapter again:
+#
+# ```bash
+# huggingface-cli download Qwen/Qwen3-0.6B --local-dir ~/models/Qwen3-0.6B
+# MINIVLLM_MODEL=~/models/Qwen3-0.6B jupyter lab
+# ```
+#
+# The cells below then load it, size its cache to 1 GiB, show how its tokenizer writes the text of
+# Build 2, and stream a chat answer. Without it they say so and skip; their output is never
 # compared when the book is tested.
 
 # %%
@@ -632,7 +641,8 @@ else:
 #    return whatever is still held back, as it decodes now. The tests stream hand-picked texts
 #    whose tokens split characters, and hundreds of random id lists (special tokens, broken
 #    characters, streams cut mid-character): the pieces must add up to `decode(all ids)`, and no
-#    piece may ever be taken back.
+#    piece may ever be taken back. Three hints, from a nudge to nearly the answer, are folded
+#    below the list.
 # 2. **ch09.2 — Llama 3's RoPE scaling.** In `rope_inv_freq`, when `scaling` is given, return the
 #    scaled speeds: by each pair's wavelength, kept, divided by `factor`, or blended, as its
 #    docstring says. The tests compare hand-worked pairs in each band and, where `transformers` is
@@ -657,22 +667,28 @@ else:
 #    where would that have to happen?
 
 # %% [markdown]
-# :::{admonition} Hints for ch09.1, the core (open one at a time)
+# The hints for ch09.1, the chapter's core, are folded: open one at a time.
+#
+# :::{admonition} Hint 1 for ch09.1 — a nudge
 # :class: dropdown
+# You never need to know which bytes a token holds. `self.decode` of a list of ids is all the
+# tokenizer you get, and U+FFFD at the *end* of a decoded text is the one sign that the text is
+# not final yet.
+# :::
 #
-# **1 — a nudge.** You never need to know which bytes a token holds. `self.decode` of a list of
-# ids is all the tokenizer you get, and U+FFFD at the *end* of a decoded text is the one sign that
-# the text is not final yet.
+# :::{admonition} Hint 2 for ch09.1 — the approach
+# :class: dropdown
+# Decode the window twice: `ids[prefix_offset:read_offset]` (what was handed out, with its left
+# neighbours) and `ids[prefix_offset:]`. The new text is the second decoding minus as many
+# characters as the first one has. If there are none, or the new text ends in U+FFFD, return ""
+# and leave the offsets alone: the next id decodes the same window, one id longer.
+# :::
 #
-# **2 — the approach.** Decode the window twice: `ids[prefix_offset:read_offset]` (what was
-# handed out, with its left neighbours) and `ids[prefix_offset:]`. The new text is the second
-# decoding minus as many characters as the first one has. If there are none, or the new text ends
-# in U+FFFD, return "" and leave the offsets alone: the next id decodes the same window, longer.
-#
-# **3 — nearly there.** When you do hand text out, the ids up to `read_offset` are no longer
-# needed as context for anything but their right neighbours: move `prefix_offset` to the old
-# `read_offset`, and `read_offset` to `len(self.ids)`. `flush` is the same subtraction, with no
-# check, then both offsets to the end.
+# :::{admonition} Hint 3 for ch09.1 — nearly there
+# :class: dropdown
+# When you do hand text out, the ids before `read_offset` are needed only as left context for
+# the ones after them: move `prefix_offset` to the old `read_offset`, and `read_offset` to
+# `len(self.ids)`. `flush` is the same subtraction with no check, then both offsets to the end.
 # :::
 
 # %% [markdown]
