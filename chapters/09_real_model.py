@@ -302,8 +302,9 @@ print(f"{len(prompt_ids)} ids, {sum(i in special_ids for i in prompt_ids)} of th
 # Every marker is one id: the tokenizer knows them as special tokens, and the model learnt them as
 # such. The same conversation in Qwen's layout would read `<|im_start|>user` … `<|im_end|>`; the
 # engine does not care, it renders whatever template the checkpoint ships. `LLM.chat`, the
-# server's `/v1/chat/completions` and `minivllm chat` all go through this method — for the book's
-# own model, which has no template, chapter 08's play layout stands in.
+# server's `/v1/chat/completions` and `/v1/messages`, and `minivllm chat` all lay a conversation
+# out through `engine/conversation.py`, which calls this method — for the book's own model, which
+# has no template, chapter 08's play layout stands in.
 #
 # ## Build 4: four families, one transformer
 #
@@ -420,7 +421,7 @@ for name, folder in folders.items():
     cache = blocks_for_memory(2 * 2**20, block_size=16, bytes_per_token=kv_per_token)
     print(f"{name}: {kv_per_token} bytes of K/V per token; 2 MiB buys {cache.describe()}")
     engines[name] = LLM(str(folder), num_blocks=cache.num_blocks, block_size=cache.block_size)
-    for out in engines[name].generate(prompts, greedy):
+    for out in engines[name].generate(prompts, greedy, use_tqdm=False):
         print(f"  {out.prompt!r} -> {out.text!r}")
 
 # %% [markdown]
@@ -433,7 +434,7 @@ for name, folder in folders.items():
 # %%
 for name, folder in folders.items():
     model = load_model(folder)
-    for prompt, out in zip(prompts, engines[name].generate(prompts, greedy)):
+    for prompt, out in zip(prompts, engines[name].generate(prompts, greedy, use_tqdm=False)):
         ids = tokenizer.encode(prompt, add_bos=True)
         assert out.prompt_token_ids == ids and ids[0] == tokenizer.bos_id
         assert out.token_ids == generate_naive(model, ids, greedy.max_tokens)
@@ -447,7 +448,7 @@ for name, folder in folders.items():
 llm = engines["tiny Qwen3"]
 deltas = list(llm.engine.stream(prompts[:1], SamplingParams(max_tokens=48, temperature=0)))
 held = sum(1 for d in deltas if d.token_ids and not d.text)
-[whole] = llm.generate(prompts[:1], SamplingParams(max_tokens=48, temperature=0))
+[whole] = llm.generate(prompts[:1], SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)
 assert "".join(d.text for d in deltas) == whole.text == tokenizer.decode(whole.token_ids)
 print(f"{len(deltas)} deltas, {held} of them held back for a character still incomplete")
 
@@ -457,7 +458,7 @@ print(f"{len(deltas)} deltas, {held} of them held back for a character still inc
 # at `max_tokens`:
 
 # %%
-[answer] = llm.chat(conversation, SamplingParams(max_tokens=12, temperature=0))
+[answer] = llm.chat(conversation, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
 assert answer.prompt_token_ids == prompt_ids and answer.prompt == prompt_text
 print(f"prompt: {len(answer.prompt_token_ids)} ids, ending {answer.prompt[-40:]!r}")
 print(f"answer: {answer.text!r} ({answer.finish_reason})")

@@ -115,12 +115,12 @@ def test_llm_runs_a_tiny_checkpoint_as_its_plain_forward_does(tiny, family) -> N
     assert isinstance(model, HFTransformer)
     tokenizer = llm.engine.tokenizer
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for prompt, out in zip(TEXTS, llm.generate(TEXTS, greedy)):
+    for prompt, out in zip(TEXTS, llm.generate(TEXTS, greedy, use_tqdm=False)):
         ids = tokenizer.encode(prompt, add_bos=True)
         assert out.prompt_token_ids == ids and ids[0] == tokenizer.bos_id
         assert out.token_ids == generate_naive(model, ids, 8)
         assert out.text == tokenizer.decode(out.token_ids)
-    [chat] = llm.chat([{"role": "user", "content": TEXTS[0]}], greedy)
+    [chat] = llm.chat([{"role": "user", "content": TEXTS[0]}], greedy, use_tqdm=False)
     assert chat.prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
