@@ -404,10 +404,13 @@ for name, folder in folders.items():
     print(f"{name}:\n  {textwrap.fill(repr(tiny), 96, subsequent_indent='  ')}")
 
 # %% [markdown]
-# The cache is sized from a memory budget, as vLLM sizes it: the K/V bytes one token costs
-# (`kv/sizing.py`, worked out at real sizes below), then as many whole blocks as the budget buys.
-# `LLM(folder)` reads the folder's config, weights and tokenizer; the prompts are text, encoded by
-# the checkpoint's tokenizer with its BOS first; greedy, so the answers are reproducible:
+# `LLM(folder)` reads the folder's config, weights and tokenizer, and sizes the cache from a
+# memory budget as vLLM does (`kv_cache_memory_bytes`): the K/V bytes one token costs
+# (`kv/sizing.py`, worked out at real sizes below), then as many whole blocks as the budget buys;
+# the longest sequence it serves (`max_model_len`) is the model's context, capped by what the cache
+# holds. The cell does the arithmetic itself and checks that the engine did the same. The prompts
+# are text, encoded by the checkpoint's tokenizer with its BOS first; greedy, so the answers are
+# reproducible:
 
 # %%
 greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -418,9 +421,10 @@ for name, folder in folders.items():
     kv_per_token = kv_bytes_per_token(
         config.n_layers, config.n_kv_heads, config.head_dim, "float32"
     )
-    cache = blocks_for_memory(2 * 2**20, block_size=16, bytes_per_token=kv_per_token)
-    print(f"{name}: {kv_per_token} bytes of K/V per token; 2 MiB buys {cache.describe()}")
-    engines[name] = LLM(str(folder), num_blocks=cache.num_blocks, block_size=cache.block_size)
+    engines[name] = LLM(str(folder), kv_cache_memory_bytes=2 * 2**20)
+    assert engines[name].engine.cache == blocks_for_memory(2 * 2**20, 16, kv_per_token)
+    print(f"{name}: {kv_per_token} bytes of K/V per token")
+    print(f"  {engines[name].engine.describe_capacity()}")
     for out in engines[name].generate(prompts, greedy, use_tqdm=False):
         print(f"  {out.prompt!r} -> {out.text!r}")
 
@@ -603,13 +607,11 @@ else:
     mine = config_from_hf(hf)
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     mine_per_token = kv_bytes_per_token(mine.n_layers, mine.n_kv_heads, mine.head_dim, dtype)
-    mine_cache = blocks_for_memory(2**30, 16, mine_per_token)
     print(f"{model_dir}: {mine}")
     print(f"{mine_per_token / 1024:.0f} KiB of K/V per token in {dtype}")
-    print(f"1 GiB buys {mine_cache.describe()}")
     started = time.perf_counter()
-    real_llm = LLM(str(Path(model_dir).expanduser()), num_blocks=mine_cache.num_blocks)
-    print(f"loaded in {time.perf_counter() - started:.1f} s")
+    real_llm = LLM(str(Path(model_dir).expanduser()), kv_cache_memory_bytes=2**30)
+    print(f"loaded in {time.perf_counter() - started:.1f} s; {real_llm.engine.describe_capacity()}")
     mine_tokenizer = real_llm.engine.tokenizer
     for token_id in mine_tokenizer.encode(text):
         piece, alone = mine_tokenizer.token_repr(token_id), mine_tokenizer.decode([token_id])
