@@ -234,12 +234,17 @@ def main() -> None:
         print(f"warmed up {name}", flush=True)
     seconds = {name: [] for name in systems}
     tokens = {}
-    for _ in range(args.repeats):
+    total = sum(r.max_tokens for r in requests)
+    for round_index in range(args.repeats):
         for name, run in systems.items():
             elapsed, tokens[name] = timed(run)
             seconds[name].append(elapsed)
+            # as it goes: a run stopped at its time limit still leaves its numbers in the log
+            print(
+                f"round {round_index + 1}: {name}: {elapsed:.2f} s, {total / elapsed:,.0f} tok/s",
+                flush=True,
+            )
     reference = system_name("torch", False)
-    total = sum(r.max_tokens for r in requests)
     rows = []
     for name, runs in seconds.items():
         agreement = compare(
