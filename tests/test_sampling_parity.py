@@ -255,6 +255,91 @@ def test_rules_that_ban_everything_fall_back_instead_of_nan():
     assert torch.isfinite(out).all()
 
 
+# -- a step's work is the request's real size, not its JSON's (issue 30) -------------------------
+
+
+def test_repeated_ids_and_words_collapse_at_the_door():
+    params = SamplingParams(
+        allowed_token_ids=[65] * 1000 + [66, 65, 67],
+        stop_token_ids=[0] * 500 + [3, 0],
+        bad_words=["zz", "zz", "q"],
+        logit_bias={66: 1.5},
+    )
+    assert params.allowed_token_ids == (65, 66, 67)
+    assert params.stop_token_ids == (0, 3) and params.stop_token_set == {0, 3}
+    assert params.bad_words == ("zz", "q")
+    assert params == SamplingParams(
+        allowed_token_ids=[65, 66, 67],
+        stop_token_ids=[0, 3],
+        bad_words=["zz", "q"],
+        logit_bias={66: 1.5},
+    )
+
+
+def test_repeated_ids_give_the_same_logits_as_the_ids_once():
+    a, z = ord("a"), ord("z")
+    repeated = dict(
+        allowed_token_ids=[a] * 300 + [z, EOS_ID, 7] * 100,
+        stop_token_ids=[7] * 200,
+        bad_words=["z"] * 50,
+        min_tokens=2,
+    )
+    once = dict(
+        allowed_token_ids=[a, z, EOS_ID, 7], stop_token_ids=[7], bad_words=["z"], min_tokens=2
+    )
+    logits = torch.randn(1, VOCAB)
+    for position in (1, 2, 3):  # before min_tokens, and after
+        out = [
+            apply_logit_rules(logits, [rules_of(SamplingParams(**kw), [1], [a, a])], [position])
+            for kw in (repeated, once)
+        ]
+        assert torch.equal(out[0], out[1])
+        assert torch.isfinite(out[0][0]).nonzero().flatten().tolist() == (
+            [a] if position < 3 else sorted([a, EOS_ID, 7])
+        )
+
+
+class _NoIteration(tuple):
+    """An id list that fails the test if anything walks it."""
+
+    def __iter__(self):
+        raise AssertionError("a step walked a request's id list")
+
+    def __contains__(self, item):
+        raise AssertionError("a step scanned a request's id list")
+
+
+def test_a_step_never_walks_the_request_lists_again(monkeypatch):
+    """The rules (masks, biases, bans as tensors) are built once per sequence; after that a step
+    reads only them, so its work does not grow with the lists the request sent."""
+    import minivllm.runner.sampler as sampler
+
+    builds = []
+    real_build = sampler.build_logit_rules
+    monkeypatch.setattr(sampler, "build_logit_rules", lambda s: builds.append(s) or real_build(s))
+    params = SamplingParams(
+        temperature=0.8,
+        seed=3,
+        max_tokens=12,
+        allowed_token_ids=list(range(40, 60)) * 50,
+        stop_token_ids=[5, 6] * 100,
+        logit_bias={41: 2.0, 42: -1.0},
+        bad_words=["zz"],
+    )
+    seq = seq_with(params, [1, 2])
+    logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(0))
+    sample(logits[:1], SamplingMetadata.from_sequences([seq]))  # the build
+    for name in ("allowed_token_ids", "stop_token_ids", "bad_words"):
+        object.__setattr__(params, name, _NoIteration(getattr(params, name)))
+    object.__setattr__(params, "logit_bias", _NoIteration(params.logit_bias))
+    for step in range(12):
+        if seq.is_finished:
+            break
+        meta = SamplingMetadata.from_sequences([seq])
+        seq.append_token(sample(logits[step : step + 1], meta)[0])
+    assert builds == [seq] and len(seq.output_token_ids) > 1
+
+
 def test_min_p_drops_tokens_below_a_fraction_of_the_likeliest():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64))
     one = torch.ones(1, dtype=torch.float64)
