@@ -14,10 +14,10 @@ position.
 
 vLLM's other parameters (issue 18) are each row's `LogitRules`: allowed tokens, bad words,
 min_tokens, logit_bias and the repetition / frequency / presence penalties, applied to the logits
-before temperature by `apply_logit_rules` in a few tensor operations for the whole batch. They
-read only the row's own tokens before the position it draws, so they keep that guarantee; a batch
-without them pays nothing. `logprob_dicts` gives vLLM V1's logprobs: the log-softmax of the raw
-logits, before any of it.
+before temperature by `apply_logit_rules` in a few tensor operations for the whole batch, from
+tensors built once per sequence (`build_logit_rules`). They read only the row's own tokens before
+the position it draws, so they keep that guarantee; a batch without them pays nothing.
+`logprob_dicts` gives vLLM V1's logprobs: the log-softmax of the raw logits, before any of it.
 """
 
 from __future__ import annotations
@@ -319,6 +319,26 @@ def _penalise(logits, rules, penalised, output, seen) -> torch.Tensor:
     return logits - frequency * counts - presence * (counts > 0)
 
 
+def undrawable_rows(logits: torch.Tensor) -> list[int]:
+    """Rows of `[R, V]` logits no distribution can come from: a NaN or +inf (an overflow upstream)
+    makes softmax NaN, and a row with no finite logit has nothing to draw. One reduction: a row's
+    max is NaN, +inf or -inf exactly then."""
+    return (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()
+
+
+class UndrawableLogitsError(ValueError):
+    """Sequences whose logits hold NaN or +inf, or no finite value: sampling them would emit
+    arbitrary tokens, so they are named instead (the engine ends them, the rest of the batch
+    goes on: ModelRunner.execute)."""
+
+    def __init__(self, seq_ids: tuple[int, ...]) -> None:
+        self.seq_ids = seq_ids
+        super().__init__(
+            f"the logits of sequence(s) {list(seq_ids)} hold NaN or +inf (or nothing finite): "
+            "no token can be drawn from them"
+        )
+
+
 @dataclass(frozen=True)
 class SamplingMetadata:
     """What the sampler needs of each row it draws, built ONCE per step from the sequences and then
@@ -406,10 +426,14 @@ class SamplingMetadata:
         )
 
     def processed(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits after each row's rules (see `apply_logit_rules`); as given without rules."""
-        if not self.rules:
-            return logits
-        return apply_logit_rules(logits, self.rules, self.positions)
+        """The logits after each row's rules (see `apply_logit_rules`); as given without rules.
+        Every draw goes through here, so a row nothing can be drawn from stops here too (see
+        `undrawable_rows`), never becoming a silent token."""
+        if self.rules:
+            logits = apply_logit_rules(logits, self.rules, self.positions)
+        if bad := undrawable_rows(logits):
+            raise UndrawableLogitsError(tuple(dict.fromkeys(self.seq_ids[r] for r in bad)))
+        return logits
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's sampling distribution, float64 `[R, V]` (see `token_probs`). The parameter

@@ -58,9 +58,11 @@ class SamplingParams:
     `stop_token_ids` are banned until this many tokens exist), `logit_bias` (token id -> bias added
     to its logit, in [-100, 100]; a dict is accepted and stored as sorted pairs),
     `repetition_penalty` (> 1 discourages every token of the prompt and output: a positive logit is
-    divided by it, a negative one multiplied), `frequency_penalty` and `presence_penalty` (in
-    [-2, 2]: subtracted once per earlier occurrence in the output, and once if it occurs at all),
+    divided by it, a negative one multiplied; at least MIN_REPETITION_PENALTY), `frequency_penalty`
+    and `presence_penalty` (in [-2, 2]: subtracted once per earlier occurrence in the output, and
+    once if it occurs at all),
     then `min_p` (after temperature: drop tokens less likely than min_p times the likeliest).
+    Repeated ids and words in the list fields are kept once.
 
     `n` (1..16) asks for n samples of one prompt that share its KV blocks (sample i's randomness
     depends on (seed, i, position); sample 0 is the request alone). `logprobs` (0..20) returns, per
@@ -141,7 +143,7 @@ class SamplingParams:
         if not _is_number(rep) or not MIN_REPETITION_PENALTY <= rep < float("inf"):
             yield (
                 f"repetition_penalty must be a finite number >= {MIN_REPETITION_PENALTY} (1 = off;"
-                f" a smaller one divides logits past the float range), got {rep!r}"
+                f" far below 1 a repeated token's logit is divided toward overflow), got {rep!r}"
             )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             yield f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}"
