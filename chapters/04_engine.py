@@ -342,7 +342,9 @@ plt.show()
 # The model runner turns a `StepPlan` into tokens, and holds no policy: it builds the sampling
 # metadata and the batch once, runs one forward pass and samples. (The {term}`drafter`'s proposals
 # are chapter 06's {term}`speculative decoding`; without a drafter `propose` returns nothing and
-# `sample` draws one token per row.)
+# `sample` draws one token per row.) A row of logits no token can be drawn from (NaN or +inf from
+# an overflow, or nothing finite) is set aside first: its sequence gets no token and the engine
+# ends it, "abort" with the reason, while the rest of the batch samples as usual.
 
 # %%
 show(ModelRunner.execute)

@@ -81,6 +81,27 @@ def test_stop_reasons_max_tokens_and_stop_sequence(client) -> None:
     assert letter not in stopped.content[0].text and whole.startswith(stopped.content[0].text)
 
 
+def test_the_users_own_blank_line_stop_is_a_stop_sequence(client) -> None:
+    """A blank line also ends the play's turn; asked for by the user, its match is the user's."""
+    turn = ask(client, max_tokens=200, temperature=0)
+    assert turn.stop_reason == "end_turn"  # the greedy answer ends at a blank line
+    asked = dict(max_tokens=200, temperature=0, stop_sequences=["\n\n"])
+    whole = ask(client, **asked)
+    assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "\n\n")
+    assert whole.content[0].text == turn.content[0].text
+    with client.messages.stream(
+        model="target",
+        system="A hall in the castle.",
+        messages=[{"role": "user", "content": "What say you?"}],
+        max_tokens=200,
+        stop_sequences=["\n\n"],
+        extra_body={"temperature": 0},
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", "\n\n")
+    assert streamed.content[0].text == turn.content[0].text
+
+
 def test_a_streamed_message_is_anthropics_event_sequence(client) -> None:
     with client.messages.stream(
         model="target",

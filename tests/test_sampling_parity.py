@@ -20,14 +20,16 @@ from minivllm.model.tokenizer import EOS_ID, ByteTokenizer
 from minivllm.runner.sampler import (
     LogitRules,
     SamplingMetadata,
+    UndrawableLogitsError,
     apply_logit_rules,
     logprob_dicts,
     sample,
     token_probs,
+    undrawable_rows,
 )
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
-from minivllm.sched.sequence import SamplingParams, Sequence
+from minivllm.sched.sequence import MIN_REPETITION_PENALTY, SamplingParams, Sequence
 
 tok = ByteTokenizer()
 VOCAB = 259
@@ -63,6 +65,9 @@ def rules_of(params: SamplingParams, prompt: list[int], output: list[int] = ()) 
         ("frequency_penalty", "1"),
         ("repetition_penalty", 0),
         ("repetition_penalty", float("inf")),
+        ("repetition_penalty", float("nan")),
+        ("repetition_penalty", 1e-320),  # a logit divided by it overflows to inf (issue 30)
+        ("repetition_penalty", 1e-4),
         ("min_p", -0.1),
         ("min_p", 1.5),
         ("logit_bias", {5: 101}),
@@ -253,6 +258,136 @@ def test_rules_that_ban_everything_fall_back_instead_of_nan():
     rules = rules_of(SamplingParams(allowed_token_ids=[EOS_ID], min_tokens=1), [1])
     out = apply_logit_rules(torch.randn(1, VOCAB), [rules], [1])
     assert torch.isfinite(out).all()
+
+
+# -- a step's work is the request's real size, not its JSON's (issue 30) -------------------------
+
+
+def test_repeated_ids_and_words_collapse_at_the_door():
+    params = SamplingParams(
+        allowed_token_ids=[65] * 1000 + [66, 65, 67],
+        stop_token_ids=[0] * 500 + [3, 0],
+        bad_words=["zz", "zz", "q"],
+        logit_bias={66: 1.5},
+    )
+    assert params.allowed_token_ids == (65, 66, 67)
+    assert params.stop_token_ids == (0, 3) and params.stop_token_set == {0, 3}
+    assert params.bad_words == ("zz", "q")
+    assert params == SamplingParams(
+        allowed_token_ids=[65, 66, 67],
+        stop_token_ids=[0, 3],
+        bad_words=["zz", "q"],
+        logit_bias={66: 1.5},
+    )
+
+
+def test_repeated_ids_give_the_same_logits_as_the_ids_once():
+    a, z = ord("a"), ord("z")
+    repeated = dict(
+        allowed_token_ids=[a] * 300 + [z, EOS_ID, 7] * 100,
+        stop_token_ids=[7] * 200,
+        bad_words=["z"] * 50,
+        min_tokens=2,
+    )
+    once = dict(
+        allowed_token_ids=[a, z, EOS_ID, 7], stop_token_ids=[7], bad_words=["z"], min_tokens=2
+    )
+    logits = torch.randn(1, VOCAB)
+    for position in (1, 2, 3):  # before min_tokens, and after
+        out = [
+            apply_logit_rules(logits, [rules_of(SamplingParams(**kw), [1], [a, a])], [position])
+            for kw in (repeated, once)
+        ]
+        assert torch.equal(out[0], out[1])
+        assert torch.isfinite(out[0][0]).nonzero().flatten().tolist() == (
+            [a] if position < 3 else sorted([a, EOS_ID, 7])
+        )
+
+
+class _NoIteration(tuple):
+    """An id list that fails the test if anything walks it."""
+
+    def __iter__(self):
+        raise AssertionError("a step walked a request's id list")
+
+    def __contains__(self, item):
+        raise AssertionError("a step scanned a request's id list")
+
+
+def test_a_step_never_walks_the_request_lists_again(monkeypatch):
+    """The rules (masks, biases, bans as tensors) are built once per sequence; after that a step
+    reads only them, so its work does not grow with the lists the request sent."""
+    import minivllm.runner.sampler as sampler
+
+    builds = []
+    real_build = sampler.build_logit_rules
+    monkeypatch.setattr(sampler, "build_logit_rules", lambda s: builds.append(s) or real_build(s))
+    params = SamplingParams(
+        temperature=0.8,
+        seed=3,
+        max_tokens=12,
+        allowed_token_ids=list(range(40, 60)) * 50,
+        stop_token_ids=[5, 6] * 100,
+        logit_bias={41: 2.0, 42: -1.0},
+        bad_words=["zz"],
+    )
+    seq = seq_with(params, [1, 2])
+    logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(0))
+    sample(logits[:1], SamplingMetadata.from_sequences([seq]))  # the build
+    for name in ("allowed_token_ids", "stop_token_ids", "bad_words"):
+        object.__setattr__(params, name, _NoIteration(getattr(params, name)))
+    object.__setattr__(params, "logit_bias", _NoIteration(params.logit_bias))
+    for step in range(12):
+        if seq.is_finished:
+            break
+        meta = SamplingMetadata.from_sequences([seq])
+        seq.append_token(sample(logits[step : step + 1], meta)[0])
+    assert builds == [seq] and len(seq.output_token_ids) > 1
+
+
+def test_the_smallest_repetition_penalty_keeps_logits_finite():
+    params = SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY)
+    logits = torch.full((1, VOCAB), torch.finfo(torch.float32).max)  # the worst a model can give
+    out = apply_logit_rules(logits, [rules_of(params, [1, 2], [3])], [3])
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_a_row_with_nothing_to_draw_is_named_never_sampled(poison):
+    logits = torch.randn(3, VOCAB)
+    logits[1, 5] = poison
+    if poison == float("-inf"):
+        logits[1] = poison  # -inf alone is a ban; a row of nothing but bans has nothing to draw
+    seqs = [seq_with(SamplingParams(temperature=t, seed=1), [1]) for t in (0, 0.7, 0.7)]
+    for seq_id, seq in enumerate(seqs):
+        seq.seq_id = seq_id
+    meta = SamplingMetadata.from_sequences(seqs)
+    with pytest.raises(UndrawableLogitsError, match=r"sequence\(s\) \[1\] hold NaN") as error:
+        sample(logits, meta)
+    assert error.value.seq_ids == (1,)
+    assert undrawable_rows(logits) == [1]
+
+
+def test_an_undrawable_request_ends_with_a_reason_and_the_others_go_on(target, monkeypatch):
+    """A model whose logits for one request turn NaN: that request ends "abort" with the reason,
+    no token drawn; the request beside it gets the tokens it gets alone."""
+    marker = 7  # the poisoned request's prompt ends with it; the other's never holds it
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=4)
+    alone = LLMEngine(target).generate([[1, 82, 79]], params)[0].token_ids
+    engine = LLMEngine(target)
+    real_forward = engine.runner.forward
+
+    def poisoned(batch):
+        logits = real_forward(batch)
+        logits[batch.input_ids[batch.logits_indices] == marker] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "forward", poisoned)
+    outputs = engine.generate([[1, 82, 79], [1, 82, marker]], params)
+    assert outputs[0].token_ids == alone and outputs[0].finish_reason == "length"
+    assert (outputs[1].token_ids, outputs[1].finish_reason) == ([], "abort")
+    assert "NaN" in outputs[1].finish_message
+    assert not engine.has_unfinished() and engine.manager.num_used == 0
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_likeliest():

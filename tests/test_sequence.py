@@ -319,6 +319,37 @@ def test_stop_string_found_far_back_after_a_silent_byte() -> None:
     assert text_of(seq) == "xx" and seq.num_output_tokens == len(b"xxab") + 2
 
 
+MIN_TOKENS_TEXT = " is Lee, and I'm a student in the college of engineering"
+
+
+@pytest.mark.parametrize(
+    "min_tokens, stop, want",
+    [
+        (0, None, MIN_TOKENS_TEXT),
+        (0, "e", " is L"),
+        (7, "e", " is Lee, and I'm a stud"),  # the e's of " is Lee" (7 tokens) do not stop it
+        (6, "ee", " is L"),  # a match completed after min_tokens may start before it (vLLM too)
+        (len(MIN_TOKENS_TEXT), "e", MIN_TOKENS_TEXT),  # min_tokens = max_tokens: never stops
+    ],
+)
+@pytest.mark.parametrize("streamed", [True, False])
+def test_stop_strings_wait_for_min_tokens(min_tokens, stop, want, streamed) -> None:
+    """vLLM's rule (PR #22014): a stop string ends a request only once min_tokens tokens exist,
+    and the text before then is not searched again. Streamed: decoded after every token; not
+    streamed: every token first, then one decode."""
+    tokens = list(MIN_TOKENS_TEXT.encode())
+    seq = make(max_tokens=len(tokens), min_tokens=min_tokens, stop=stop or ())
+    if streamed:
+        assert "".join(feed(seq, tokens)) == want
+    else:
+        for token in tokens:
+            seq.append_token(token)
+        for hit in processor(seq).detokenize([seq]):
+            hit.seq.stop_at(hit.num_output_tokens, hit.stop)
+    assert text_of(seq) == want
+    assert seq.finish_reason == (STOP if want != MIN_TOKENS_TEXT else LENGTH)
+
+
 def test_length_finish_flushes_a_cut_off_character() -> None:
     seq = make(max_tokens=2)
     deltas = feed(seq, [ord("a"), 0xC3])  # the second byte of "é" never comes

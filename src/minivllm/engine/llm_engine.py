@@ -279,7 +279,8 @@ class LLMEngine:
         # parallel sampling: siblings that fork (or end) with their parent in this update
         forks = [f for seq in stepped for f in seq.forks]
         self._record_logprobs(result, sequences)
-        finished = self.scheduler.update(plan, result.tokens)
+        failed = [self._end_failed(seq_id, why) for seq_id, why in result.failed.items()]
+        finished = self.scheduler.update(plan, result.tokens) + [s for s in failed if s]
         stepped += [f for f in forks if f.status is not Status.WAITING]
         for hit in self.outputs.detokenize(stepped):  # stop strings: the text's own finish
             if self.scheduler.stop(hit.seq, hit.stop, hit.num_output_tokens):
@@ -291,6 +292,16 @@ class LLMEngine:
                 del self.groups[seq.request_id]
         self.trace.append(self._record(plan, finished, result, time.perf_counter() - started))
         return [self.outputs.output(seq) for seq in stepped]
+
+    def _end_failed(self, seq_id: int, why: str) -> Sequence | None:
+        """A sequence the sampler could draw nothing for (its logits hold NaN or +inf) ends now,
+        "abort" with the reason in its finish_message, rather than emit arbitrary tokens. None if
+        it had ended already."""
+        seq = self.scheduler.sequences.get(seq_id)
+        if seq is None:
+            return None
+        seq.finish_message = why  # before the abort: its waiting forks inherit it
+        return self.scheduler.abort(seq_id)
 
     @staticmethod
     def _record_logprobs(result: RunnerOutput, sequences: dict[int, Sequence]) -> None:

@@ -333,6 +333,11 @@ class OutputProcessor:
             state.text += state.detokenizer.push(token)
             if count == len(new) and seq.stopped_by_token:
                 break  # its stop token came first: no stop string ends at it
+            if state.num_decoded <= seq.params.min_tokens:
+                # vLLM (PR #22014): stop strings wait until min_tokens tokens exist; text before
+                # then is not searched again, except the overlap a later match may start in.
+                state.text_checked = len(state.text)
+                continue
             if (found := self._find_stop_string(seq, state)) is not None:
                 index, stop = found
                 # the stop string is not part of the answer, unless asked for

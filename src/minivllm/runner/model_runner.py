@@ -31,7 +31,13 @@ from minivllm.kv.block_manager import BlockManager
 from minivllm.model.transformer import Transformer
 from minivllm.runner.batch import build_batch, run_model
 from minivllm.runner.cuda_graph import DecodeGraphs
-from minivllm.runner.sampler import SamplingMetadata, logprob_dicts, sample, sample_logprobs
+from minivllm.runner.sampler import (
+    SamplingMetadata,
+    logprob_dicts,
+    sample,
+    sample_logprobs,
+    undrawable_rows,
+)
 from minivllm.runner.speculative import ModelDrafter, NgramDrafter, Proposal, verify
 from minivllm.runner.workers import ForwardWorkers
 from minivllm.sched.plan import StepPlan
@@ -51,6 +57,9 @@ class RunnerOutput:
     # SamplingParams.prompt_logprobs: per sequence, (prompt position, {token id: logprob}) for the
     # prompt tokens this step's chunk predicted
     prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
+    # Sequences whose logits no token can be drawn from (undrawable_rows): no token for them, and
+    # why, for the engine to end them
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -97,10 +106,17 @@ class ModelRunner:
         logits, prompt_logprobs = self._split_prompt_rows(plan, sequences, logits, every_row)
         if forks:  # each waiting sibling draws from its parent's row, with its own seed
             logits = torch.cat([logits, logits[[row for row, _ in forks]]])
+        logits, failed = _set_aside_undrawable(logits, metadata, proposals)
         tokens = self.sample(logits, metadata, proposals)
-        speculated = tuple((i, len(p.tokens), len(tokens[i]) - 1) for i, p in proposals.items())
         logprobs = _token_logprobs(logits, metadata, tokens)
-        return RunnerOutput(tokens, speculated, forward_s, draft_s, logprobs, prompt_logprobs)
+        for seq_id in failed:  # the stand-in rows drew something: it is never appended
+            tokens.pop(seq_id, None)
+            logprobs.pop(seq_id, None)
+            proposals.pop(seq_id, None)
+        speculated = tuple((i, len(p.tokens), len(tokens[i]) - 1) for i, p in proposals.items())
+        return RunnerOutput(
+            tokens, speculated, forward_s, draft_s, logprobs, prompt_logprobs, failed
+        )
 
     def _split_prompt_rows(
         self,
@@ -176,6 +192,29 @@ class ModelRunner:
         proposals = proposals or {}
         mine = [proposals.get(i, Proposal()) for i in metadata.seq_ids]
         return dict(zip(metadata.seq_ids, verify(logits, metadata, mine)))
+
+
+def _set_aside_undrawable(
+    logits: torch.Tensor, metadata: SamplingMetadata, proposals: Mapping[int, Proposal]
+) -> tuple[torch.Tensor, dict[int, str]]:
+    """The sequences whose model logits hold NaN or +inf (or nothing finite), each with a message;
+    their rows are replaced by zeros so the batch samples as usual for everyone else (each row
+    draws alone), and the caller drops what the stand-ins drew."""
+    bad = undrawable_rows(logits)
+    if not bad:
+        return logits, {}
+    # A row per sampling sequence; with a drafter, one per draft token and one more.
+    owners = [
+        i for i in metadata.seq_ids for _ in range(1 + len(proposals.get(i, Proposal()).tokens))
+    ]
+    failed = {
+        owners[r]: f"the model's logits for sequence {owners[r]} hold NaN or +inf (or nothing "
+        "finite): no token can be drawn, so it was ended"
+        for r in bad
+    }
+    logits = logits.clone()
+    logits[[r for r, owner in enumerate(owners) if owner in failed]] = 0.0
+    return logits, failed
 
 
 def _token_logprobs(

@@ -14,16 +14,17 @@ position.
 
 vLLM's other parameters (issue 18) are each row's `LogitRules`: allowed tokens, bad words,
 min_tokens, logit_bias and the repetition / frequency / presence penalties, applied to the logits
-before temperature by `apply_logit_rules` in a few tensor operations for the whole batch. They
-read only the row's own tokens before the position it draws, so they keep that guarantee; a batch
-without them pays nothing. `logprob_dicts` gives vLLM V1's logprobs: the log-softmax of the raw
-logits, before any of it.
+before temperature by `apply_logit_rules` in a few tensor operations for the whole batch, from
+tensors built once per sequence (`build_logit_rules`). They read only the row's own tokens before
+the position it draws, so they keep that guarantee; a batch without them pays nothing.
+`logprob_dicts` gives vLLM V1's logprobs: the log-softmax of the raw logits, before any of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ import torch
 from minivllm.sched.sequence import Sequence as SequenceState
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_NO_IDS = torch.zeros(0, dtype=torch.long)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -123,59 +125,117 @@ class LogitRules:
     (allowed tokens, bad words, min_tokens, logit_bias, then the repetition, frequency and presence
     penalties). A row with none of them has no rules (None) and its logits are used as they are.
 
-    `history` is the sequence's token ids (a reference, not a copy): a row drawing position p sees
-    the first p of them, so the rules depend only on the request's own tokens."""
+    Built ONCE per sequence (`of` keeps them while the sequence lives), with every id list as a
+    tensor, so a step's work grows with the batch and the vocabulary, never with the length of a
+    list the request sent. `history` is the sequence's token ids (a reference, not a copy): a row
+    drawing position p sees the first p of them, so the rules depend only on the request's own
+    tokens."""
 
     history: Sequence[int]
     prompt_len: int
     min_tokens: int = 0
-    min_tokens_banned: tuple[int, ...] = ()  # EOS and the stop token ids, until min_tokens
-    allowed_token_ids: tuple[int, ...] | None = None
-    bad_word_ids: tuple[tuple[int, ...], ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens_banned: torch.Tensor = _NO_IDS  # EOS and the stop token ids, until min_tokens
+    always_banned: torch.Tensor = _NO_IDS  # the one-token bad words
+    # The longer bad words: {tokens before the last: the last tokens they ban}, by prefix length.
+    bad_word_tails: Mapping[int, Mapping[tuple[int, ...], torch.Tensor]] = field(
+        default_factory=dict
+    )
+    allowed_token_ids: torch.Tensor | None = None
+    bias_token_ids: torch.Tensor = _NO_IDS
+    bias_values: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    _disallowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, seq: SequenceState) -> LogitRules | None:
-        """The rules of a sequence's params, or None when it has none."""
-        p = seq.params
-        if not p.has_logit_rules:  # the common case, checked without building anything
+        """The rules of a sequence's params, or None when it has none; built on the first call
+        for a sequence, then the same object every step."""
+        if not seq.params.has_logit_rules:  # the common case, checked without building anything
             return None
-        stops = (() if p.ignore_eos else seq.eos_token_ids) + p.stop_token_ids
-        return cls(
-            history=seq.token_ids,
-            prompt_len=seq.num_prompt_tokens,
-            min_tokens=p.min_tokens,
-            min_tokens_banned=tuple(dict.fromkeys(stops)) if p.min_tokens else (),
-            allowed_token_ids=p.allowed_token_ids,
-            bad_word_ids=seq.bad_word_ids,
-            logit_bias=p.logit_bias,
-            repetition_penalty=p.repetition_penalty,
-            frequency_penalty=p.frequency_penalty,
-            presence_penalty=p.presence_penalty,
-        )
+        rules = _RULES_OF_SEQUENCE.get(seq)
+        if rules is None:
+            rules = _RULES_OF_SEQUENCE[seq] = build_logit_rules(seq)
+        return rules
 
     @property
     def penalises(self) -> bool:
         return bool(self.repetition_penalty != 1 or self.frequency_penalty or self.presence_penalty)
 
-    def banned(self, position: int) -> list[int]:
-        """Tokens this row may not draw at `position`: stop tokens before min_tokens, and the last
-        token of each bad word whose other tokens the output just ended with (as vLLM, only the
-        generated tokens count)."""
-        banned = []
-        if position - self.prompt_len < self.min_tokens:
-            banned += self.min_tokens_banned
-        for word in self.bad_word_ids:
-            before = len(word) - 1
-            if before == 0:
-                banned.append(word[-1])
-            elif position - self.prompt_len >= before:
-                if tuple(self.history[position - before : position]) == word[:-1]:
-                    banned.append(word[-1])
+    def disallowed(self, vocab: int) -> torch.Tensor | None:
+        """`[vocab]` bool, True where allowed_token_ids does not reach (None without them), made
+        once per vocabulary size."""
+        if self.allowed_token_ids is None:
+            return None
+        if vocab not in self._disallowed:
+            mask = torch.ones(vocab, dtype=torch.bool)
+            mask[self.allowed_token_ids] = False
+            self._disallowed[vocab] = mask
+        return self._disallowed[vocab]
+
+    def banned(self, position: int) -> list[torch.Tensor]:
+        """Tokens this row may not draw at `position`, as id tensors: stop tokens before
+        min_tokens, and the last token of each bad word whose other tokens the output just ended
+        with (as vLLM, only the generated tokens count). One dictionary look-up per bad-word
+        length, however many bad words there are."""
+        generated = position - self.prompt_len
+        banned = [self.always_banned] if len(self.always_banned) else []
+        if generated < self.min_tokens and len(self.min_tokens_banned):
+            banned.append(self.min_tokens_banned)
+        for before, tails in self.bad_word_tails.items():
+            if generated >= before:
+                last = tails.get(tuple(self.history[position - before : position]))
+                if last is not None:
+                    banned.append(last)
         return banned
+
+
+# Each live sequence's rules: a sequence that finishes and is dropped takes its entry with it.
+_RULES_OF_SEQUENCE: weakref.WeakKeyDictionary[SequenceState, LogitRules] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _ids(ids) -> torch.Tensor:
+    return torch.tensor(list(dict.fromkeys(ids)), dtype=torch.long)
+
+
+def build_logit_rules(seq: SequenceState) -> LogitRules:
+    """A sequence's `LogitRules`, every list turned into a tensor (once: see `LogitRules.of`)."""
+    p = seq.params
+    stops = (() if p.ignore_eos else seq.eos_token_ids) + p.stop_token_ids
+    words = [w for w in dict.fromkeys(seq.bad_word_ids) if w]  # an empty encoding bans nothing
+    tails: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    for word in words:
+        if len(word) > 1:
+            tails.setdefault(len(word) - 1, {}).setdefault(word[:-1], []).append(word[-1])
+    return LogitRules(
+        history=seq.token_ids,
+        prompt_len=seq.num_prompt_tokens,
+        min_tokens=p.min_tokens,
+        min_tokens_banned=_ids(stops) if p.min_tokens else _NO_IDS,
+        always_banned=_ids(w[0] for w in words if len(w) == 1),
+        bad_word_tails={
+            before: {prefix: _ids(last) for prefix, last in table.items()}
+            for before, table in tails.items()
+        },
+        allowed_token_ids=None if p.allowed_token_ids is None else _ids(p.allowed_token_ids),
+        bias_token_ids=torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long),
+        bias_values=torch.tensor([b for _, b in p.logit_bias], dtype=torch.float64),
+        repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+    )
+
+
+def _row_index(rows: list[int], pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors for id tensors `pieces`, piece i belonging to row rows[i]."""
+    if not pieces:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty
+    counts = torch.tensor([len(piece) for piece in pieces])
+    return torch.repeat_interleave(torch.tensor(rows), counts), torch.cat(pieces)
 
 
 def apply_logit_rules(
@@ -183,28 +243,25 @@ def apply_logit_rules(
 ) -> torch.Tensor:
     """Logits `[R, V]` after each row's rules (float64; the rows without rules unchanged).
 
-    One Python loop over the rows gathers (row, token) index lists; every change to the logits
-    is then one tensor operation for the whole batch, never a loop over the vocabulary."""
+    One Python loop over the rows collects each row's prebuilt id tensors; every change to the
+    logits is then one tensor operation for the whole batch, never a loop over the vocabulary or
+    over a request's id lists."""
     logits = logits.to(torch.float64)
     rows = [r for r, rule in enumerate(rules) if rule is not None]
     if not rows:
         return logits
     logits = logits.clone()
-    ban_rows, ban_tokens, bias_rows, bias_tokens, biases = [], [], [], [], []
-    allow_rows, allow_tokens, restricted = [], [], []
+    ban_rows, bans, bias_rows, restricted = [], [], [], []
     out_rows, out_tokens, seen_rows, seen_tokens, penalised = [], [], [], [], []
     for r in rows:
         rule, position = rules[r], positions[r]
-        banned = rule.banned(position)
-        ban_rows += [r] * len(banned)
-        ban_tokens += banned
+        for banned in rule.banned(position):
+            ban_rows.append(r)
+            bans.append(banned)
         if rule.allowed_token_ids is not None:
             restricted.append(r)
-            allow_rows += [r] * len(rule.allowed_token_ids)
-            allow_tokens += rule.allowed_token_ids
-        bias_rows += [r] * len(rule.logit_bias)
-        bias_tokens += [t for t, _ in rule.logit_bias]
-        biases += [b for _, b in rule.logit_bias]
+        if len(rule.bias_token_ids):
+            bias_rows.append(r)
         if rule.penalises:
             penalised.append(r)
             history = rule.history[:position]
@@ -215,15 +272,15 @@ def apply_logit_rules(
             seen_tokens += history
     before_bans = logits.clone()
     if restricted:  # everything but the allowed tokens is banned
-        allowed = torch.zeros_like(logits, dtype=torch.bool)
-        allowed[allow_rows, allow_tokens] = True
-        allowed[[r for r in range(len(rules)) if r not in restricted]] = True
-        logits = logits.masked_fill(~allowed, float("-inf"))
+        vocab = logits.shape[-1]
+        disallowed = torch.stack([rules[r].disallowed(vocab) for r in restricted])
+        logits[restricted] = logits[restricted].masked_fill(disallowed, float("-inf"))
     if ban_rows:
-        logits[ban_rows, ban_tokens] = float("-inf")
+        logits[_row_index(ban_rows, bans)] = float("-inf")
     if bias_rows:
         # accumulate=False: a token appears once per row (logit_bias is a mapping)
-        logits[bias_rows, bias_tokens] += torch.tensor(biases, dtype=torch.float64)
+        index = _row_index(bias_rows, [rules[r].bias_token_ids for r in bias_rows])
+        logits[index] += torch.cat([rules[r].bias_values for r in bias_rows])
     if penalised:
         logits = _penalise(
             logits, rules, penalised, (out_rows, out_tokens), (seen_rows, seen_tokens)
@@ -260,6 +317,26 @@ def _penalise(logits, rules, penalised, output, seen) -> torch.Tensor:
     repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(in_history, repeated, logits)
     return logits - frequency * counts - presence * (counts > 0)
+
+
+def undrawable_rows(logits: torch.Tensor) -> list[int]:
+    """Rows of `[R, V]` logits no distribution can come from: a NaN or +inf (an overflow upstream)
+    makes softmax NaN, and a row with no finite logit has nothing to draw. One reduction: a row's
+    max is NaN, +inf or -inf exactly then."""
+    return (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()
+
+
+class UndrawableLogitsError(ValueError):
+    """Sequences whose logits hold NaN or +inf, or no finite value: sampling them would emit
+    arbitrary tokens, so they are named instead (the engine ends them, the rest of the batch
+    goes on: ModelRunner.execute)."""
+
+    def __init__(self, seq_ids: tuple[int, ...]) -> None:
+        self.seq_ids = seq_ids
+        super().__init__(
+            f"the logits of sequence(s) {list(seq_ids)} hold NaN or +inf (or nothing finite): "
+            "no token can be drawn from them"
+        )
 
 
 @dataclass(frozen=True)
@@ -349,10 +426,14 @@ class SamplingMetadata:
         )
 
     def processed(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits after each row's rules (see `apply_logit_rules`); as given without rules."""
-        if not self.rules:
-            return logits
-        return apply_logit_rules(logits, self.rules, self.positions)
+        """The logits after each row's rules (see `apply_logit_rules`); as given without rules.
+        Every draw goes through here, so a row nothing can be drawn from stops here too (see
+        `undrawable_rows`), never becoming a silent token."""
+        if self.rules:
+            logits = apply_logit_rules(logits, self.rules, self.positions)
+        if bad := undrawable_rows(logits):
+            raise UndrawableLogitsError(tuple(dict.fromkeys(self.seq_ids[r] for r in bad)))
+        return logits
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's sampling distribution, float64 `[R, V]` (see `token_probs`). The parameter

@@ -35,6 +35,10 @@ def _is_number(value) -> bool:
 
 MAX_N = 16  # parallel samples per request (SamplingParams.n)
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs
+# vLLM takes any repetition_penalty > 0, but a positive logit is divided by it: 1e-320 makes it
+# infinite and the distribution NaN. Below 1e-3 (a repeated token's logit x 1000) nothing useful is
+# left to ask for.
+MIN_REPETITION_PENALTY = 1e-3
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,11 @@ class SamplingParams:
     `stop_token_ids` are banned until this many tokens exist), `logit_bias` (token id -> bias added
     to its logit, in [-100, 100]; a dict is accepted and stored as sorted pairs),
     `repetition_penalty` (> 1 discourages every token of the prompt and output: a positive logit is
-    divided by it, a negative one multiplied), `frequency_penalty` and `presence_penalty` (in
-    [-2, 2]: subtracted once per earlier occurrence in the output, and once if it occurs at all),
+    divided by it, a negative one multiplied; at least MIN_REPETITION_PENALTY), `frequency_penalty`
+    and `presence_penalty` (in [-2, 2]: subtracted once per earlier occurrence in the output, and
+    once if it occurs at all),
     then `min_p` (after temperature: drop tokens less likely than min_p times the likeliest).
+    Repeated ids and words in the list fields are kept once.
 
     `n` (1..16) asks for n samples of one prompt that share its KV blocks (sample i's randomness
     depends on (seed, i, position); sample 0 is the request alone). `logprobs` (0..20) returns, per
@@ -85,6 +91,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    # stop_token_ids as a set, for the test on every appended token
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Accept a single string or any list for the list fields, a dict for logit_bias; store
@@ -99,6 +107,13 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for problem in self._problems():
             raise ValueError(f"SamplingParams.{problem}")
+        # Repeats change nothing but would cost work on every step: keep each id and word once.
+        # With the vocabulary check at the door (InputProcessor) no list is then longer than the
+        # vocabulary, whatever the request sent.
+        for name in ("stop_token_ids", "bad_words", "allowed_token_ids"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
+        object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
 
     def _problems(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -125,8 +140,11 @@ class SamplingParams:
             if not _is_number(value) or not -2 <= value <= 2:
                 yield f"{name} must be a number in [-2, 2] (0 = off), got {value!r}"
         rep = self.repetition_penalty
-        if not _is_number(rep) or not 0 < rep < float("inf"):
-            yield f"repetition_penalty must be a number > 0 (1 = off), got {rep!r}"
+        if not _is_number(rep) or not MIN_REPETITION_PENALTY <= rep < float("inf"):
+            yield (
+                f"repetition_penalty must be a finite number >= {MIN_REPETITION_PENALTY} (1 = off;"
+                f" far below 1 a repeated token's logit is divided toward overflow), got {rep!r}"
+            )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             yield f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}"
         if not _all(self.logit_bias, _is_bias_pair):
@@ -346,7 +364,7 @@ class Sequence:
         may_stop = self.num_output_tokens > params.min_tokens
         if token in self.eos_token_ids and not params.ignore_eos and may_stop:
             self.finish(STOP)
-        elif token in params.stop_token_ids and may_stop:
+        elif token in params.stop_token_set and may_stop:
             self.finish(STOP, stop_reason=token)
         elif self.num_output_tokens >= params.max_tokens:
             self.finish(LENGTH)

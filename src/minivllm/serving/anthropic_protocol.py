@@ -102,6 +102,11 @@ class MessagesRequest(BaseModel):
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop_sequences or ())
 
+    def turn_end_stop(self, end_of_turn: str | None = END_OF_TURN) -> str | None:
+        """The stop string that reports as "end_turn" (see `stop_reason`): the turn's end, unless
+        the user's stop_sequences name it too -- then a match is the user's "stop_sequence"."""
+        return None if end_of_turn in self.stops() else end_of_turn
+
     def sampling_params(self, end_of_turn: str | None = END_OF_TURN) -> SamplingParams:
         """Anthropic's defaults: temperature 1, no top-p or top-k. In a play a turn ends at
         END_OF_TURN; a chat template ends it with a token (end_of_turn None: the EOS ends it)."""

@@ -266,11 +266,15 @@ class OpenAIServer:
         message_id = anthropic.new_message_id()
         if body.stream:
             return event_stream(
-                anthropic_stream(stream, message_id, self.model_name, self.end_of_turn)
+                anthropic_stream(
+                    stream, message_id, self.model_name, body.turn_end_stop(self.end_of_turn)
+                )
             )
         (answer,) = await self._collect(request, stream)
         reason = anthropic.stop_reason(
-            answer.finish_reason, stream.stop_reasons.get(stream.choices[0]), self.end_of_turn
+            answer.finish_reason,
+            stream.stop_reasons.get(stream.choices[0]),
+            body.turn_end_stop(self.end_of_turn),
         )
         input_tokens = sum(stream.num_prompt_tokens.values())
         return SafeJSONResponse(
