@@ -1,11 +1,60 @@
 """A real-shaped model: minivllm against Hugging Face `generate` and vLLM's CPU build (issue 29).
 
-    python benchmarks/real_model.py [--shape qwen3-0.6b|100m] [--dtype bfloat16] [--dir DIR]
-    [--requests 8] [--seed 0] [--repeats 3] [--quick] [--skip-hf] [--skip-vllm] [--out PATH]
+    python benchmarks/real_model.py [--shape 100m|qwen3-0.6b|tiny] [--dtype float32|bfloat16]
+    [--checkpoint-dtype bfloat16] [--dir DIR] [--requests 8] [--seed 0] [--repeats 3]
+    [--vllm-modes compiled eager] [--vllm-python PATH] [--memory-baseline-src DIR]
+    [--skip-hf] [--skip-vllm] [--skip-memory] [--quick] [--out PATH]
 
-BUILDER
+The checkpoint. `make_checkpoint(folder, shape, dtype)` builds a Hugging Face Qwen3 folder with
+`transformers` (a `Qwen3Config` of the shape's sizes, seeded random weights, `save_pretrained` in
+bfloat16 unless asked) and a byte-level BPE tokenizer trained with `tokenizers` on the shipped
+validation plays (8192 tokens: tokenizer.json, tokenizer_config.json), once: the folder under
+`--dir` (default: the system's temp folder) is reused while the recipe it records matches.
+`--shape qwen3-0.6b` is Qwen3-0.6B's config; the default `100m` is the same family at ~110 M
+parameters, because on this 2-core machine the 0.6 B model takes minutes per system and round
+(its own run: `--shape qwen3-0.6b`, results/real_model_qwen3-0.6b.json); `tiny` is for `--quick`.
+Random weights make flat logits; here the embedding (and so the tied LM head) rows of the
+tokenizer's tokens are drawn larger and the rest near zero, so greedy choices are seldom near-ties
+and the model writes tokens the tokenizer decodes (the JSON records the logits' spread and the
+smallest top-two gap of one prompt).
+benchmarks/gpu_engine.py can build the same folder on a GPU machine with `make_checkpoint`.
 
-Written below, once the numbers are in.
+The workload. `--requests` prompts cut from the validation plays as the checkpoint's tokenizer
+encodes them, of a seeded uniform number of tokens, each with a seeded uniform output length;
+greedy, `ignore_eos`, in `--dtype` (float32 by default: this AVX2 CPU has no bfloat16
+arithmetic -- no AVX-512 BF16, no AMX -- so bfloat16 matmuls are emulated, in every system). Run by
+
+* minivllm: `LLMEngine` on the default attention backend ("auto": the numba kernel for a float32
+  cache, the torch reference otherwise) and on the torch reference, both on one loaded model
+  (fused in place once), 64 sequences and 512 tokens per step, the folder's tokenizer
+  detokenizing as it goes. Every request is added, then `step()` runs until none is left;
+* Hugging Face `generate` (`AutoModelForCausalLM`, the same dtype): every request in one batch,
+  left padding, greedy, run to the longest request's max_tokens (only each request's own tokens
+  count: a static batch pays for the longest). Every request's first token comes with the
+  first step, when a stopping criterion sees it;
+* vLLM's CPU build, where its virtualenv exists (benchmarks/vllm_peer.py says how to build one):
+  the same folder, prompts as token ids, the same dtype, sequences and tokens per step, prefix
+  caching off, detokenizing, its own tokenizer loaded from the folder; in a fresh process per run
+  (start-up and warm-up not timed), `--vllm-modes` compiled (its default) and eager.
+
+Output tokens/s is every request's output tokens over the wall clock from the first request added
+to the last token; time to first token (TTFT) is, per request, from that same start to the step
+that returned its first token (so it includes waiting behind other prompts' prefill). The systems
+alternate for `--repeats` rounds after a warm-up; the table gives the median tokens/s (and the
+best round), TTFT's median and 90th percentile over every request of every round, and the ratios
+of medians. Greedy tokens are compared between every pair of systems (first round): identical
+sequences, and where each other one first differs.
+
+Loading memory, each case in a fresh interpreter: ru_maxrss after the load less ru_maxrss of the
+interpreter with torch (and minivllm) imported, over the weights' bytes in the dtype loaded, for
+the bfloat16 checkpoint loaded as bfloat16 and as float32, by `load_model` alone and by
+`LLM(folder)`'s whole start (load, fuse, a 16-block K/V cache, the torch backend: no kernel
+compilation in the number). `--memory-baseline-src` measures another checkout's src/ beside this
+one (a before/after). The goal: at most 1.2x the weights, no second copy.
+
+Prints tables and writes benchmarks/results/real_model.json with the CPU model and the load
+average (a --quick smoke run -- the tiny shape, three short requests, one round, no vLLM --
+writes nothing unless --out is given).
 """
 
 from __future__ import annotations
@@ -37,12 +86,13 @@ MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 64, 512  # minivllm's defaults, given to 
 MAX_MODEL_LEN = 512  # vLLM's context: the longest prompt and output fit
 PROMPT_TOKENS, OUTPUT_TOKENS = (32, 320), (16, 96)  # uniform, per request
 VLLM_TIMEOUT = 1800.0  # seconds for one vLLM run (start-up, compilation, warm-up, the run)
-DEFAULT_SHAPE, DEFAULT_DTYPE = "qwen3-0.6b", "float32"
+DEFAULT_SHAPE, DEFAULT_DTYPE = "100m", "float32"
 
 TOKENIZER_VOCAB = 8192  # a byte-level BPE trained on the shipped validation text (~190 kB)
 # Real shapes. qwen3-0.6b is Qwen3-0.6B's config.json (hidden 1024, 28 layers, 16 query and 8 K/V
 # heads of 128, MLP 3072, a 151936-token vocabulary, LM head tied to the embedding); 100m is the
-# same family at about 100 M parameters, for machines where the first is too slow.
+# same family at about 110 M parameters (heads of 128, GQA 2:1, tied, a 32768-token vocabulary),
+# the default: on 2 shared cores the 0.6 B model takes minutes per system per round.
 SHAPES = {
     "qwen3-0.6b": dict(
         hidden_size=1024,
@@ -74,9 +124,9 @@ SHAPES = {
     "100m": dict(
         hidden_size=768,
         num_hidden_layers=12,
-        num_attention_heads=12,
+        num_attention_heads=8,
         num_key_value_heads=4,
-        head_dim=64,
+        head_dim=128,
         intermediate_size=2048,
         vocab_size=32768,
         max_position_embeddings=40960,
@@ -181,20 +231,18 @@ def make_checkpoint(
     return path
 
 
-def logit_spread(folder: Path, dtype: torch.dtype, prompt_ids: list[int]) -> dict:
-    """How far apart the random model's choices are: the logits' standard deviation and the gap
-    between the top two at each position of one prompt (medians), in `dtype`."""
-    from minivllm.model.checkpoint import load_model
-
-    model = load_model(folder, dtype)
+def logit_spread(model, prompt_ids: list[int], vocab: int) -> dict:
+    """How far apart the random model's choices are, over one prompt's positions (medians): the
+    standard deviation of the logits of the tokenizer's `vocab` tokens (the rest are near zero),
+    and the gap between the top two."""
     with torch.no_grad():
         logits = model(torch.tensor(prompt_ids)).float()
     top = logits.topk(2, dim=-1).values
-    del model
+    gap = top[:, 0] - top[:, 1]
     return {
-        "logit_std_median": round(logits.std(dim=-1).median().item(), 3),
-        "top2_gap_median": round((top[:, 0] - top[:, 1]).median().item(), 3),
-        "top2_gap_min": round((top[:, 0] - top[:, 1]).min().item(), 4),
+        "logit_std_median": round(logits[:, :vocab].std(dim=-1).median().item(), 3),
+        "top2_gap_median": round(gap.median().item(), 3),
+        "top2_gap_min": round(gap.min().item(), 4),
     }
 
 
@@ -306,9 +354,19 @@ import minivllm, torch  # the baseline: an interpreter that imported torch (and 
 from minivllm.engine.llm_engine import LLM
 from minivllm.model.checkpoint import load_model
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def status(field):  # VmRSS (resident now) or VmHWM (its peak), in bytes
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ":"))
+
+def reset_peak():
+    # ru_maxrss (VmHWM) keeps the imports' transient peak, which can hide a small model's load:
+    # writing 5 to clear_refs sets the peak back to what is resident now (Linux 4.0+)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 def distinct_bytes(*models):
     tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
@@ -317,7 +375,15 @@ def distinct_bytes(*models):
 
 folder, dtype, what = sys.argv[1:4]
 torch.set_num_threads(2)
-base, rss_base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rss()
+# The first module built on the meta device (as load_model builds one) imports torch's Python
+# meta kernels, tens of MB of code whatever the model's size: imported here, and reported apart.
+before_import = status("VmRSS")
+with torch.device("meta"):
+    torch.nn.Embedding(1, 1)
+meta_import = status("VmRSS") - before_import
+reset = reset_peak()
+base = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+rss_base = status("VmRSS")
 started = time.perf_counter()
 if what == "load_model":
     model = load_model(folder, dtype)
@@ -330,10 +396,12 @@ else:  # the engine's start: LLM(folder) loads, places and fuses the model, make
     held = distinct_bytes(engine.model, engine.runner.model)  # all the engine keeps
     kv_bytes = engine.storage.bytes
 seconds = time.perf_counter() - started
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({
-    "peak_growth_bytes": (peak - base) * 1024,
-    "rss_growth_after_bytes": rss() - rss_base,
+    "peak_growth_bytes": peak - base,
+    "peak_reset": reset,
+    "meta_kernels_import_bytes": meta_import,
+    "rss_growth_after_bytes": status("VmRSS") - rss_base,
     "weights_bytes": weights,
     "weights_held_bytes": held,
     "kv_cache_bytes": kv_bytes,
@@ -344,10 +412,12 @@ print(json.dumps({
 
 def measure_memory(folder: Path, dtype: str, what: str, src: Path) -> dict:
     """Peak resident memory of loading `folder` in `dtype` in a fresh interpreter whose minivllm
-    comes from `src`: `load_model` alone, or `LLM(folder)`'s whole start ("engine"). ru_maxrss
-    after, less ru_maxrss before (the interpreter with torch imported), over the weights' bytes
-    in `dtype` (one model's: the distinct storages of the model that runs). `weights_held_bytes`
-    counts every weight the engine keeps: twice the weights where it keeps a copy."""
+    comes from `src`: `load_model` alone, or `LLM(folder)`'s whole start ("engine"). The peak
+    (ru_maxrss, as /proc's VmHWM, reset to the resident size once torch and minivllm are
+    imported) after the load less the peak before, over the weights' bytes in `dtype` (one
+    model's: the distinct storages of the model that runs). `weights_held_bytes` counts every
+    weight the engine keeps: twice the weights where it keeps a copy. The one-time import of
+    torch's meta kernels is measured apart (`with_import_over_weights` counts it too)."""
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="2")
     done = subprocess.run(
         [sys.executable, "-c", MEMORY_PROBE, str(folder), dtype, what],
@@ -358,7 +428,11 @@ def measure_memory(folder: Path, dtype: str, what: str, src: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"memory probe failed:\n{done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["peak_over_weights"] = round(result["peak_growth_bytes"] / result["weights_bytes"], 3)
+    weights, peak = result["weights_bytes"], result["peak_growth_bytes"]
+    result["peak_over_weights"] = round(peak / weights, 3)
+    result["with_import_over_weights"] = round(
+        (peak + result["meta_kernels_import_bytes"]) / weights, 3
+    )
     return result
 
 
@@ -453,14 +527,22 @@ def main() -> int:
         action="store_true",
         help="a smoke run: the tiny shape, 3 short requests, one round, no vLLM, no JSON",
     )
-    parser.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS.relative_to(ROOT)})")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"JSON path (default {RESULTS.relative_to(ROOT)}, or real_model_SHAPE.json beside it "
+        "for another shape)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.shape, args.requests, args.repeats, args.skip_vllm = "tiny", 3, 1, True
     prompt_tokens, output_tokens = (
         ((8, 32), (4, 8)) if args.quick else (PROMPT_TOKENS, OUTPUT_TOKENS)
     )
-    out_path = args.out if args.out is not None else (None if args.quick else RESULTS)
+    default_out = (
+        RESULTS if args.shape == DEFAULT_SHAPE else RESULTS.with_stem(f"real_model_{args.shape}")
+    )
+    out_path = args.out if args.out is not None else (None if args.quick else default_out)
     torch.set_num_threads(THREADS)
     dtype = DTYPES[args.dtype]
 
@@ -504,7 +586,9 @@ def main() -> int:
                     memory[key] = {**m, "src": str(src), "commit": source_commit(src)}
                     print(
                         f"  {key:<40} peak +{gib(m['peak_growth_bytes'])} = "
-                        f"{m['peak_over_weights']:.2f}x the weights ({gib(m['weights_bytes'])}); "
+                        f"{m['peak_over_weights']:.2f}x the weights ({gib(m['weights_bytes'])}; "
+                        f"{m['with_import_over_weights']:.2f}x with torch's meta kernels' import "
+                        f"of {gib(m['meta_kernels_import_bytes'])}); "
                         f"weights held {gib(m['weights_held_bytes'])}, RSS after "
                         f"+{gib(m['rss_growth_after_bytes'])}, K/V {gib(m['kv_cache_bytes'])}, "
                         f"{m['seconds']:.1f} s",
@@ -515,7 +599,7 @@ def main() -> int:
     model = load_model(folder, dtype)
     parameters = sum(p.numel() for p in model.parameters())
     model = fuse_model(model, in_place=True)  # both engines run these weights, neither copies
-    spread = logit_spread(folder, dtype, requests[0].prompt_ids)
+    spread = logit_spread(model, requests[0].prompt_ids, tokenizer.vocab_size)
     print(f"\nrandom model's logits: {spread}")
     blocks = sum(-(-(n + m) // 16) for n, m in zip(prompt_lens, out_lens)) + 16
     scheduler = SchedulerConfig(
@@ -641,7 +725,6 @@ def main() -> int:
     if out_path is None:
         print("quick run: no JSON written (give --out to write one)")
         return 0
-    config = json.loads((folder / "config.json").read_text())
     record = {
         "benchmark": "real_model",
         "machine": machine_record(
@@ -656,7 +739,7 @@ def main() -> int:
             "family": "Qwen3ForCausalLM",
             "dtype_on_disk": args.checkpoint_dtype,
             "parameters": parameters,
-            "config": {k: config.get(k) for k in SHAPES[args.shape]},
+            "config": SHAPES[args.shape],
             "tokenizer": f"byte-level BPE trained with tokenizers on the shipped validation text, "
             f"{tokenizer.vocab_size} tokens",
             "weights": "transformers' seeded initialisation; the embedding (tied LM head) rows of "
