@@ -146,24 +146,14 @@ DEFAULT_DIR = Path(tempfile.gettempdir()) / "minivllm-real-model"
 
 
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
-    """A byte-level BPE (GPT-2's and Qwen's kind) trained with `tokenizers` on the shipped
-    validation plays: every string encodes, and a multi-byte character may span tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    """A byte-level BPE (GPT-2's and Qwen's kind: every string encodes, and a multi-byte character
+    may span tokens) trained with `tokenizers` on the shipped validation plays, by the book's own
+    builder (chapter 09's)."""
+    from minivllm.book.tiny_checkpoint import train_bpe_tokenizer
     from minivllm.training.corpus import shipped_validation_text
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[END_OF_TEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    text = shipped_validation_text()
-    tokenizer.train_from_iterator(text.split("\n\n"), trainer)
-    return tokenizer
+    paragraphs = shipped_validation_text().split("\n\n")
+    return train_bpe_tokenizer(paragraphs, vocab_size, [END_OF_TEXT])
 
 
 def make_checkpoint(
