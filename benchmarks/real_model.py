@@ -65,6 +65,7 @@ import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -186,8 +187,9 @@ def make_checkpoint(
     marker = path / MARKER
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return path
-    path.mkdir(parents=True, exist_ok=True)
-    marker.unlink(missing_ok=True)  # a half-built folder is rebuilt, never reused
+    if path.exists():  # half-built, or another recipe's: stale shards must not stay beside it
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
 
     tokenizer = train_tokenizer()
     tokenizer.save(str(path / "tokenizer.json"))
@@ -270,7 +272,7 @@ def run_engine(engine, requests: list[Request], label: str) -> dict:
     started = time.perf_counter()
     ids = [
         engine.add_request(
-            r.prompt_ids, SamplingParams(r.max_tokens, temperature=0, ignore_eos=True)
+            r.prompt_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
         )
         for r in requests
     ]

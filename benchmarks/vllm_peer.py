@@ -12,10 +12,11 @@ Llama safetensors), or on the checkpoint folder `--model DIR` (the same texts en
 tokenizer.json, which vLLM then loads too, and both systems detokenize), in `--dtype` (float32
 unless asked), by
 
-* vLLM (`vllm.LLM`, float32, `max_model_len` 512, seed 0, 64 sequences and 512 tokens per step as
+* vLLM (`vllm.LLM`, `--dtype`, `max_model_len` 512, seed 0, 64 sequences and 512 tokens per step as
   minivllm, prefix caching off as in minivllm), in its own virtualenv: this file run by that venv's
   python as a subprocess (`--worker vllm`), once per vLLM run. The model has a byte-level vocabulary
-  and no Hugging Face tokenizer files, so vLLM gets `skip_tokenizer_init=True` and token-id prompts.
+  and no Hugging Face tokenizer files, so vLLM gets `skip_tokenizer_init=True` (token-id prompts in
+  every case; a folder with tokenizer.json is loaded with it).
   Its CPU backend takes its OpenMP threads from `VLLM_CPU_OMP_THREADS_BIND` (here the first
   `--threads` CPUs this process may run on: `0-1`; vLLM's `auto` would keep one core back for its
   scheduler process and leave one thread on a 2-core machine), and its KV cache from
