@@ -40,10 +40,23 @@ def source_version() -> dict:
     return {"commit": commit.stdout.strip(), "src_modified": bool(status.stdout.strip())}
 
 
+def cpu_model() -> str:
+    """The processor's name as Linux reports it (/proc/cpuinfo), else the platform's word."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_record(note: str, **extra) -> dict:
-    """Where the numbers were measured: the platform, cores, torch and its threads, the load
-    average at the end and the source commit; `extra` adds or overrides fields (a benchmark's own
-    versions, say)."""
+    """Where the numbers were measured: the platform, the CPU, cores, torch and its threads, the
+    load average at the end and the source commit; `extra` adds or overrides fields (a benchmark's
+    own versions, say)."""
     import platform
 
     import torch
@@ -51,6 +64,7 @@ def machine_record(note: str, **extra) -> dict:
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,

@@ -2,18 +2,21 @@
 
     python benchmarks/vllm_peer.py [--requests 256] [--seed 0] [--repeats 3]
     [--backends auto|torch numba ...] [--processes 1 2] [--vllm-modes compiled eager]
-    [--vllm-python PATH]
+    [--vllm-python PATH] [--model DIR] [--dtype float32|bfloat16|float16]
     [--threads 2] [--out PATH]
 
 The workload of benchmarks/throughput.py at 256 requests -- `make_workload(256, seed)`: prompts are
 16-200-byte slices of the shipped validation text as token ids (BOS first), outputs 32-256 tokens,
 greedy, `ignore_eos` -- run on the shipped target model (src/minivllm/weights/target, Hugging Face
-Llama safetensors) by
+Llama safetensors), or on the checkpoint folder `--model DIR` (the same texts encoded by its
+tokenizer.json, which vLLM then loads too, and both systems detokenize), in `--dtype` (float32
+unless asked), by
 
-* vLLM (`vllm.LLM`, float32, `max_model_len` 512, seed 0, 64 sequences and 512 tokens per step as
+* vLLM (`vllm.LLM`, `--dtype`, `max_model_len` 512, seed 0, 64 sequences and 512 tokens per step as
   minivllm, prefix caching off as in minivllm), in its own virtualenv: this file run by that venv's
   python as a subprocess (`--worker vllm`), once per vLLM run. The model has a byte-level vocabulary
-  and no Hugging Face tokenizer files, so vLLM gets `skip_tokenizer_init=True` and token-id prompts.
+  and no Hugging Face tokenizer files, so vLLM gets `skip_tokenizer_init=True` (token-id prompts in
+  every case; a folder with tokenizer.json is loaded with it).
   Its CPU backend takes its OpenMP threads from `VLLM_CPU_OMP_THREADS_BIND` (here the first
   `--threads` CPUs this process may run on: `0-1`; vLLM's `auto` would keep one core back for its
   scheduler process and leave one thread on a 2-core machine), and its KV cache from
@@ -29,8 +32,10 @@ Llama safetensors) by
   `--processes` (`EngineConfig.forward_processes`; 2: each pass split by sequence between this
   process and a worker, one thread each -- the same 2 cores; CPU seconds then count both).
 
-Each system warms up (vLLM after start-up, minivllm once per backend), then one `generate` over the
-whole workload is timed with the wall clock (start-up and compilation not counted). The systems
+Each system warms up (vLLM after start-up, minivllm once per backend), then one run over the
+whole workload is timed with the wall clock (start-up and compilation not counted): vLLM's is
+`LLM.generate`'s own loop over `llm_engine.step()`, with each request's new tokens returned as they
+come (so benchmarks/real_model.py reads its time to first token from the same worker). The systems
 alternate -- vLLM, minivllm, vLLM, minivllm, ... for `--repeats` rounds -- and the table gives the
 median output tokens/s of each (with the best run and every run's load average beside it: the
 machine is shared and noisy), minivllm / vLLM per backend, and how many of the requests have
@@ -122,26 +127,38 @@ def cpu_seconds_of_tree() -> float:
 
 
 def vllm_worker(workload_path: Path, mode: str) -> None:
-    """Build `vllm.LLM`, warm up, time one `generate` over the workload, print one JSON line."""
+    """Build `vllm.LLM`, warm up, time one run over the workload, print one JSON line.
+
+    The workload file holds the model folder, its settings and the requests (`write_workload`).
+    The run is `LLM.generate`'s own loop (`llm_engine.step()` until nothing is unfinished) with
+    every request's new tokens returned each step (`RequestOutputKind.DELTA`), so the time each
+    request's first token came back (its TTFT) is seen as minivllm's is."""
     import vllm
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     workload = json.loads(workload_path.read_text())
-    prompts = [{"prompt_token_ids": r["prompt_ids"]} for r in workload]
+    requests = workload["requests"]
+    prompts = [{"prompt_token_ids": r["prompt_ids"]} for r in requests]
+    detokenize = not workload["skip_tokenizer_init"]
     params = [
         SamplingParams(
-            temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False
+            temperature=0.0,
+            max_tokens=r["max_tokens"],
+            ignore_eos=True,
+            detokenize=detokenize,
+            output_kind=RequestOutputKind.DELTA,
         )
-        for r in workload
+        for r in requests
     ]
     started = time.perf_counter()
     llm = LLM(
-        model=str(TARGET),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        model=workload["model"],
+        skip_tokenizer_init=workload["skip_tokenizer_init"],
+        dtype=workload["dtype"],
+        max_model_len=workload["max_model_len"],
+        max_num_seqs=workload["max_num_seqs"],
+        max_num_batched_tokens=workload["max_num_batched_tokens"],
         enable_prefix_caching=False,  # minivllm's default; a warm-up must not cache the workload
         enforce_eager=mode == "eager",
         seed=0,
@@ -151,17 +168,25 @@ def vllm_worker(workload_path: Path, mode: str) -> None:
     llm.generate(
         [prompts[i] for i in warm],
         SamplingParams(
-            temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True, detokenize=False
+            temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True, detokenize=detokenize
         ),
         use_tqdm=False,
     )
+    engine = llm.llm_engine
     load_before, cpu = load_str(), cpu_seconds_of_tree()
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    first_token: list[float | None] = [None] * len(prompts)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            i, new = int(output.request_id), output.outputs[0].token_ids
+            if new and first_token[i] is None:
+                first_token[i] = time.perf_counter() - started
+            tokens[i].extend(new)
     seconds = time.perf_counter() - started
     cpu = cpu_seconds_of_tree() - cpu
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    engine = llm.llm_engine
     config = getattr(engine, "vllm_config", None)
     model_config = getattr(config, "model_config", None) or getattr(engine, "model_config", None)
     cache_config = getattr(config, "cache_config", None)
@@ -188,8 +213,36 @@ def vllm_worker(workload_path: Path, mode: str) -> None:
             )
         },
         "token_ids": tokens,
+        "ttft": first_token,
     }
     print(MARKER + json.dumps(result), flush=True)
+
+
+def write_workload(
+    path: Path,
+    model: Path,
+    dtype: str,
+    requests: list[tuple[list[int], int]],
+    max_model_len: int = MAX_MODEL_LEN,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+) -> None:
+    """What a vLLM worker runs: the model folder, its settings and (prompt ids, max_tokens) per
+    request. A folder without tokenizer.json (the shipped models) runs on token ids alone."""
+    has_tokenizer = (Path(model) / "tokenizer.json").is_file()
+    path.write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "dtype": dtype,
+                "skip_tokenizer_init": not has_tokenizer,
+                "max_model_len": max_model_len,
+                "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens,
+                "requests": [{"prompt_ids": ids, "max_tokens": n} for ids, n in requests],
+            }
+        )
+    )
 
 
 def cpu_bind(threads: int) -> str:
@@ -246,6 +299,7 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
     result = json.loads(found[-1][len(MARKER) :])
     result["system"] = f"vLLM {result['vllm']} ({mode}{', passive' if passive else ''})"
     result["_tokens"] = result.pop("token_ids")
+    result["_ttft"] = result.pop("ttft")
     notes = []  # vLLM's own words on threads, dtype, KV cache, compilation; and its warnings
     for line in lines:
         if line.startswith(MARKER) or len(line) > 400:
@@ -274,7 +328,7 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
 
 
 # -- the minivllm side: runs in this repository's venv ---------------------------------------------
-def run_minivllm(model, requests, backend: str, processes: int = 1) -> dict:
+def run_minivllm(model, requests, backend: str, processes: int = 1, tokenizer=None) -> dict:
     from _common import cpu_seconds_of
 
     from minivllm.engine.config import EngineConfig
@@ -291,8 +345,9 @@ def run_minivllm(model, requests, backend: str, processes: int = 1) -> dict:
         ),
         attention_backend=backend,
         forward_processes=processes,
+        dtype=next(model.parameters()).dtype,
     )
-    engine = LLMEngine(model, config)
+    engine = LLMEngine(model, config, tokenizer)
     workers = engine.runner.workers.pids if engine.runner.workers else []
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests
@@ -321,14 +376,15 @@ def minivllm_key(backend: str, processes: int) -> str:
     return f"minivllm/{backend}" + (f"/{processes}p" if processes > 1 else "")
 
 
-def warm_minivllm(model, requests, backend: str) -> None:
+def warm_minivllm(model, requests, backend: str, tokenizer=None) -> None:
     """A process's first forward pays for thread pools and allocator growth; a kernel compiles (or
     loads its cache)."""
     from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sched.sequence import SamplingParams
 
-    engine = LLMEngine(model, EngineConfig(attention_backend=backend))
+    dtype = next(model.parameters()).dtype
+    engine = LLMEngine(model, EngineConfig(attention_backend=backend, dtype=dtype), tokenizer)
     warm = requests[:WARMUP_REQUESTS]
     engine.generate(
         [r.prompt_ids for r in warm],
@@ -417,6 +473,19 @@ def main() -> int:
         default=os.environ.get("VLLM_PEER_PYTHON", DEFAULT_VLLM_PYTHON),
         help="python of vLLM's virtualenv (env VLLM_PEER_PYTHON; default %(default)s)",
     )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=TARGET,
+        help="a Hugging Face checkpoint folder (default: the shipped target model); prompts are "
+        "encoded with its tokenizer.json where it has one",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the model's and the K/V cache's dtype in both systems",
+    )
     parser.add_argument("--threads", type=int, default=THREADS)
     parser.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds per vLLM run")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -437,17 +506,29 @@ def main() -> int:
         return 0
 
     import torch
-    from _common import machine_record, make_workload, print_run
+    from _common import Request, machine_record, make_workload, print_run
 
     from minivllm.attention.backend import resolve_backend_name
     from minivllm.model.checkpoint import load_model
+    from minivllm.model.fused import fuse_model
+    from minivllm.model.hf_tokenizer import load_tokenizer
 
+    torch.set_num_threads(args.threads)
+    # fused once, in place: every engine below runs these weights, none copies them
+    model = fuse_model(load_model(args.model, args.dtype), in_place=True)
+    dtype = next(model.parameters()).dtype
     # "auto" by the backend it means here, so the results (and the scoreboard that reads them)
     # name the kernel that ran
-    args.backends = list(dict.fromkeys(resolve_backend_name(b, "cpu") for b in args.backends))
-    torch.set_num_threads(args.threads)
-    model = load_model(TARGET)
+    args.backends = list(
+        dict.fromkeys(resolve_backend_name(b, "cpu", dtype, dtype) for b in args.backends)
+    )
+    tokenizer = load_tokenizer(args.model)  # None: the byte tokenizer of the shipped models
     requests = make_workload(args.requests, args.seed)
+    if tokenizer is not None:  # the same texts, as the folder's tokenizer encodes them
+        requests = [
+            Request(r.index, r.prompt, tokenizer.encode(r.prompt, add_bos=True), r.max_tokens)
+            for r in requests
+        ]
     prompt_lens = [len(r.prompt_ids) for r in requests]
     out_lens = [r.max_tokens for r in requests]
     load_start = load_str()
@@ -460,13 +541,13 @@ def main() -> int:
     )
 
     for backend in args.backends:
-        warm_minivllm(model, requests, backend)
+        warm_minivllm(model, requests, backend, tokenizer)
 
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workload_path = Path(tmp) / "workload.json"
-        workload_path.write_text(
-            json.dumps([{"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens} for r in requests])
+        write_workload(
+            workload_path, args.model, args.dtype, [(r.prompt_ids, r.max_tokens) for r in requests]
         )
         for repeat in range(args.repeats):
             for key, run in [
@@ -480,7 +561,10 @@ def main() -> int:
                     for mode in args.vllm_modes
                 ),
                 *(
-                    (minivllm_key(b, p), lambda b=b, p=p: run_minivllm(model, requests, b, p))
+                    (
+                        minivllm_key(b, p),
+                        lambda b=b, p=p: run_minivllm(model, requests, b, p, tokenizer),
+                    )
                     for b in args.backends
                     for p in args.processes
                 ),
@@ -594,7 +678,13 @@ def main() -> int:
                     "prompt_tokens_total": sum(prompt_lens),
                     "output_tokens_total": sum(out_lens),
                     "sampling": "greedy (temperature 0), ignore_eos",
-                    "model": str(TARGET.relative_to(ROOT)),
+                    "model": str(
+                        args.model.resolve().relative_to(ROOT)
+                        if args.model.resolve().is_relative_to(ROOT)
+                        else args.model
+                    ),
+                    "dtype": args.dtype,
+                    "tokenizer": "the folder's tokenizer.json" if tokenizer else "bytes",
                 },
                 "config": {
                     "threads": args.threads,

@@ -49,6 +49,19 @@ def _rewrite(folder, change):
     save_file(tensors, str(folder / "model.safetensors"))
 
 
+def test_weights_stored_in_another_dtype_are_converted_a_few_rows_at_a_time(saved, monkeypatch):
+    """bfloat16 on disk, float32 asked for: each tensor passes through a buffer of a few rows
+    (here 64 bytes: several reads per tensor), and comes out as the whole tensor converted."""
+    from minivllm.model import checkpoint
+
+    model, folder = saved
+    _rewrite(folder, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    monkeypatch.setattr(checkpoint, "CONVERT_CHUNK_BYTES", 64)
+    loaded = load_model(folder, dtype="float32").state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor.to(torch.bfloat16).float()), name
+
+
 def test_missing_tensor_is_named(saved):
     _, folder = saved
     _rewrite(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))

@@ -1,14 +1,19 @@
 """Fused projections (model/fused.py): one matmul for q, k, v and one for gate, up give the unfused
 model's logits bit for bit; the caller's model keeps its own projections; the engine runs the fused
-copy and gives the same greedy tokens either way."""
+copy and gives the same greedy tokens either way; a model the engine loads itself is fused in
+place, so its weights live once."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
 
-from minivllm import EngineConfig, LLMEngine, SamplingParams
-from minivllm.model.fused import FusedSelfAttention, FusedSwiGLU, fuse_projections
+import minivllm.engine.llm_engine as llm_engine
+from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from minivllm.model.fused import FusedSelfAttention, FusedSwiGLU, fuse_projections, is_fused
 from minivllm.training.corpus import shipped_validation_text
 
 
@@ -46,3 +51,35 @@ def test_the_engine_runs_the_fused_copy_with_the_same_greedy_tokens(target) -> N
         assert isinstance(layer.self_attn, FusedSelfAttention) == fuse
         tokens[fuse] = [o.token_ids for o in engine.generate(prompts, params)]
     assert tokens[True] == tokens[False]
+    assert not is_fused(target) and hasattr(target.model.layers[0].self_attn, "q_proj")
+
+
+def distinct_bytes(*models) -> int:
+    """Bytes of the distinct tensor storages the models' parameters and buffers use."""
+    tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
+    return sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+    )
+
+
+def test_an_engine_that_loads_its_model_fuses_it_in_place(target, monkeypatch) -> None:
+    """`LLM(folder)` loads the model for its engine alone: the engine fuses that model itself, the
+    separate projections are freed, and the engine keeps one model's bytes -- not the loaded
+    model beside a fused copy."""
+    loaded, load_model = [], llm_engine.load_model
+
+    def load_and_watch(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        loaded.append(weakref.ref(model.model.layers[0].self_attn.q_proj.weight))
+        return model
+
+    monkeypatch.setattr(llm_engine, "load_model", load_and_watch)
+    engine = LLM("target", num_blocks=16).engine
+    gc.collect()
+    assert engine.model is engine.runner.model and is_fused(engine.model)
+    assert loaded[0]() is None  # the loaded q_proj is gone: nothing kept the unfused model
+    one_model = sum(p.numel() * p.element_size() for p in target.parameters())
+    assert distinct_bytes(engine.model, engine.runner.model) == one_model
+    # the engine's own model handed to another engine is run as it is, not fused again or copied
+    again = LLMEngine(engine.model, EngineConfig(num_blocks=16))
+    assert again.runner.model is engine.model

@@ -288,7 +288,7 @@ def generate(args: argparse.Namespace) -> None:
         dtype=model_dtype(model),
         **capacity(args),
     )
-    engine = started(LLMEngine(model, config, load_tokenizer(args.model)))
+    engine = started(LLMEngine(model, config, load_tokenizer(args.model), own_model=True))
     finish_reason = None
     sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
     for delta in engine.stream([args.prompt], params):
@@ -326,7 +326,7 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
         dtype=model_dtype(model),
         **capacity(args),
     )
-    return LLMEngine(model, config, load_tokenizer(args.model), defaults)
+    return LLMEngine(model, config, load_tokenizer(args.model), defaults, own_model=True)
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
@@ -372,7 +372,7 @@ def build_chat_engine(args: argparse.Namespace) -> LLMEngine:
         dtype=model_dtype(model),
         **capacity(args),
     )
-    return LLMEngine(model, config, load_tokenizer(args.model))
+    return LLMEngine(model, config, load_tokenizer(args.model), own_model=True)
 
 
 def chat(args: argparse.Namespace) -> int:

@@ -5,8 +5,8 @@ the tests of `HFTokenizer`).
 A folder as Hugging Face saves a model -- `config.json`, `model.safetensors`, `tokenizer.json`,
 `tokenizer_config.json`, `generation_config.json` -- is all `LLM(folder)` reads. A random one goes
 through every step a downloaded one does (the family's switches read by `config_from_hf`, the
-checks and the memory-mapped copy of `load_model`, the tokenizer's merges, special tokens and chat
-template); only its answers are noise. `transformers` is not needed: the weights come from the
+checks and the tensor-by-tensor reads of `load_model`, the tokenizer's merges, special tokens and
+chat template); only its answers are noise. `transformers` is not needed: the weights come from the
 package's own model (`model_class`), saved under Hugging Face's tensor names, which are ours.
 
 The real configs and the chat template the chapter reads ship in `minivllm/data/configs/`; its

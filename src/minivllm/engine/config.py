@@ -67,7 +67,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Run a copy of the model with q, k, v as one matmul and gate, up as another (model/fused.py,
     # chapter 07): bit-for-bit the same logits, five matmul calls per layer become two. The copy
-    # is taken when the engine starts: later changes to the caller's weights do not reach it.
+    # is taken when the engine starts: later changes to the caller's weights do not reach it. A
+    # model the engine loaded itself (`LLM(folder)`, the CLI) is fused in place: no second copy.
     fuse_projections: bool = True
     # Processes that share each forward pass on a CPU, each running whole sequences on one thread
     # (runner/workers.py, chapter 07): 1 runs it here on torch's threads; 2 uses a second core

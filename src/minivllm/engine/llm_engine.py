@@ -72,10 +72,16 @@ class LLMEngine:
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         default_params: SamplingParams | None = None,
+        *,
+        own_model: bool = False,
     ) -> None:
         """`default_params`: what a request without SamplingParams of its own gets (vLLM's
         `get_default_sampling_params`; `LLM` and the command line pass a checkpoint's
         generation_config.json settings, `default_sampling_params`); None: `SamplingParams()`.
+
+        `own_model`: `model` is the engine's alone (loaded for it, as `LLM(folder)` and the CLI
+        do), so it is moved to the device and its projections fused in place rather than in a
+        copy -- the weights live once. By default the caller's model is left as it was.
 
         The cache and the context are settled here, before anything large is allocated
         (`resolve_capacity`); `self.config` is the config with `num_blocks` and `max_model_len`
@@ -94,7 +100,8 @@ class LLMEngine:
         )
         self.default_params = InputProcessor.params(default_params)
         self.device = _resolve_device(config)
-        self.model = model = placed_on(model, self.device)  # the caller's stays where it was
+        # the caller's model stays where it was, and as it was (unless own_model)
+        self.model = model = placed_on(model, self.device, in_place=own_model)
         backend_name = resolve_backend_name(
             config.attention_backend, self.device, config.dtype, next(model.parameters()).dtype
         )
@@ -128,7 +135,7 @@ class LLMEngine:
                 scheduler_config, num_lookahead_slots=config.speculative.num_speculative_tokens
             )
         self.scheduler = Scheduler(scheduler_config, self.manager)
-        runner_model = fuse_model(model) if config.fuse_projections else model
+        runner_model = fuse_model(model, own_model) if config.fuse_projections else model
         self.runner = ModelRunner(runner_model, self.storage, self.manager, backend, self.drafter)
         if config.forward_processes > 1:  # ForwardWorkers refuses a cache off the CPU
             self.runner.workers = ForwardWorkers(
@@ -449,7 +456,7 @@ class LLM:
         folder = model if isinstance(model, (str, Path)) else None
         default_params = default_sampling_params(folder, generation_config)
         if folder is not None:  # a shipped model's name, or a Hugging Face folder
-            model, dtype = load_model(folder, dtype), "auto"
+            model, dtype = load_model(folder, dtype), "auto"  # the engine's own
         auto = dtype == "auto"
         config["dtype"] = next(model.parameters()).dtype if auto else resolve_dtype(dtype)
         config.update(
@@ -470,7 +477,11 @@ class LLM:
         if isinstance(config.get("speculative"), dict):
             config["speculative"] = SpeculativeConfig(**config["speculative"])
         self.engine = LLMEngine(
-            model, EngineConfig(scheduler=scheduler, **config), tokenizer, default_params
+            model,
+            EngineConfig(scheduler=scheduler, **config),
+            tokenizer,
+            default_params,
+            own_model=folder is not None,
         )
 
     def get_tokenizer(self) -> Tokenizer:

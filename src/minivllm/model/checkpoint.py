@@ -12,15 +12,16 @@ float16 or bfloat16, and run in the checkpoint's own dtype (`dtype="auto"`) or o
 What the model cannot compute exactly -- another architecture, a RoPE type other than the default
 and Llama 3's, a sliding window shorter than the context -- is refused with one error naming the
 file, as is a missing, extra or misshapen tensor or a shard the index names that is not there;
-all before the model's memory is allocated. The weights are then copied in one tensor at a time
-from the memory-mapped files, so a checkpoint is never held twice. `tokenizer_files` and
-`generation_config` say what else the folder holds (the tokenizer is built elsewhere), and
-`sampling_defaults` the sampling settings its generation_config.json recommends.
+all before the model's memory is allocated. The weights are then read one tensor at a time from
+the files straight into the model's memory, so a checkpoint is never held twice.
+`tokenizer_files` and `generation_config` say what else the folder holds (the tokenizer is built
+elsewhere), and `sampling_defaults` the sampling settings its generation_config.json recommends.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import asdict
 from pathlib import Path
 
@@ -375,7 +376,7 @@ def load_model(folder: str | Path = "target", dtype: str | torch.dtype = "auto")
 
     Everything is checked first, from config.json and the safetensors headers. The model is then
     built with no memory behind it (torch's meta device), given uninitialised memory in `dtype`
-    once, and filled tensor by tensor from the memory-mapped files, each converted as it is
+    once, and filled tensor by tensor from the files (`_read_into`), each converted as it is
     copied: a checkpoint is never held twice."""
     folder = model_folder(folder)
     hf = read_config(folder)
@@ -392,7 +393,47 @@ def load_model(folder: str | Path = "target", dtype: str | torch.dtype = "auto")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for path, names in _by_file(files, expected).items():
-            with safe_open(str(path), framework="pt") as f:
-                for name in names:
-                    params[name].copy_(f.get_tensor(name))
+            _read_into(path, {name: params[name] for name in names})
     return model.eval()
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+CONVERT_CHUNK_BYTES = 16 << 20  # the buffer a tensor stored in another dtype passes through
+
+
+def _read_into(path: Path, params: dict[str, torch.Tensor]) -> None:
+    """Each named tensor of the safetensors file `path`, read from the file straight into its
+    parameter's memory; one stored in another dtype passes through a small buffer, a few rows at
+    a time, and is converted as it is copied.
+
+    Plain reads, not the memory map that `safe_open` reads through: a mapped file's pages count in
+    the process's resident memory for as long as the file is open, so a one-file checkpoint loaded
+    through its map would peak at its model's size plus the file's -- twice the weights when the
+    dtypes agree. Read this way, the weights' bytes are the only large allocation."""
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_size))
+        data_start = 8 + header_size
+        for name, param in params.items():
+            entry = header[name]  # _check_tensors has seen every name, shape and dtype
+            stored = SAFETENSORS_DTYPES[entry["dtype"]]
+            f.seek(data_start + entry["data_offsets"][0])
+            target = param.data
+            if stored == target.dtype:
+                _read_exactly(f, target, path, name)
+                continue
+            rows = target.reshape(-1, target.shape[-1]) if target.dim() > 1 else target[None]
+            row_bytes = rows.shape[1] * stored.itemsize
+            step = max(1, CONVERT_CHUNK_BYTES // row_bytes)
+            buffer = torch.empty((min(step, rows.shape[0]), rows.shape[1]), dtype=stored)
+            for start in range(0, rows.shape[0], step):
+                chunk = buffer[: min(step, rows.shape[0] - start)]
+                _read_exactly(f, chunk, path, name)
+                rows[start : start + len(chunk)].copy_(chunk)
+
+
+def _read_exactly(f, tensor: torch.Tensor, path: Path, name: str) -> None:
+    """The next bytes of `f` into the contiguous `tensor`'s memory, all of them or an error."""
+    size = tensor.numel() * tensor.element_size()
+    if f.readinto(memoryview(tensor.view(torch.uint8).reshape(-1).numpy())) != size:
+        raise CheckpointError(f"{path} ends inside tensor {name!r}: the file is truncated")

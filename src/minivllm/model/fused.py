@@ -11,7 +11,10 @@ calls become two. vLLM does this when it loads a model (`QKVParallelLinear`,
 Each output column is still one dot product over the same input, in the same order, so the logits
 are bit-for-bit those of the unfused model (`tests/test_model.py` checks it at several batch
 sizes). `fuse_projections` returns a copy: the caller's model, which chapter 00 reads and training
-updates, keeps its separate projections; the copy holds the stacked weights instead.
+updates, keeps its separate projections; the copy holds the stacked weights instead. A model no one
+else holds -- one the engine loaded from a folder itself -- is fused in place (`in_place=True`):
+each layer's stacked weights replace its projections as they are made, so a 0.6 B model never
+lives twice in memory.
 
 A Hugging Face family adds what `fuse_model` (the engine's call) carries over: Qwen2's q, k and v
 biases, stacked as the weights are (`qkv_bias`); Qwen3's q/k norms, applied to the split heads
@@ -54,10 +57,13 @@ class FusedSwiGLU(SwiGLU):
         return self.down_proj(F.silu(gate) * up)
 
 
-def fuse_projections(model: Transformer) -> Transformer:
+def fuse_projections(model: Transformer, in_place: bool = False) -> Transformer:
     """A copy of `model` for inference whose layers compute q, k, v in one matmul and gate, up in
-    another; every other weight is copied unchanged."""
-    fused = copy.deepcopy(model).eval()
+    another; every other weight is copied unchanged. `in_place`: `model` itself, changed so (its
+    separate projections are freed layer by layer, unless something else holds them)."""
+    if is_fused(model):  # an engine's own model, handed to another engine: nothing to do
+        return model.eval()
+    fused = (model if in_place else copy.deepcopy(model)).eval()
     for layer in fused.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         stacked = (attention.q_proj, attention.k_proj, attention.v_proj)
@@ -73,15 +79,21 @@ def fuse_projections(model: Transformer) -> Transformer:
     return fused
 
 
-def fuse_model(model: Transformer) -> Transformer:
-    """What the engine runs: `fuse_projections(model)`, with the q, k and v biases stacked into
-    `qkv_bias` where the model has them (Qwen2)."""
+def fuse_model(model: Transformer, in_place: bool = False) -> Transformer:
+    """What the engine runs: `fuse_projections(model, in_place)`, with the q, k and v biases
+    stacked into `qkv_bias` where the model has them (Qwen2)."""
+    if is_fused(model):
+        return model.eval()
     biases = [
         [p.bias for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)]
         for layer in model.model.layers
     ]
-    fused = fuse_projections(model)
+    fused = fuse_projections(model, in_place)
     for layer, stacked in zip(fused.model.layers, biases):
         if stacked[0] is not None:
             layer.self_attn.register_buffer("qkv_bias", torch.cat([b.detach() for b in stacked]))
     return fused
+
+
+def is_fused(model: Transformer) -> bool:
+    return all(isinstance(layer.self_attn, FusedSelfAttention) for layer in model.model.layers)

@@ -284,14 +284,19 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def placed_on(model: Transformer, device: str | torch.device) -> Transformer:
+def placed_on(
+    model: Transformer, device: str | torch.device, in_place: bool = False
+) -> Transformer:
     """The model to run on `device`, in eval mode: the caller's own when it already lives there,
     otherwise a copy moved there. Moving the caller's model in place would hand it back on another
-    device: its CPU code would then meet a CUDA model (vLLM sidesteps this by loading its own)."""
+    device: its CPU code would then meet a CUDA model (vLLM sidesteps this by loading its own).
+    `in_place`: move `model` itself, for a model no one else holds (one the engine loaded)."""
     device = torch.device(device)
     current = next(model.parameters()).device
     same = current.type == device.type and device.index in (None, current.index)
-    return (model if same else copy.deepcopy(model).to(device)).eval()
+    if same:
+        return model.eval()
+    return (model if in_place else copy.deepcopy(model)).to(device).eval()
 
 
 def init_weights(model: Transformer, seed: int) -> None:
