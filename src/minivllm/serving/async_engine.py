@@ -166,6 +166,7 @@ class AsyncEngine:
         self._wakeup = threading.Condition()
         self._closing = False
         self._requests: dict[int, _Request] = {}  # touched by the engine thread only
+        self._num_streams = 0  # streams added so far, to name each one's group (engine thread)
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -375,10 +376,15 @@ class AsyncEngine:
         self, stream: RequestStream, prompts: list, params: list[SamplingParams], arrival: float
     ) -> None:
         added: dict[int, int] = {}  # request id -> prompt tokens
+        # One group for every prompt and sample of this client request: the scheduler admits
+        # groups in turns, so a small request is not queued behind all of a big one. A tuple
+        # never equals a lone request's group (its int request id).
+        self._num_streams += 1
+        group = ("stream", self._num_streams)
         try:
             for prompt, p in zip(prompts, params):
                 prompt_ids, p = self.engine.inputs.process(prompt, p)  # the engine's own checks
-                added[self.engine.add_request(prompt_ids, p)] = len(prompt_ids)
+                added[self.engine.add_request(prompt_ids, p, group=group)] = len(prompt_ids)
         except Exception:
             # All or none: one error for the client, no half-started answer.
             for request_id in added:
