@@ -38,6 +38,9 @@ class ServerLimits:
     max_messages: int = 256  # messages in one chat
     max_prompt_chars: int | None = None
     max_error_chars: int = 1000  # longer error messages are cut, saying how much was left out
+    # sequences (prompts x n samples) in one request; None: the engine's max_num_seqs, one full
+    # batch (see check_sequences)
+    max_seqs_per_request: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -67,6 +70,24 @@ def check_count(param: str, count: int, limit: int, what: str) -> None:
             f"{param}: {count} {what}, but this server takes at most {limit} per request",
             param=param,
         )
+
+
+def check_sequences(num_prompts: int, n: int, limit: int) -> None:
+    """Refuse a request of more sequences (prompts x n samples) than `limit`, by default the
+    engine's max_num_seqs: one request may fill the batch but not queue many batches' worth, which
+    would hold the engine for minutes however fairly the waiting requests take turns."""
+    if num_prompts * n > limit:
+        raise RequestError(
+            f"{num_prompts} prompt(s) x n={n} samples is {num_prompts * n} sequences, but this "
+            f"server takes at most {limit} per request: send fewer prompts or a smaller n "
+            f"(minivllm serve --max-seqs-per-request)",
+            param="n" if n > 1 else "prompt",
+        )
+
+
+def max_seqs_per_request(limits: ServerLimits, max_num_seqs: int) -> int:
+    """The limit `check_sequences` applies: the server's, else the engine's max_num_seqs."""
+    return limits.max_seqs_per_request or max_num_seqs
 
 
 def check_stop_strings(param: str, stops: tuple[str, ...], limits: ServerLimits) -> None:
