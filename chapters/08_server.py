@@ -47,8 +47,7 @@ from minivllm.book.figures.timelines import draw_gantt
 from minivllm.engine import processing
 from minivllm.model.checkpoint import load_model
 from minivllm.runner.sampler import derive_seed
-from minivllm.serving import async_engine, openai_protocol
-from minivllm.serving import server as server_module
+from minivllm.serving import async_engine, endpoints, openai_protocol, responses
 from minivllm.serving.client import StreamedCompletion, run_clients, stream_completion
 from minivllm.serving.openai_protocol import ChatMessage, render_chat, sse_event
 from minivllm.serving.server import ServerThread
@@ -206,16 +205,17 @@ print(
 # %% [markdown]
 # ## Build 3: the endpoints
 #
-# `server.py` joins the two. A handler validates the body, puts the request in the engine's inbox
+# `endpoints.py` joins the two. A handler validates the body, puts the request in the engine's inbox
 # and awaits the verdict — a prompt that can never fit the cache fails right there, in the engine's
 # `InputProcessor` (the checks `LLMEngine.add_request` makes), while the server can still answer 400
-# — then either collects the whole answer or streams it:
+# — then either collects the whole answer or streams it (`responses.py`; `app.py` puts the handlers
+# on their routes and every error in the API's own body, `server.py` runs the process):
 
 # %%
-show(server_module.OpenAIServer.completions)
+show(endpoints.OpenAIServer.completions)
 
 # %%
-show(server_module.sse_stream)
+show(responses.sse_stream)
 
 # %% [markdown]
 # ## Run it
