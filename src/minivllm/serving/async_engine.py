@@ -23,6 +23,8 @@ with the error and the engine steps on. But if `step()` itself raises, the engin
 longer be trusted and the AsyncEngine is **dead**: the cause is logged, every open stream gets an
 `EngineDeadError`, so does every new request, the server answers 503, and `on_death` callbacks run
 (`minivllm serve` stops and exits non-zero, so a supervisor can restart it, as vLLM V1 does).
+An engine thread that is alive but stuck -- one round of work running past `stall_timeout` while
+requests wait -- is caught too: `stalled()` says why, and `/health` answers 503 with it.
 
 With `n > 1` one engine request is n samples; each delta names its sample (`index`), and a
 stream is done when every sample of every request has finished.
