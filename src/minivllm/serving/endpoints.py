@@ -278,8 +278,13 @@ class OpenAIServer:
             return {"version": "unknown"}
 
     async def health(self):
+        """200 while the engine serves; 503 with the reason when its thread is dead, or alive but
+        stuck: work waiting and no progress for `AsyncEngine.stall_timeout` seconds (a supervisor
+        restarts either). Never waits for the engine thread: a stuck engine gets its answer too."""
         if not self.engine.is_alive:
             raise engine_dead(self.engine.error)
+        if (stall := self.engine.stalled()) is not None:
+            raise APIError(503, stall, "server_error", code="engine_stalled")
         # astrai's field: the model was loaded before the app was built, and its engine serves
         return {"status": "ok", "model_loaded": True}
 
