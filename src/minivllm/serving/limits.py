@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:  # the command line reads ServerLimits without loading the web stack
     from starlette.requests import Request
 
+    from minivllm.sched.sequence import SamplingParams
+
 T = TypeVar("T")
 PARSE_INLINE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop (~1 ms at most)
 
@@ -38,6 +40,9 @@ class ServerLimits:
     max_messages: int = 256  # messages in one chat
     max_prompt_chars: int | None = None
     max_error_chars: int = 1000  # longer error messages are cut, saying how much was left out
+    # what one answer may carry: prompts x n x (echoed prompt + max_tokens) x (logprobs + 1),
+    # about 25 bytes of JSON each: 4,000,000 is ~100 MB at most
+    max_output_units: int = 4_000_000
     # sequences (prompts x n samples) in one request; None: the engine's max_num_seqs, one full
     # batch (see check_sequences)
     max_seqs_per_request: int | None = None
@@ -108,6 +113,22 @@ def check_prompt_chars(param: str, chars: int, limit: int) -> None:
             f"the prompt ({chars} characters, so at least {chars} tokens) exceeds the model's "
             f"context of {limit} tokens: shorten it",
             param=param,
+        )
+
+
+def check_output_budget(echoed: list[int], params: SamplingParams, limits: ServerLimits) -> None:
+    """Refuse, before any work, an answer that could be bigger than `limits.max_output_units`:
+    for each prompt, n samples of (its echoed tokens + max_tokens) tokens, each token carrying
+    (logprobs + 1) numbers. `echoed` holds each prompt's echoed length (0 when not echoed)."""
+    per_token = (params.logprobs or 0) + 1
+    units = params.n * sum(echo + params.max_tokens for echo in echoed) * per_token
+    if units > limits.max_output_units:
+        raise RequestError(
+            f"the answer could carry {units:,} tokens x (logprobs + 1) (prompts x n x (echoed "
+            f"prompt + max_tokens) x (logprobs + 1)), but this server sends at most "
+            f"{limits.max_output_units:,} in one answer: lower n, max_tokens, logprobs, echo or "
+            f"the number of prompts (minivllm serve --max-output-units)",
+            param="max_tokens",
         )
 
 
