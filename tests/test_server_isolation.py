@@ -80,3 +80,16 @@ def test_streams_beside_the_biggest_allowed_answer_never_stall(target, monkeypat
     assert run.big_status == 200 and run.big_bytes > 10_000_000
     assert all(len(stream.chunk_times) >= 40 for stream in run.streams)
     assert run.max_gap < 0.5, f"a stream waited {run.max_gap:.2f} s for a token"
+
+
+def test_the_issues_293_byte_request_is_refused_at_the_door(target):
+    """32 prompts x n=16 is 512 sequences, eight batches' worth: a 400 naming n, before any work
+    (issue 30's repro queued them all ahead of everyone else)."""
+    body = {"prompt": ["ROMEO:"] * 32, "n": 16, "max_tokens": 200}
+    with ServerThread(LLMEngine(target)) as server:
+        response = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "n" and "512 sequences" in error["message"]
+        assert "at most 64 per request" in error["message"]
+        assert server.engine.engine.stats().num_requests == 0

@@ -443,8 +443,8 @@ class AsyncEngine:
         group = ("stream", self._num_streams)
         try:
             for prompt, p in zip(prompts, params):
-                prompt_ids, p = self.engine.inputs.process(prompt, p)  # the engine's own checks
-                added[self.engine.add_request(prompt_ids, p, group=group)] = len(prompt_ids)
+                request = self.engine.inputs.process(prompt, p)  # checked once, here
+                added[self.engine.add_request(request, group=group)] = len(request.prompt_ids)
         except Exception:
             # All or none: one error for the client, no half-started answer.
             for request_id in added:
