@@ -154,7 +154,13 @@ def add_connection_arguments(srv) -> None:
         ("--max-connections", "max_connections", int, "N", "connections at once; past it, 503"),
         ("--read-timeout", "read_timeout", float, "S", "seconds to send a whole request"),
         ("--write-timeout", "write_timeout", float, "S", "seconds a response waits on a reader"),
-        ("--send-buffer-bytes", "send_buffer_bytes", int, "N", "kernel send buffer per socket"),
+        (
+            "--send-buffer-bytes",
+            "send_buffer_bytes",
+            int,
+            "N",
+            "kernel send buffer per socket (0: the kernel's own sizing)",
+        ),
         (
             "--accept-error-log-interval",
             "accept_error_log_interval",
@@ -177,7 +183,7 @@ def add_connection_arguments(srv) -> None:
             default=default,
             dest=field,
             metavar=metavar,
-            help=f"{help_text} (default: {'the kernel' if default is None else default})",
+            help=f"{help_text} (default: {default})",
         )
 
 
@@ -371,9 +377,10 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
 
 
 def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
-    return ConnectionLimits(
-        **{field: getattr(args, field) for field in ConnectionLimits.__dataclass_fields__}
-    )
+    values = {field: getattr(args, field) for field in ConnectionLimits.__dataclass_fields__}
+    if values["send_buffer_bytes"] == 0:
+        values["send_buffer_bytes"] = None  # the kernel sizes it
+    return ConnectionLimits(**values)
 
 
 def serve(args: argparse.Namespace) -> int:

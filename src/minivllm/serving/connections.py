@@ -12,8 +12,9 @@ nothing. `guarded_protocol` is uvicorn's HTTP/1.1 protocol (h11) with four guard
 - a cap: past `max_connections` a connection's request is answered 503, in the API's error body,
   and the connection closed; it gets at most `OVER_CAPACITY_GRACE` seconds to send its request;
 - a write deadline: asyncio pauses a protocol when its transport holds more than 64 KiB the
-  kernel would not take; if it stays paused `write_timeout` seconds the connection is dropped, which
-  the app sees as the client leaving: the stream's requests are aborted and their blocks freed;
+  kernel would not take; if it stays paused `write_timeout` seconds the connection is reset (the
+  kernel frees its buffers at once), which the app sees as the client leaving: the stream's
+  requests are aborted and their blocks freed;
 - `send_buffer_bytes`, when set, bounds the kernel's own buffer per connection.
 
 It leans on uvicorn's H11Protocol hooks (`connection_made`, `on_response_complete`,
@@ -31,6 +32,7 @@ import asyncio
 import json
 import logging
 import socket
+import struct
 import time
 from dataclasses import dataclass
 
@@ -155,7 +157,12 @@ def guarded_protocol(limits: ConnectionLimits, stats: ConnectionStats) -> type[H
                 client,
                 limits.write_timeout,
             )
-            self.transport.abort()  # close() would wait for the buffer to drain: it never would
+            # A reset, not a close: close() would wait for the buffers to drain, and they never
+            # would (nor would the kernel's, a close leaves them to it for minutes).
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self.request_timer is not None:
