@@ -131,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
         ("--max-messages", "max_messages", "messages in one chat"),
         ("--max-prompt-chars", "max_prompt_chars", "characters in a prompt (default: the context)"),
         ("--max-error-chars", "max_error_chars", "characters in an error message"),
+        (
+            "--max-output-units",
+            "max_output_units",
+            "tokens x (logprobs + 1) one answer may carry: prompts x n x (echo + max_tokens)",
+        ),
+        (
+            "--max-seqs-per-request",
+            "max_seqs_per_request",
+            "sequences (prompts x n) in one request (default: --max-num-seqs)",
+        ),
     ):
         default = getattr(defaults, field)
         limits.add_argument(

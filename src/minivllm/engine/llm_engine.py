@@ -22,7 +22,7 @@ token ids only, and the EOS ids the tokenizer names.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -170,6 +170,7 @@ class LLMEngine:
         prompt: str | SequenceOf[int],
         params: SamplingParams | None = None,
         request_id: int | None = None,
+        group: Hashable | None = None,
     ) -> int:
         """Queue a request and return its id. Everything is checked first; a bad request raises
         ValueError saying what to change, and the engine is left exactly as it was.
@@ -178,7 +179,11 @@ class LLMEngine:
         Sample 0 is the request as it would run alone; samples 1..n-1 get seq ids of their own
         and seeds derived from (seed, index), wait for sample 0's prompt, then fork its block
         table, sharing the prompt's KV blocks. Each reports as a `RequestOutput` with this
-        request_id and its `index`."""
+        request_id and its `index`.
+
+        `group` names the client request it is part of (default: its own request id): the
+        scheduler admits waiting groups in turns (sched/waiting.py), so give every prompt of one
+        client request the same group, and one big request cannot hold back a small one."""
         prompt_ids, params = self.inputs.process(prompt, params)
         request_id = self._next_id if request_id is None else request_id
         if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
@@ -198,6 +203,7 @@ class LLMEngine:
                 self.eos_token_ids,
                 request_id=request_id,
                 index=index,
+                group=group,
                 bad_word_ids=bad_word_ids,
             )
             for index, seq_id in enumerate(seq_ids)

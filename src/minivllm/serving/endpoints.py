@@ -36,6 +36,7 @@ from minivllm.serving.limits import (
     RequestError,
     ServerLimits,
     check_count,
+    check_output_budget,
     check_prompt_chars,
     check_stop_strings,
     off_the_loop_if_big,
@@ -66,6 +67,7 @@ from minivllm.serving.responses import (
     sse_stream,
     total_usage,
     unless_disconnected,
+    whole_response,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -116,6 +118,8 @@ class OpenAIServer:
         params = sampling_params(lambda: body.sampling_params(COMPLETION_MAX_TOKENS))
         if body.echo and params.logprobs is not None:  # the prompt's logprobs come with it
             params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+        echoed = [len(ids) if body.echo else 0 for ids in prompt_ids]
+        check_output_budget(echoed, params, self.limits)
         header = ResponseHeader.new("text_completion", self.model_name)
         stream = await self._add(prompt_ids, params)
         echo = [self.tokenizer.decode(ids) if body.echo else None for ids in prompt_ids]
@@ -123,8 +127,7 @@ class OpenAIServer:
         if body.stream:
             return event_stream(sse_stream(stream, header, pieces, body.include_usage))
         answers = await self._collect(request, stream)
-        choices = [pieces.whole(i, answer) for i, answer in enumerate(answers)]
-        return SafeJSONResponse(header.body(choices, usage=total_usage(stream, answers)))
+        return whole_response(header, pieces, answers, total_usage(stream, answers))
 
     async def chat_completions(self, request: Request):
         """POST /v1/chat/completions: the chat laid out by the model's chat template (or, for a
@@ -143,6 +146,7 @@ class OpenAIServer:
         room = max(1, self.context - len(prompt_ids))  # the default: up to the context
         turn_end = [self.end_of_turn] if self.end_of_turn else []
         params = sampling_params(lambda: body.sampling_params(room, extra_stop=turn_end))
+        check_output_budget([0], params, self.limits)
         header = ResponseHeader.new(
             "chat.completion.chunk" if body.stream else "chat.completion", self.model_name
         )
@@ -157,8 +161,7 @@ class OpenAIServer:
             )
             return event_stream(sse_stream(stream, header, pieces, body.include_usage, first))
         answers = await self._collect(request, stream)
-        choices = [pieces.whole(i, answer) for i, answer in enumerate(answers)]
-        return SafeJSONResponse(header.body(choices, usage=total_usage(stream, answers)))
+        return whole_response(header, pieces, answers, total_usage(stream, answers))
 
     async def models(self, request: Request):
         self._authorize(request)
@@ -275,8 +278,13 @@ class OpenAIServer:
             return {"version": "unknown"}
 
     async def health(self):
+        """200 while the engine serves; 503 with the reason when its thread is dead, or alive but
+        stuck: work waiting and no progress for `AsyncEngine.stall_timeout` seconds (a supervisor
+        restarts either). Never waits for the engine thread: a stuck engine gets its answer too."""
         if not self.engine.is_alive:
             raise engine_dead(self.engine.error)
+        if (stall := self.engine.stalled()) is not None:
+            raise APIError(503, stall, "server_error", code="engine_stalled")
         # astrai's field: the model was loaded before the app was built, and its engine serves
         return {"status": "ok", "model_loaded": True}
 

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:  # the command line reads ServerLimits without loading the web stack
     from starlette.requests import Request
 
+    from minivllm.sched.sequence import SamplingParams
+
 T = TypeVar("T")
 logger = logging.getLogger("minivllm.serving")
 PARSE_INLINE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop (~1 ms at most)
@@ -40,6 +42,12 @@ class ServerLimits:
     max_messages: int = 256  # messages in one chat
     max_prompt_chars: int | None = None
     max_error_chars: int = 1000  # longer error messages are cut, saying how much was left out
+    # what one answer may carry: prompts x n x (echoed prompt + max_tokens) x (logprobs + 1),
+    # about 25 bytes of JSON each: 4,000,000 is ~100 MB at most
+    max_output_units: int = 4_000_000
+    # sequences (prompts x n samples) in one request; None: the engine's max_num_seqs, one full
+    # batch (see check_sequences)
+    max_seqs_per_request: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -111,6 +119,24 @@ def check_count(param: str, count: int, limit: int, what: str) -> None:
         )
 
 
+def check_sequences(num_prompts: int, n: int, limit: int) -> None:
+    """Refuse a request of more sequences (prompts x n samples) than `limit`, by default the
+    engine's max_num_seqs: one request may fill the batch but not queue many batches' worth, which
+    would hold the engine for minutes however fairly the waiting requests take turns."""
+    if num_prompts * n > limit:
+        raise RequestError(
+            f"{num_prompts} prompt(s) x n={n} samples is {num_prompts * n} sequences, but this "
+            f"server takes at most {limit} per request: send fewer prompts or a smaller n "
+            f"(minivllm serve --max-seqs-per-request)",
+            param="n" if n > 1 else "prompt",
+        )
+
+
+def max_seqs_per_request(limits: ServerLimits, max_num_seqs: int) -> int:
+    """The limit `check_sequences` applies: the server's, else the engine's max_num_seqs."""
+    return limits.max_seqs_per_request or max_num_seqs
+
+
 def check_stop_strings(param: str, stops: tuple[str, ...], limits: ServerLimits) -> None:
     check_count(param, len(stops), limits.max_stop_strings, "strings")
     longest = max((len(s) for s in stops), default=0)
@@ -129,6 +155,22 @@ def check_prompt_chars(param: str, chars: int, limit: int) -> None:
             f"the prompt ({chars} characters, so at least {chars} tokens) exceeds the model's "
             f"context of {limit} tokens: shorten it",
             param=param,
+        )
+
+
+def check_output_budget(echoed: list[int], params: SamplingParams, limits: ServerLimits) -> None:
+    """Refuse, before any work, an answer that could be bigger than `limits.max_output_units`:
+    for each prompt, n samples of (its echoed tokens + max_tokens) tokens, each token carrying
+    (logprobs + 1) numbers. `echoed` holds each prompt's echoed length (0 when not echoed)."""
+    per_token = (params.logprobs or 0) + 1
+    units = params.n * sum(echo + params.max_tokens for echo in echoed) * per_token
+    if units > limits.max_output_units:
+        raise RequestError(
+            f"the answer could carry {units:,} tokens x (logprobs + 1) (prompts x n x (echoed "
+            f"prompt + max_tokens) x (logprobs + 1)), but this server sends at most "
+            f"{limits.max_output_units:,} in one answer: lower n, max_tokens, logprobs, echo or "
+            f"the number of prompts (minivllm serve --max-output-units)",
+            param="max_tokens",
         )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.processing import TextDelta
 from minivllm.serving import anthropic_protocol as anthropic
@@ -115,6 +115,16 @@ class CompletionPieces:
     def finish(self, i: int, reason: str | None) -> dict:
         return completion_choice(i, "", reason)
 
+    def units(self, answers: list[Answer]) -> int:
+        """The answer's size in tokens x (logprobs + 1), echoed prompts included."""
+        echoed = sum(
+            len(self.prompt_ids[self.prompt[i]])
+            for i in range(len(answers))
+            if self.echo[self.prompt[i]]
+        )
+        tokens = sum(len(answer.token_ids) for answer in answers) + echoed
+        return tokens * ((self.num_logprobs or 0) + 1)
+
 
 def join_logprobs(first: dict | None, second: dict) -> dict:
     return second if first is None else {k: first[k] + second[k] for k in first}
@@ -143,6 +153,10 @@ class ChatPieces:
 
     def finish(self, i: int, reason: str | None) -> dict:
         return chat_delta(i, {}, reason)
+
+    def units(self, answers: list[Answer]) -> int:
+        """The answer's size in tokens x (logprobs + 1)."""
+        return sum(len(answer.token_ids) for answer in answers) * ((self.num_logprobs or 0) + 1)
 
 
 async def collect(stream: RequestStream) -> list[Answer]:
@@ -293,12 +307,56 @@ async def disconnected(request: Request) -> None:
         pass
 
 
+def encode_json(content: Any) -> bytes:
+    """JSON as Starlette's JSONResponse writes it, except that it always encodes: a lone surrogate
+    a client sent (say in a model name) is written as a JSON escape instead of failing as UTF-8."""
+    try:
+        return json.dumps(
+            content, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+        ).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 class SafeJSONResponse(JSONResponse):
-    """JSON that always encodes: a lone surrogate a client sent (say in a model name) is written
-    as a JSON escape instead of failing as UTF-8."""
+    """A JSON response that always encodes (`encode_json`)."""
 
     def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except UnicodeEncodeError:
-            return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+        return encode_json(content)
+
+
+# An answer of up to this many tokens x (logprobs + 1) is encoded in one go (about 0.5 MB of JSON,
+# a few milliseconds); a bigger one choice by choice, so the event loop serves the streams between.
+INLINE_ANSWER_UNITS = 20_000
+
+
+def whole_response(
+    header: ResponseHeader,
+    pieces: CompletionPieces | ChatPieces,
+    answers: list[Answer],
+    usage: dict,
+) -> Response:
+    """A non-streamed answer: small ones as one JSON response; big ones (`n` samples of many
+    prompts, echoed, with logprobs: up to tens of MB) built and written a choice at a time, with
+    the event loop free between choices, so one big answer never stalls another client's stream."""
+    if pieces.units(answers) <= INLINE_ANSWER_UNITS:
+        choices = [pieces.whole(i, answer) for i, answer in enumerate(answers)]
+        return SafeJSONResponse(header.body(choices, usage=usage))
+    return StreamingResponse(
+        json_in_pieces(header.body([], usage=usage), pieces, answers),
+        media_type="application/json",
+    )
+
+
+async def json_in_pieces(
+    body: dict, pieces: CompletionPieces | ChatPieces, answers: list[Answer]
+) -> AsyncIterator[bytes]:
+    """`body` as JSON, its `choices` made and encoded one at a time (the same bytes as encoding
+    the whole body at once)."""
+    marker = "\x00choices\x00"  # a string no header field can hold: the choices go there
+    head, tail = encode_json({**body, "choices": marker}).split(encode_json(marker), 1)
+    yield head + b"["
+    for i, answer in enumerate(answers):
+        yield (b"," if i else b"") + encode_json(pieces.whole(i, answer))
+        await asyncio.sleep(0)  # the streams of other clients go out here
+    yield b"]" + tail
