@@ -34,7 +34,7 @@ from minivllm.model.hf_tokenizer import load_tokenizer
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
 from minivllm.sched.sequence import SamplingParams
-from minivllm.serving.limits import ServerLimits
+from minivllm.serving.limits import ConnectionLimits, ServerLimits
 
 API_KEY_VARIABLE = "MINIVLLM_API_KEY"  # as vLLM's VLLM_API_KEY
 # --kv: the EngineConfig.kv_layout each choice selects
@@ -151,9 +151,50 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=help_text if default is None else f"{help_text} (default: {default})",
         )
+    add_connection_arguments(srv)
     add_engine_arguments(srv)
     add_chat_parser(commands)
     return parser
+
+
+def add_connection_arguments(srv) -> None:
+    group = srv.add_argument_group("limits on connections (past them: 503, 408, or closed)")
+    defaults = ConnectionLimits()
+    for flag, field, kind, metavar, help_text in (
+        ("--max-connections", "max_connections", int, "N", "connections at once; past it, 503"),
+        ("--read-timeout", "read_timeout", float, "S", "seconds to send a whole request"),
+        ("--write-timeout", "write_timeout", float, "S", "seconds a response waits on a reader"),
+        (
+            "--send-buffer-bytes",
+            "send_buffer_bytes",
+            int,
+            "N",
+            "kernel send buffer per socket (0: the kernel's own sizing)",
+        ),
+        (
+            "--accept-error-log-interval",
+            "accept_error_log_interval",
+            float,
+            "S",
+            "seconds between two 'out of file descriptors' log lines",
+        ),
+        (
+            "--max-access-log-chars",
+            "max_access_log_chars",
+            int,
+            "N",
+            "characters of a path in the access log",
+        ),
+    ):
+        default = getattr(defaults, field)
+        group.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            dest=field,
+            metavar=metavar,
+            help=f"{help_text} (default: {default})",
+        )
 
 
 def add_chat_parser(commands) -> None:
@@ -345,12 +386,20 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     )
 
 
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    values = {field: getattr(args, field) for field in ConnectionLimits.__dataclass_fields__}
+    if values["send_buffer_bytes"] == 0:
+        values["send_buffer_bytes"] = None  # the kernel sizes it
+    return ConnectionLimits(**values)
+
+
 def serve(args: argparse.Namespace) -> int:
     """0 after Ctrl-C; 1 when the engine died."""
     # FastAPI and uvicorn load only for this command
     from minivllm.serving.server import serve as serve_http
 
     limits = server_limits(args)  # checked before the model loads
+    connections = connection_limits(args)
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
     engine = started(build_serving_engine(args))
@@ -362,6 +411,7 @@ def serve(args: argparse.Namespace) -> int:
         args.log_level,
         limits,
         args.api_key,
+        connections,
     )
 
 
