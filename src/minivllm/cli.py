@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=help_text if default is None else f"{help_text} (default: {default})",
         )
     add_connection_arguments(srv)
+    add_watch_arguments(srv)
     add_engine_arguments(srv)
     add_chat_parser(commands)
     return parser
@@ -195,6 +196,26 @@ def add_connection_arguments(srv) -> None:
             metavar=metavar,
             help=f"{help_text} (default: {default})",
         )
+
+
+def add_watch_arguments(srv) -> None:
+    group = srv.add_argument_group("watching the engine")
+    group.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="/health answers 503 when one round of engine work (the inbox, then a step) has run "
+        "this long (default: 60)",
+    )
+    group.add_argument(
+        "--max-trace-bytes",
+        type=int,
+        default=64 << 20,
+        metavar="N",
+        help="bytes of step trace kept for /stats and debugging; the oldest steps go first "
+        "(default: 64 MiB)",
+    )
 
 
 def add_chat_parser(commands) -> None:
@@ -412,6 +433,8 @@ def serve(args: argparse.Namespace) -> int:
         limits,
         args.api_key,
         connections,
+        stall_timeout=args.stall_timeout,
+        max_trace_bytes=args.max_trace_bytes,
     )
 
 

@@ -144,6 +144,8 @@ def serve(
     limits: ServerLimits | None = None,
     api_key: str | None = None,
     connections: ConnectionLimits | None = None,
+    stall_timeout: float = 60.0,
+    max_trace_bytes: int = 64 << 20,
 ) -> int:
     """Serve in the foreground until Ctrl-C (the `minivllm serve` command). Returns 0, or 1 when
     the engine died: the server stops at once so that a supervisor restarts it (as vLLM V1)."""
@@ -152,7 +154,12 @@ def serve(
     # engine needs.
     gc.collect()
     gc.freeze()
-    async_engine = AsyncEngine(engine, ServingMetrics(model_name))
+    async_engine = AsyncEngine(
+        engine,
+        ServingMetrics(model_name),
+        max_trace_bytes=max_trace_bytes,
+        stall_timeout=stall_timeout,
+    )
     app = build_app(async_engine, model_name, limits, api_key)
     options = {"host": host, "port": port, "log_level": log_level}
     config = uvicorn_config(app, connections or ConnectionLimits(), ConnectionStats(), **options)
