@@ -4,8 +4,8 @@ notebooks, and the commands the README and `make help` promise."""
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -78,35 +78,33 @@ def test_the_column_holds_a_line_as_long_as_ruff_formats_the_package() -> None:
 
 
 def test_executing_into_a_folder_leaves_the_notebook_beside_its_source_alone(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("nbclient")
-    source = tmp_path / "chapters" / "00_tiny.py"
-    source.parent.mkdir()
-    source.write_text("# %%\nimport os\nprint(os.path.basename(os.getcwd()))\n")
+    nbformat = pytest.importorskip("nbformat")
+    import notebooks  # tools/notebooks.py
+
+    sources = tmp_path / "chapters"
+    sources.mkdir()
+    for name in ("00_one", "01_two"):
+        (sources / f"{name}.py").write_text(
+            "# %%\nimport os\nprint(os.path.basename(os.getcwd()), os.getpid())\n"
+        )
     into = tmp_path / "build"
     into.mkdir()
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "notebooks.py"),
-            "execute",
-            "--into",
-            str(into),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "notebook 1 of 1: 00_tiny (started at 0:00)" in run.stdout
+    notebooks.execute_all(sorted(sources.glob("*.py")), into=into, what="chapter")
+    said = capfd.readouterr()
+    assert "chapter 1 of 2: 00_one (started at 0:00)" in said.out
+    assert "chapter 2 of 2: 01_two (started at" in said.out
     # The kernel talks over IPC sockets: ipykernel has no unencrypted TCP to warn about.
-    assert "without encryption" not in run.stdout + run.stderr
-    assert not source.with_suffix(".ipynb").exists()
-    nbformat = pytest.importorskip("nbformat")
-    (cell,) = nbformat.read(into / "00_tiny.ipynb", as_version=4).cells
-    assert cell.outputs[0]["text"] == "chapters\n"  # it ran in its source's folder
+    assert "without encryption" not in said.out + said.err
+    assert not list(sources.glob("*.ipynb"))
+    for name in ("00_one", "01_two"):
+        (cell,) = nbformat.read(into / f"{name}.ipynb", as_version=4).cells
+        folder, pid = cell.outputs[0]["text"].split()
+        assert folder == "chapters"  # it ran in its source's folder
+        with pytest.raises(ProcessLookupError):  # and its kernel was shut down after it
+            os.kill(int(pid), 0)
 
 
 def test_make_book_executes_into_the_build_and_make_html_only_builds() -> None:

@@ -122,7 +122,7 @@ def main() -> int:
     else:
         copy_chapters()
     html_dir = args.path_output / "_build" / "html"
-    step(f"{steps}/{steps} HTML: jupyter-book build (about 20 s)")
+    step(f"{steps}/{steps} HTML: jupyter-book build")
     began = time.perf_counter()
     returncode = build_html(args.path_output, args.strict)
     if returncode != 0:

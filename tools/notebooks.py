@@ -80,7 +80,7 @@ def execute(py_path: Path, into: Path | None = None) -> Path:
             record_timing=False,
             resources={"metadata": {"path": str(py_path.resolve().parent)}},
         )
-        client.execute()
+        client.execute(cleanup_kc=True)  # shut the kernel down: nbclient keeps one it did not make
     # The kernel reports its exact Python version; keep only what matters so commits stay quiet.
     nb.metadata["language_info"] = {"name": "python"}
     target = (into or py_path.parent) / py_path.with_suffix(".ipynb").name
