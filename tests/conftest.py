@@ -94,12 +94,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     seen = item.config.stash.setdefault(_STUBS_REPORTED, set())
     message = f"NotImplementedError: {str(excinfo.value)[stub.start() :]}"
     if stub[1] in seen:
-        report.longrepr = f"{message} (the same stub as above)"
+        report.longrepr = f"NotImplementedError: exercise {stub[1]} (the same stub as above)"
     else:
         seen.add(stub[1])
         where = excinfo.traceback[-1]
+        path = Path(where.path)
+        if path.is_relative_to(item.config.rootpath):
+            path = path.relative_to(item.config.rootpath)
         report.longrepr = (
-            f"{where.path}:{where.lineno + 1}: {message}\n"
+            f"{path}:{where.lineno + 1}: {message}\n"
             f"exercise {stub[1]} is not solved yet: this test runs its code"
         )
     return report

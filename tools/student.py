@@ -421,7 +421,8 @@ class _Recorder:
             stubs = STUB_RAISED.findall(report.longreprtext)
             test["stub"] = stubs[-1] if stubs else ""  # the exercise whose stub stopped it
             crash = getattr(report.longrepr, "reprcrash", None)
-            test["summary"] = crash.message if crash else report.longreprtext.strip()[-300:]
+            summary = crash.message if crash else report.longreprtext.strip()[-300:]
+            test["summary"] = re.sub(r"^\S+:\d+: ", "", summary)  # no file:line in front
 
 
 def _region_probe(recorder: _Recorder, probe):
@@ -475,12 +476,25 @@ def grade(root: Path, extra: list[str], exercises: list[str] | None = None) -> d
     plugins: list = [recorder]
     if (root / "src" / f"{PROBE_MODULE}.py").is_file():
         plugins.append(_region_probe(recorder, importlib.import_module(PROBE_MODULE)))
-    # Collect only the test files that use the marker: importing every test module costs minutes.
-    files = [
-        str(path)
+    # Collect only the test files that use the marker (for `exercises`, with one of their ids):
+    # importing every test module costs minutes.
+    marked = {
+        path: path.read_text(encoding="utf-8")
         for path in sorted((root / "tests").rglob("test_*.py"))
-        if "mark.exercise(" in path.read_text()
-    ]
+        if "mark.exercise(" in path.read_text(encoding="utf-8")
+    }
+    chosen = {
+        path
+        for path, text in marked.items()
+        for exercise in exercises or ()
+        if f'exercise("{exercise}")' in text or f"exercise('{exercise}')" in text
+    }
+    # an id marked some other way (a variable) is found by collecting every marked file
+    found_all = all(
+        any(f'exercise("{e}")' in marked[p] or f"exercise('{e}')" in marked[p] for p in chosen)
+        for e in exercises or ()
+    )
+    files = [str(path) for path in (sorted(chosen) if exercises and found_all else marked)]
     args = [
         *(files or [str(root / "tests")]),
         "-m",
@@ -529,21 +543,22 @@ def exercise_results(report: dict, exercises: list[str] | None = None) -> list[R
         tests = by_exercise[exercise]
         passed = sum(test["outcome"] == "passed" for _, test in tests)
         failed = [(nodeid, test) for nodeid, test in tests if test["outcome"] == "failed"]
-        blockers = sorted(
-            {test["stub"] for _, test in failed if test.get("stub", exercise) != exercise},
-            key=_exercise_order,
-        )
-        own = [(nodeid, test) for nodeid, test in failed if test.get("stub", exercise) == exercise]
+        # failed on another exercise's stub, else on its own code (or its own stub)
+        stopped = [(n, t) for n, t in failed if t.get("stub") and t["stub"] != exercise]
+        own = [(n, t) for n, t in failed if (n, t) not in stopped]
+        blockers = sorted({t["stub"] for _, t in stopped}, key=_exercise_order)
+        first_own = ""
         if own:
             nodeid, test = own[0]
-            status, detail = "failed", f"{nodeid}: {_one_line(test.get('summary', ''))}"
-        elif blockers:
-            stopped = len(failed)
+            first_own = f"{nodeid.rsplit('/', 1)[-1]}: {_one_line(test.get('summary', ''))}"
+        if blockers:  # its grade is not final until they are solved
             status = "blocked"
-            detail = (
-                f"by {', '.join(blockers)}: {stopped} of its tests stop at that stub; solve "
-                f"{'it' if len(blockers) == 1 else 'them'} first"
-            )
+            stubs = "its stub" if len(blockers) == 1 else "their stubs"
+            detail = f"by {', '.join(blockers)} ({len(stopped)} tests stop at {stubs})"
+            if own:
+                detail += f"; {len(own)} fail on its own, first {first_own}"
+        elif own:
+            status, detail = "failed", first_own
         elif not tests:
             status, detail = "failed", "no test is marked with this exercise"
         else:
@@ -553,7 +568,7 @@ def exercise_results(report: dict, exercises: list[str] | None = None) -> list[R
     return results
 
 
-def _one_line(message: str, width: int = 160) -> str:
+def _one_line(message: str, width: int = 100) -> str:
     """The first line of `message`, cut at a word boundary with an ellipsis past `width`."""
     line = message.strip().splitlines()[0] if message.strip() else "(no message)"
     if len(line) <= width:
