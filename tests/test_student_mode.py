@@ -399,6 +399,7 @@ class Reports(NamedTuple):
     copy_root: Path
     probe: dict  # the probe copy graded: each test's record lists the exercises it `entered`
     round_trip: list  # (stubbed, solved): a copy assigning ASSIGNED graded, then solved, regraded
+    assigned_readme: str  # that copy's STUDENT.md
 
 
 # The README's own example: ch05.2's tests run the scheduler, which grows block tables with
@@ -449,7 +450,8 @@ def reports(exercises: list, tmp_path_factory: pytest.TempPathFactory) -> Report
         probed = pool.submit(grade, probe, work / "probe.json", extra=["-pno:randomly"])
         copied = pool.submit(grade, copy, work / "copy.json")
         trip = pool.submit(round_trip, assigned, work)
-        return Reports(copied.result(), copy, probed.result(), trip.result())
+        readme = (assigned / "STUDENT.md").read_text(encoding="utf-8")
+        return Reports(copied.result(), copy, probed.result(), trip.result(), readme)
 
 
 def test_every_exercise_has_tests_and_every_test_an_exercise(
@@ -509,6 +511,16 @@ def test_grading_an_assignment_reports_the_blocked_exercise_then_passes_once_sol
         ("ch05.2", "passed", five.tests),
     ], solved_output
     assert "2 exercise(s): 2 passed, 0 failed, 0 blocked" in solved_output
+
+
+def test_student_md_says_where_statements_are_and_what_blocks_what(reports: Reports) -> None:
+    readme = reports.assigned_readme
+    assert "python3.1" not in readme  # no fixed minor version
+    assert "**Exercises** section" in readme and "`chapters/03_paged_cache.ipynb`" in readme
+    blocks = student.load_dependency_map()["blocks"]
+    assert student.dependency_table(blocks, ASSIGNED) in readme
+    row = next(line for line in readme.splitlines() if line.startswith("| `ch03.1` |"))
+    assert "ch05.2" in row.split("|")[2], row  # the pair this module grades as blocked
 
 
 def test_the_committed_dependency_map_is_current(exercises: list, reports: Reports) -> None:

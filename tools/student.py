@@ -4,8 +4,12 @@
         write the student copy to DEST (`make student DEST=dir [EXERCISES=...]`)
     python tools/student.py DEST --probe
         write a probe copy: every solution kept, each region recording that it was entered
-    python tools/student.py --grade [--json F]
-        run the exercise tests here; a pass/fail table per exercise
+    python tools/student.py --grade [--exercises ch03.1,...] [--json F]
+        run the exercise tests here (a student copy's assigned ones by default); one line per
+        exercise: passed, failed (with its first failure) or blocked by another exercise's stub
+    python tools/student.py --deps [--exercises ...] [--refresh]
+        which exercises block which chapters and which other exercises' tests (DEPS); --refresh
+        recomputes it in a probe copy: grades it and runs every chapter (many minutes)
 
 Solutions live in the package source between nbgrader-style markers, right after an EXERCISE
 comment:
