@@ -94,7 +94,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     seen = item.config.stash.setdefault(_STUBS_REPORTED, set())
     message = f"NotImplementedError: {str(excinfo.value)[stub.start() :]}"
     if stub[1] in seen:
-        report.longrepr = f"NotImplementedError: exercise {stub[1]} (the same stub as above)"
+        # "exercise <id>:" as the stub says it: tools/student.py reads which stub stopped a test
+        report.longrepr = f"NotImplementedError: exercise {stub[1]}: the same stub as above"
     else:
         seen.add(stub[1])
         where = excinfo.traceback[-1]
