@@ -689,7 +689,7 @@ def refresh_dependency_map(root: Path, work: Path) -> dict:
     """Recompute the map in a probe copy under `work`: grade every exercise test there (in order,
     so a value one test memoizes for the next is counted the same way each time), then execute
     each chapter with the probe logging what its kernel, and any process it starts, entered."""
-    probe = work / "probe"
+    probe, commit = work / "probe", _head_commit(root)  # what the copy is made from
     make_probe_copy(root, probe, everything=True)
     seed_kernel_cache(root, probe, work / "numba-cache")
     env = {
@@ -721,7 +721,7 @@ def refresh_dependency_map(root: Path, work: Path) -> dict:
         chapters[chapter.stem] = sorted(set(log.read_text(encoding="utf-8").split()))
     return {
         "regenerate": "python tools/student.py --deps --refresh",
-        "commit": _head_commit(root),
+        "commit": commit,
         "chapters_run": sorted(chapters),
         "blocks": dependency_map(tests, chapters),
     }
