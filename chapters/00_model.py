@@ -424,9 +424,11 @@ plt.show()
 #
 # Solutions live in the package between `### BEGIN SOLUTION` and `### END SOLUTION`; in a student
 # copy (`make student DEST=...`) they are replaced by `raise NotImplementedError`. Each exercise has
-# tests marked with its id; run one exercise's tests with
+# tests marked with its id; run one exercise's tests, from the project's folder, in the environment
+# `make book` installed (it has pytest):
 #
 # ```
+# . .venv/bin/activate        # once per shell; every chapter's `pytest` command runs in it
 # pytest tests/test_model.py --exercise ch00.1
 # ```
 #

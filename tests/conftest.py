@@ -8,6 +8,8 @@ the shipped model once per module.
 from __future__ import annotations
 
 import importlib.util
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,24 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse to test a `minivllm` other than this project's own: in a student copy, a reference
     package found first on the import path would be graded instead of the student's code."""
+    if config.getoption("exercise") and config.option.tbstyle == "auto":
+        config.option.tbstyle = "short"  # a student reads one exercise's failures, not frames
     own = Path(__file__).resolve().parents[1] / "src" / "minivllm"
     if not own.is_dir():  # a project without the package (test_student_mode's toy project)
         return
     spec = importlib.util.find_spec("minivllm")
     found = Path(spec.origin).parent.resolve() if spec and spec.origin else None
+    if found is None:  # most often a pytest from outside the project's environment
+        venv = own.parents[1] / ".venv"
+        hint = (
+            f"activate the project's environment first (`. {venv}/bin/activate`, the one `make "
+            f"book` and `make test` create), or run `{venv}/bin/python -m pytest ...`"
+            if (venv / "bin" / "python").exists()
+            else "install this copy in a virtualenv (`pip install -e .` here) and run its pytest"
+        )
+        raise pytest.UsageError(
+            f"this pytest runs on {sys.executable}, which cannot import minivllm: {hint}."
+        )
     if found != own:
         raise pytest.UsageError(
             f"these tests belong to the package in {own}, but `import minivllm` finds {found}. "
@@ -57,6 +72,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     kept = [item for item in items if exercise_ids(item) & wanted]
     config.hook.pytest_deselected(items=[item for item in items if not exercise_ids(item) & wanted])
     items[:] = kept
+
+
+# The message of a stub in a student copy (tools/student.py); numba's CUDA simulator puts the
+# thread's coordinates in front of it.
+STUB_MESSAGE = re.compile(r"\bexercise ([\w.-]+): ")
+_STUBS_REPORTED = pytest.StashKey[set]()  # the stubs whose first failure was reported in full
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test stopped by an exercise's stub reports it in two lines, and a further test stopped by
+    the same stub in one: a dozen tracebacks of the same `raise` tell a student nothing more."""
+    report = yield
+    excinfo = call.excinfo
+    if not (report.failed and excinfo and excinfo.errisinstance(NotImplementedError)):
+        return report
+    stub = STUB_MESSAGE.search(str(excinfo.value))
+    if stub is None:
+        return report
+    seen = item.config.stash.setdefault(_STUBS_REPORTED, set())
+    message = f"NotImplementedError: {str(excinfo.value)[stub.start() :]}"
+    if stub[1] in seen:
+        # "exercise <id>:" as the stub says it: tools/student.py reads which stub stopped a test
+        report.longrepr = f"NotImplementedError: exercise {stub[1]}: the same stub as above"
+    else:
+        seen.add(stub[1])
+        where = excinfo.traceback[-1]
+        path = Path(where.path)
+        if path.is_relative_to(item.config.rootpath):
+            path = path.relative_to(item.config.rootpath)
+        report.longrepr = (
+            f"{path}:{where.lineno + 1}: {message}\n"
+            f"exercise {stub[1]} is not solved yet: this test runs its code"
+        )
+    return report
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """Course mode: the student copy stubs every solution, and the exercise tests notice.
 
 The marker parsing is tested on small synthetic sources; the whole round trip (copy, grade) on a toy
-project; and the real book in three subprocesses (reference, student copy, probe copy), so each
-imports its own `minivllm` -- the copy's package must be the one its tests exercise. The probe copy
-shows, at the cost of one grading, that every exercise can be assigned alone (see
-`test_each_exercise_stubbed_alone_fails_its_own_tests`).
+project; and the real book in subprocesses, so each imports its own `minivllm` -- the copy's
+package must be the one its tests exercise: a probe copy (the reference's code, each region
+recording that it was entered), a copy with every exercise stubbed, and an assignment's round trip
+(ch03.1 and ch05.2 stubbed, graded, solved, graded). The probe copy shows, at the cost of one
+grading, that every exercise can be assigned alone (see
+`test_each_exercise_stubbed_alone_fails_its_own_tests`) and keeps the dependency map honest.
 """
 
 from __future__ import annotations
@@ -205,6 +207,10 @@ def test_unmarked():
 """
 
 
+def numba_cache(project: Path) -> Path:
+    return project.parent / f"{project.name}-numba-cache"
+
+
 def run(
     args: list[str], cwd: Path, timeout: int = 1200, plugins: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
@@ -218,7 +224,7 @@ def run(
     }
     # numba caches compiled kernels beside their source (`__pycache__`) unless told otherwise: keep
     # the graded project as free of them as PYTHONDONTWRITEBYTECODE keeps it of bytecode
-    env["NUMBA_CACHE_DIR"] = str(cwd.parent / f"{cwd.name}-numba-cache")
+    env["NUMBA_CACHE_DIR"] = str(numba_cache(cwd))
     if not plugins:  # the toy project needs no installed pytest plugins; loading them costs seconds
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     return subprocess.run(
@@ -226,14 +232,17 @@ def run(
     )
 
 
-def grade(project: Path, report: Path, plugins: bool = True) -> dict:
+def grade(project: Path, report: Path, plugins: bool = True, extra: list[str] = ()) -> dict:
     env = {}
     if (project / "src" / f"{student.PROBE_MODULE}.py").is_file():
         # A probe line is Python: on a GPU numba would compile chapter 07's kernels and refuse it;
         # the simulator runs them as Python (the tests' tensors are on the CPU either way).
         env["NUMBA_ENABLE_CUDASIM"] = "1"
     done = run(
-        ["tools/student.py", "--grade", "--json", str(report)], project, plugins=plugins, env=env
+        ["tools/student.py", "--grade", "--json", str(report), *extra],
+        project,
+        plugins=plugins,
+        env=env,
     )
     assert report.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(report.read_text())
@@ -304,6 +313,56 @@ def test_exercise_option_selects_by_marker(tmp_path: Path) -> None:
     assert typo.returncode == pytest.ExitCode.USAGE_ERROR and "exercise(ch9.2)" in typo.stderr
 
 
+def test_a_stub_fails_its_tests_in_a_line_or_two_not_a_traceback_each(tmp_path: Path) -> None:
+    toy = make_toy_project(tmp_path / "toy")
+    (toy / "tests" / "test_toy.py").write_text(
+        TOY_TESTS
+        + "".join(
+            f"\n@pytest.mark.exercise('ch09.1')\ndef test_top_{n}():\n    assert top() == 42\n"
+            for n in range(5)
+        )
+    )
+    copy = tmp_path / "copy"
+    student.make_student_copy(toy, copy, only={"ch09.1"})
+    done = run(["-m", "pytest", "tests", "--exercise", "ch09.1"], copy, timeout=120, plugins=False)
+    out = done.stdout
+    assert done.returncode == pytest.ExitCode.TESTS_FAILED and "6 failed" in out, out
+    assert out.count("exercise ch09.1 is not solved yet") == 1, out
+    assert out.count("NotImplementedError: exercise ch09.1: the same stub as above") == 5, out
+    assert "src/toy/__init__.py:3: NotImplementedError: exercise ch09.1: return the answer" in out
+    assert len(out.splitlines()) < 45, out  # was a traceback of a dozen lines per test
+
+
+def test_the_intros_grading_command_needs_only_the_book_extra() -> None:
+    """Chapter 00 tells a reader who ran `make book` to grade ch00.1 with pytest: the book extra
+    must bring pytest, and the test file it names (and conftest) must import, at module level,
+    nothing that only the dev extra installs."""
+    import ast
+    import tomllib
+
+    intro = next((ROOT / "chapters").glob("00_*.py")).read_text(encoding="utf-8")
+    command = re.search(r"^# (pytest (tests/\S+\.py) --exercise ch00\.1)$", intro, re.M)
+    assert command, "chapter 00 no longer shows its grading command"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(re.match(r"pytest\b", r) for r in extras["book"])
+    dev_only = {re.match(r"[\w-]+", r)[0] for r in extras["dev"]} - {"minivllm", "pytest"}
+    for path in (ROOT / command[2], ROOT / "tests" / "conftest.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = {
+            alias.name.split(".")[0]
+            for node in tree.body
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        } | {
+            node.module.split(".")[0]
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+        assert not top & dev_only, f"{path.name} imports {top & dev_only} (dev extra only)"
+
+
 def test_a_copy_refuses_to_grade_a_package_found_elsewhere(tmp_path: Path) -> None:
     """With the reference first on the import path, a student copy's tests would grade the
     reference: the shared conftest refuses, naming both packages."""
@@ -324,7 +383,7 @@ def test_a_copy_refuses_to_grade_a_package_found_elsewhere(tmp_path: Path) -> No
     assert right.returncode == 0, right.stdout + right.stderr
 
 
-# -- the real book: reference passes, student copy fails with the stubs ----------------------------
+# -- the real book: the probe copy passes, a student copy fails on its stubs -----------------------
 
 
 @pytest.fixture(scope="module")
@@ -336,34 +395,70 @@ def exercises() -> list:
 
 
 class Reports(NamedTuple):
-    reference: dict  # the reference graded
     copy: dict  # the student copy, every exercise stubbed, graded
     copy_root: Path
     probe: dict  # the probe copy graded: each test's record lists the exercises it `entered`
+    round_trip: list  # (stubbed, solved): a copy assigning ASSIGNED graded, then solved, regraded
+    assigned_readme: str  # that copy's STUDENT.md
+
+
+# The README's own example: ch05.2's tests run the scheduler, which grows block tables with
+# ch03.1's blocks_needed, so grading must report ch05.2 as blocked by ch03.1.
+ASSIGNED = ["ch03.1", "ch05.2"]
+
+
+def solve(copy: Path) -> None:
+    """What a student who solves every assigned exercise does: each stub becomes the reference's
+    code (the markers off, as a student copy has them)."""
+    for path in student.package_sources(ROOT):
+        solved = student.stub_source(path.read_text(encoding="utf-8"), only=set())[0]
+        target = copy / path.relative_to(ROOT)
+        if target.read_text(encoding="utf-8") != solved:
+            target.write_text(solved, encoding="utf-8")
+
+
+def round_trip(copy: Path, work: Path) -> list:
+    """Grade the copy as its student would (`--grade`: its assigned exercises' tests only), solve
+    it, grade it again: the two reports and their printed outputs."""
+    graded = []
+    for stage in ("stubbed", "solved"):
+        if stage == "solved":
+            solve(copy)
+        report = work / f"round-trip-{stage}.json"
+        done = run(["tools/student.py", "--grade", "--json", str(report)], copy)
+        assert report.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+        graded.append((json.loads(report.read_text()), done.stdout))
+    return graded
 
 
 @pytest.fixture(scope="module")
 def reports(exercises: list, tmp_path_factory: pytest.TempPathFactory) -> Reports:
-    """Grade the reference, a fresh student copy and a probe copy of the real book, side by side
-    (each imports torch)."""
+    """Grade, side by side (each imports torch): a probe copy of the real book (the reference's
+    code, so it also shows the reference passing), a student copy with every exercise stubbed, and
+    the round trip of a copy assigning ASSIGNED. The main suite runs the same tests on the
+    reference itself; grading it again here would only repeat them."""
     work = tmp_path_factory.mktemp("student")
-    copy, probe = work / "copy", work / "probe"
+    copy, probe, assigned = work / "copy", work / "probe", work / "assigned"
     student.make_student_copy(ROOT, copy)
     student.make_probe_copy(ROOT, probe)
+    student.make_student_copy(ROOT, assigned, only=set(ASSIGNED))
+    for project in (copy, probe, assigned):
+        assert student.seed_kernel_cache(ROOT, project, numba_cache(project))
     with ThreadPoolExecutor(3) as pool:
-        reference, copied, probed = pool.map(
-            grade,
-            (ROOT, copy, probe),
-            (work / "reference.json", work / "copy.json", work / "probe.json"),
-        )
-    return Reports(reference, copied, copy, probed)
+        # in file order: which test first computes a value a module fixture keeps is then fixed,
+        # as it is when tools/student.py --deps --refresh computes the committed map
+        probed = pool.submit(grade, probe, work / "probe.json", extra=["-pno:randomly"])
+        copied = pool.submit(grade, copy, work / "copy.json")
+        trip = pool.submit(round_trip, assigned, work)
+        readme = (assigned / "STUDENT.md").read_text(encoding="utf-8")
+        return Reports(copied.result(), copy, probed.result(), trip.result(), readme)
 
 
 def test_every_exercise_has_tests_and_every_test_an_exercise(
     exercises: list, reports: tuple
 ) -> None:
     in_source = {e.id for e in exercises}
-    in_tests = {i for test in reports.reference["tests"].values() for i in test["exercises"]}
+    in_tests = {i for test in reports.probe["tests"].values() for i in test["exercises"]}
     assert not in_source - in_tests, (
         f"exercises with no marked test: {sorted(in_source - in_tests)}"
     )
@@ -372,24 +467,13 @@ def test_every_exercise_has_tests_and_every_test_an_exercise(
     )
 
 
-def test_reference_passes_every_exercise_test(reports: Reports) -> None:
-    reference = reports.reference
-    assert Path(reference["packages"]["minivllm"]).is_relative_to(ROOT / "src")
-    failed = {
-        name: t["message"][-500:]
-        for name, t in reference["tests"].items()
-        if t["outcome"] != "passed"
-    }
-    assert not failed, json.dumps(failed, indent=1)
-
-
 def test_student_copy_fails_every_exercise_test_on_a_stub(reports: Reports) -> None:
-    reference, copy_report, copy = reports.reference, reports.copy, reports.copy_root
+    copy_report, copy = reports.copy, reports.copy_root
     package = Path(copy_report["packages"]["minivllm"])
     assert package.is_relative_to(copy / "src"), (
         f"the copy's tests imported {package}, not the copy's package"
     )
-    assert copy_report["tests"].keys() == reference["tests"].keys()
+    assert copy_report["tests"].keys() == reports.probe["tests"].keys()
     wrong = {
         name: t["outcome"] + ": " + t["message"][-300:]
         for name, t in copy_report["tests"].items()
@@ -399,6 +483,67 @@ def test_student_copy_fails_every_exercise_test_on_a_stub(reports: Reports) -> N
         "these exercise tests do not fail on a stub in the student copy:\n"
         + json.dumps(wrong, indent=1)
     )
+
+
+def test_grading_an_assignment_reports_the_blocked_exercise_then_passes_once_solved(
+    reports: Reports,
+) -> None:
+    """ch05.2's tests stop at ch03.1's stub: the grade says so instead of failing ch05.2, lists
+    only the assigned exercises, one line each, and once both are solved, both pass."""
+    (stubbed, stubbed_output), (solved, solved_output) = reports.round_trip
+    graded = {e for t in stubbed["tests"].values() for e in t["exercises"]}
+    assert set(ASSIGNED) <= graded, "the assigned exercises' tests were not all graded"
+    assert all(set(t["exercises"]) & set(ASSIGNED) for t in stubbed["tests"].values()), (
+        "tests of exercises that were not assigned were graded"
+    )
+    results = {r.exercise: r for r in student.exercise_results(stubbed, ASSIGNED)}
+    three, five = results["ch03.1"], results["ch05.2"]
+    assert (three.status, three.passed) == ("failed", 0) and three.tests > 0
+    assert "NotImplementedError: exercise ch03.1" in three.detail
+    assert five.status == "blocked" and five.detail.startswith("by ch03.1 ("), five
+    table = [line for line in stubbed_output.splitlines() if line.startswith("ch")]
+    assert [line.split()[:2] for line in table] == [["ch03.1", "failed"], ["ch05.2", "blocked"]]
+    assert f"0/{three.tests}" in table[0] and "by ch03.1" in table[1]
+    assert len(stubbed_output.splitlines()) < 20, stubbed_output  # no tracebacks
+    after = student.exercise_results(solved, ASSIGNED)
+    assert [(r.exercise, r.status, r.passed) for r in after] == [
+        ("ch03.1", "passed", three.tests),
+        ("ch05.2", "passed", five.tests),
+    ], solved_output
+    assert "2 exercise(s): 2 passed, 0 failed, 0 blocked" in solved_output
+
+
+def test_student_md_says_where_statements_are_and_what_blocks_what(reports: Reports) -> None:
+    readme = reports.assigned_readme
+    assert "python3.1" not in readme  # no fixed minor version
+    assert "**Exercises** section" in readme and "`chapters/03_paged_cache.ipynb`" in readme
+    blocks = student.load_dependency_map()["blocks"]
+    assert student.dependency_table(blocks, ASSIGNED) in readme
+    section = readme.split("## Which exercise blocks what", 1)[1]
+    row = next(line for line in section.splitlines() if line.startswith("| `ch03.1` |"))
+    assert "ch05.2" in row.split("|")[2], row  # the pair this module grades as blocked
+
+
+def test_the_committed_dependency_map_is_current(exercises: list, reports: Reports) -> None:
+    """Its test half is recomputed from this module's probe grading; its chapter half costs a run
+    of every chapter (`--deps --refresh`), so here only its chapters and exercises are checked to
+    be the book's."""
+    committed = student.load_dependency_map()
+    live = student.dependency_map(reports.probe["tests"], {})
+    assert committed["blocks"].keys() == {e.id for e in exercises}
+    stale = {
+        exercise: (blocks["exercises"], live.get(exercise, {"exercises": []})["exercises"])
+        for exercise, blocks in committed["blocks"].items()
+        if blocks["exercises"] != live.get(exercise, {"exercises": []})["exercises"]
+    }
+    assert not stale, (
+        f"{student.DEPS} is stale (exercise: committed, now); run {committed['regenerate']}: "
+        + json.dumps(stale)
+    )
+    chapters = sorted(path.stem for path in (ROOT / "chapters").glob("[0-9][0-9]_*.py"))
+    assert committed["chapters_run"] == chapters, f"run {committed['regenerate']}"
+    for exercise, blocks in committed["blocks"].items():
+        assert set(blocks["chapters"]) <= set(chapters), exercise
 
 
 # -- each exercise assignable alone, from one grading of the probe copy ---------------------------
@@ -497,7 +642,8 @@ def probe_table(tests: dict, names: list[str]) -> str:
 
 def test_the_probe_copy_passes_and_records_every_exercise_test(reports: Reports) -> None:
     probe = reports.probe["tests"]
-    assert probe.keys() == reports.reference["tests"].keys()
+    # the probe copy's package ran: the reference's code, each region behind its probe line
+    assert Path(reports.probe["packages"]["minivllm"]).parents[2].name == "probe"
     failed = {
         n: t["outcome"] + t["message"][-300:] for n, t in probe.items() if t["outcome"] != "passed"
     }

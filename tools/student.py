@@ -4,8 +4,12 @@
         write the student copy to DEST (`make student DEST=dir [EXERCISES=...]`)
     python tools/student.py DEST --probe
         write a probe copy: every solution kept, each region recording that it was entered
-    python tools/student.py --grade [--json F]
-        run the exercise tests here; a pass/fail table per exercise
+    python tools/student.py --grade [--exercises ch03.1,...] [--json F]
+        run the exercise tests here (a student copy's assigned ones by default); one line per
+        exercise: passed, failed (with its first failure) or blocked by another exercise's stub
+    python tools/student.py --deps [--exercises ...] [--refresh]
+        which exercises block which chapters and which other exercises' tests (DEPS); --refresh
+        recomputes it in a probe copy: grades it and runs every chapter (many minutes)
 
 Solutions live in the package source between nbgrader-style markers, right after an EXERCISE
 comment:
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -45,14 +50,32 @@ NEAR_MISS = re.compile(r"#+\s*((?i:BEGIN SOLUTION|END SOLUTION)|EXERCISE\b)")
 # valid at any indentation and binds no name that the region could shadow or be shadowed by.
 PROBE_MODULE = "_exercise_probe"
 PROBE_SOURCE = '''"""Written into a probe copy by tools/student.py: each solution region here starts
-by calling enter(its exercise id); the grading plugin empties `entered` before each test."""
+by calling enter(its exercise id); the grading plugin empties `entered` before each test. With
+EXERCISE_PROBE_LOG set (inherited by a chapter's kernel and the processes it starts), each process
+also appends every id it enters, once, to that file."""
+
+import os
 
 entered: set[str] = set()
+_logged: set[str] = set()
 
 
 def enter(exercise_id: str) -> None:
     entered.add(exercise_id)
+    if exercise_id not in _logged and (log := os.environ.get("EXERCISE_PROBE_LOG")):
+        _logged.add(exercise_id)
+        with open(log, "a", encoding="utf-8") as file:
+            file.write(exercise_id + "\\n")
 '''
+# In a student copy: the exercises it stubs, one id a line (`--grade` grades these by default).
+ASSIGNED = Path("tools") / "assigned_exercises.txt"
+# The dependency map, as data: which exercises' regions each chapter and each exercise's tests
+# enter. `--deps` prints it; `--deps --refresh` recomputes it in a probe copy (minutes), and
+# tests/test_student_mode.py checks its test half against its own grading of a probe copy.
+DEPS = Path("tools") / "exercise_deps.json"
+# What a stub raises, as pytest prints it; numba's CUDA simulator puts the thread's coordinates
+# between the two.
+STUB_RAISED = re.compile(r"NotImplementedError: [^\n]*?\bexercise ([\w.-]+):")
 # What a student copy holds, when it exists here; everything else (.venv, .git, student/) stays
 # behind.
 COPIED = (
@@ -256,7 +279,11 @@ def make_student_copy(
     exercises = stub_package(dest, only)
     for notebook in sorted((dest / "chapters").glob("*.ipynb")):
         scrub_notebook(notebook, only)
-    (dest / "STUDENT.md").write_text(student_readme(exercises), encoding="utf-8")
+    assigned = sorted({e.id for e in exercises}, key=_exercise_order)
+    (dest / ASSIGNED).write_text("".join(f"{e}\n" for e in assigned), encoding="utf-8")
+    blocks = load_dependency_map(src_root)["blocks"] if (src_root / DEPS).is_file() else None
+    chapters = [path.stem for path in sorted((dest / "chapters").glob("[0-9][0-9]_*.py"))]
+    (dest / "STUDENT.md").write_text(student_readme(exercises, blocks, chapters), encoding="utf-8")
     return exercises
 
 
@@ -270,12 +297,16 @@ def _copy_project(src_root: Path, dest: Path, names: tuple[str, ...]) -> None:
             shutil.copy2(source, dest / name)
 
 
-def make_probe_copy(src_root: Path, dest: Path, force: bool = False) -> list[Exercise]:
+def make_probe_copy(
+    src_root: Path, dest: Path, force: bool = False, everything: bool = False
+) -> list[Exercise]:
     """Write a probe copy of the project at `src_root` to `dest`: only what grading needs (no
-    notebooks, no book), every region kept and probed. Returns the exercises probed."""
+    notebooks, no book; with `everything`, what a student copy holds), every region kept and
+    probed. Returns the exercises probed."""
     src_root, dest = src_root.resolve(), dest.resolve()
     check_destination(src_root, dest, force)
-    _copy_project(src_root, dest, ("src", "tests", "tools", "pyproject.toml"))
+    names = COPIED if everything else ("src", "tests", "tools", "pyproject.toml")
+    _copy_project(src_root, dest, names)
     exercises = stub_package(dest, probe=True)
     (dest / "src" / f"{PROBE_MODULE}.py").write_text(PROBE_SOURCE, encoding="utf-8")
     return exercises
@@ -290,50 +321,87 @@ def build_student_book(dest: Path) -> int:
     return subprocess.run([sys.executable, str(dest / "tools" / "build_book.py")]).returncode
 
 
-def student_readme(exercises: list[Exercise]) -> str:
+def student_readme(
+    exercises: list[Exercise], blocks: dict[str, dict] | None = None, chapters: list[str] = ()
+) -> str:
+    """STUDENT.md for a copy stubbing `exercises`; `blocks` is the dependency map, `chapters` the
+    copy's chapter names (`03_paged_cache`), where each exercise's statement lives."""
     ordered = sorted(exercises, key=lambda e: _exercise_order(e.id))
-    rows = [f"| `{e.id}` | `{e.path.as_posix()}:{e.line}` | {e.description} |" for e in ordered]
+    by_number = {chapter.split("_", 1)[0]: chapter for chapter in chapters}
+
+    def chapter_of(exercise_id: str) -> str:
+        chapter = by_number.get(exercise_id.removeprefix("ch").split(".", 1)[0])
+        return f"`chapters/{chapter}.ipynb`" if chapter else "its chapter"
+
+    rows = [
+        f"| `{e.id}` | `{e.path.as_posix()}:{e.line}` | {e.description} | {chapter_of(e.id)} |"
+        for e in ordered
+    ]
     first = ordered[0].id if ordered else "ch00.1"
-    return "\n".join(
-        [
-            "# Student copy",
+    assigned = sorted({e.id for e in ordered}, key=_exercise_order)
+    lines = [
+        "# Student copy",
+        "",
+        "## Install (once)",
+        "",
+        "Any Python that `requires-python` in `pyproject.toml` accepts (`python3 --version`):",
+        "",
+        "```bash",
+        "python3 -m venv .venv && . .venv/bin/activate",
+        'pip install -e ".[dev]"   # this copy, editable: your edits are what the tests grade',
+        "```",
+        "",
+        "The tests refuse to run if `import minivllm` finds another copy of the package (the "
+        "reference, say)",
+        "first on the import path; the error names both.",
+        "",
+        "## Where the exercises are",
+        "",
+        "Each exercise's full statement and its hints are in the **Exercises** section at the end "
+        "of its chapter:",
+        "`chapters/NN_*.ipynb` (`jupyter lab chapters`), or the same page of this copy's HTML "
+        "book,",
+        "`book/_build/html/chapters/NN_*.html`. In the package source, each exercise is a",
+        "`raise NotImplementedError(...)` right under an `# EXERCISE` comment that sums it up in "
+        "one line;",
+        "replace the `raise` with your code.",
+        "",
+        "## Grade",
+        "",
+        "```bash",
+        f"{'pytest --exercise ' + first:<34}# one exercise's tests (repeat --exercise for more)",
+        f"{'python tools/student.py --grade':<34}# one line per assigned exercise: passed,",
+        f"{'':<34}# failed (and the first failure) or blocked",
+        f"{'python tools/build_book.py':<34}# this copy's HTML book, book/_build/html",
+        "```",
+        "",
+        "The chapters (`chapters/*.ipynb`) call the package, so a cell that needs an unsolved "
+        "exercise stops",
+        "with `NotImplementedError: exercise <id>: ...` until you solve it; the book shows the "
+        "stored outputs.",
+        "",
+        "| exercise | where | what to implement | statement and hints |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    if blocks is not None:
+        lines += [
+            "## Which exercise blocks what",
             "",
-            "## Install (once)",
+            "<!-- generated by tools/student.py from tools/exercise_deps.json -->",
+            "The engine calls some exercises' code, so until such an exercise is solved, other "
+            "exercises' tests",
+            "and the chapters' cells that reach it stop at its `NotImplementedError`; "
+            "`--grade` reports those",
+            "tests as *blocked by* it. Solve the blocking ones first.",
             "",
-            "```bash",
-            "python3.11 -m venv .venv && . .venv/bin/activate",
-            'pip install -e ".[dev]"   # this copy, editable: your edits are what the tests grade',
-            "```",
+            dependency_table(blocks, assigned),
             "",
-            "The tests refuse to run if `import minivllm` finds another copy of the package (the "
-            "reference, say)",
-            "first on the import path; the error names both.",
-            "",
-            "## Work and grade",
-            "",
-            "Each exercise below is a `raise NotImplementedError(...)` in the package source, "
-            "right under its",
-            "`# EXERCISE` comment. Replace the `raise` with your code, then run that exercise's "
-            "tests:",
-            "",
-            "```bash",
-            f"{'pytest --exercise ' + first:<34}# one exercise (repeat --exercise for more)",
-            f"{'pytest -m exercise':<34}# every exercise's tests",
-            f"{'python tools/student.py --grade':<34}# a pass/fail table per exercise",
-            f"{'python tools/build_book.py':<34}# this copy's HTML book, book/_build/html",
-            "```",
-            "",
-            "The chapters (`chapters/*.ipynb`) call the package, so a cell that needs an unsolved "
-            "exercise stops",
-            "with `NotImplementedError: exercise <id>: ...` until you solve it; the book shows the "
-            "stored outputs.",
-            "",
-            "| exercise | where | what to implement |",
-            "|---|---|---|",
-            *rows,
+            "`python tools/student.py --deps` prints the map for every exercise of the book.",
             "",
         ]
-    )
+    return "\n".join(lines)
 
 
 class _Recorder:
@@ -353,6 +421,12 @@ class _Recorder:
             return
         test["outcome"] = report.outcome
         test["message"] = report.longreprtext[-2000:] if report.failed else ""
+        if report.failed:
+            stubs = STUB_RAISED.findall(report.longreprtext)
+            test["stub"] = stubs[-1] if stubs else ""  # the exercise whose stub stopped it
+            crash = getattr(report.longrepr, "reprcrash", None)
+            summary = crash.message if crash else report.longreprtext.strip()[-300:]
+            test["summary"] = re.sub(r"^\S+:\d+: ", "", summary)  # no file:line in front
 
 
 def _region_probe(recorder: _Recorder, probe):
@@ -394,9 +468,10 @@ def _region_probe(recorder: _Recorder, probe):
     return RegionProbe()
 
 
-def grade(root: Path, extra: list[str]) -> dict:
-    """Run the exercise tests of the project at `root` in this process. In a probe copy each test's
-    record also lists the exercises whose regions it `entered`."""
+def grade(root: Path, extra: list[str], exercises: list[str] | None = None) -> dict:
+    """Run the exercise tests of the project at `root` in this process (those of `exercises`, if
+    given), quietly: the report, not pytest's tracebacks, is the output. In a probe copy each
+    test's record also lists the exercises whose regions it `entered`."""
     import importlib
 
     import pytest
@@ -405,17 +480,36 @@ def grade(root: Path, extra: list[str]) -> dict:
     plugins: list = [recorder]
     if (root / "src" / f"{PROBE_MODULE}.py").is_file():
         plugins.append(_region_probe(recorder, importlib.import_module(PROBE_MODULE)))
-    # Collect only the test files that use the marker: importing every test module costs minutes.
-    files = [
-        str(path)
+    # Collect only the test files that use the marker (for `exercises`, with one of their ids):
+    # importing every test module costs minutes.
+    marked = {
+        path: path.read_text(encoding="utf-8")
         for path in sorted((root / "tests").rglob("test_*.py"))
-        if "mark.exercise(" in path.read_text()
-    ]
+        if "mark.exercise(" in path.read_text(encoding="utf-8")
+    }
+    chosen = {
+        path
+        for path, text in marked.items()
+        for exercise in exercises or ()
+        if f'exercise("{exercise}")' in text or f"exercise('{exercise}')" in text
+    }
+    # an id marked some other way (a variable) is found by collecting every marked file
+    found_all = all(
+        any(f'exercise("{e}")' in marked[p] or f"exercise('{e}')" in marked[p] for p in chosen)
+        for e in exercises or ()
+    )
+    files = [str(path) for path in (sorted(chosen) if exercises and found_all else marked)]
     args = [
         *(files or [str(root / "tests")]),
         "-m",
         "exercise",
+        *(f"--exercise={exercise}" for exercise in exercises or ()),
+        # progress dots and one count line: the per-exercise report says what failed, and why
         "-q",
+        "--no-header",
+        "--tb=no",
+        "-rN",
+        "--disable-warnings",
         "-p",
         "no:cacheprovider",
         *extra,
@@ -432,15 +526,219 @@ def grade(root: Path, extra: list[str]) -> dict:
     return {"exit_code": int(exit_code), "tests": recorder.tests, "packages": packages}
 
 
-def grade_table(report: dict) -> str:
-    per_exercise: dict[str, list[str]] = {}
-    for test in report["tests"].values():
+class Result(NamedTuple):
+    exercise: str
+    status: str  # passed, failed (on its own code), blocked (on other exercises' stubs)
+    passed: int  # tests passed ...
+    tests: int  # ... of the tests marked with the exercise
+    detail: str  # the first failure's test and message, or the blockers
+
+
+def exercise_results(report: dict, exercises: list[str] | None = None) -> list[Result]:
+    """One result per exercise (those of `exercises`, if given). A test that stops at the stub of
+    another exercise is blocked, not failed: it cannot pass until that one is solved."""
+    by_exercise: dict[str, list[tuple[str, dict]]] = {e: [] for e in exercises or ()}
+    for nodeid, test in report["tests"].items():
         for exercise in test["exercises"]:
-            per_exercise.setdefault(exercise, []).append(test["outcome"])
-    return "\n".join(
-        f"{exercise:<10} {outcomes.count('passed')}/{len(outcomes)} tests passed"
-        for exercise, outcomes in sorted(per_exercise.items())
+            if exercises is None or exercise in exercises:
+                by_exercise.setdefault(exercise, []).append((nodeid, test))
+    results = []
+    for exercise in sorted(by_exercise, key=_exercise_order):
+        tests = by_exercise[exercise]
+        passed = sum(test["outcome"] == "passed" for _, test in tests)
+        failed = [(nodeid, test) for nodeid, test in tests if test["outcome"] == "failed"]
+        # failed on another exercise's stub, else on its own code (or its own stub)
+        stopped = [(n, t) for n, t in failed if t.get("stub") and t["stub"] != exercise]
+        own = [(n, t) for n, t in failed if (n, t) not in stopped]
+        blockers = sorted({t["stub"] for _, t in stopped}, key=_exercise_order)
+        first_own = ""
+        if own:
+            nodeid, test = own[0]
+            first_own = f"{nodeid.rsplit('/', 1)[-1]}: {_one_line(test.get('summary', ''))}"
+        if blockers:  # its grade is not final until they are solved
+            status = "blocked"
+            stubs = "its stub" if len(blockers) == 1 else "their stubs"
+            detail = f"by {', '.join(blockers)} ({len(stopped)} tests stop at {stubs})"
+            if own:
+                detail += f"; {len(own)} fail on its own, first {first_own}"
+        elif own:
+            status, detail = "failed", first_own
+        elif not tests:
+            status, detail = "failed", "no test is marked with this exercise"
+        else:
+            skipped = len(tests) - passed
+            status, detail = "passed", f"{skipped} skipped" if skipped else ""
+        results.append(Result(exercise, status, passed, len(tests), detail))
+    return results
+
+
+def _one_line(message: str, width: int = 100) -> str:
+    """The first line of `message`, cut at a word boundary with an ellipsis past `width`."""
+    line = message.strip().splitlines()[0] if message.strip() else "(no message)"
+    if len(line) <= width:
+        return line
+    return line[:width].rsplit(" ", 1)[0] + " …"
+
+
+def grade_table(results: list[Result]) -> str:
+    rows = [
+        f"{r.exercise:<8} {r.status:<8} {r.passed:>3}/{r.tests:<3} points  {r.detail}".rstrip()
+        for r in results
+    ]
+    counts = {s: sum(r.status == s for r in results) for s in ("passed", "failed", "blocked")}
+    rows.append(f"{len(results)} exercise(s): " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    return "\n".join(rows)
+
+
+def assigned_exercises(root: Path) -> list[str] | None:
+    """The exercises a student copy at `root` stubs (None elsewhere: grade them all)."""
+    path = root / ASSIGNED
+    if not path.is_file():
+        return None
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def dependency_map(tests: dict, chapters: dict[str, list[str]]) -> dict[str, dict]:
+    """For each exercise: the other exercises whose tests enter its regions (`tests`: a probe
+    copy's graded tests), and the chapters whose execution does (`chapters`: chapter -> the
+    exercises it entered). Stubbing it stops those tests and those chapters' cells."""
+    ids = {e for test in tests.values() for e in test["exercises"]}
+    ids |= {e for test in tests.values() for e in test["entered"]}
+    ids |= {e for entered in chapters.values() for e in entered}
+    blocks: dict[str, dict] = {e: {"exercises": set(), "chapters": set()} for e in ids}
+    for test in tests.values():
+        for entered in test["entered"]:
+            blocks[entered]["exercises"] |= set(test["exercises"]) - {entered}
+    for chapter, entered in chapters.items():
+        for exercise in entered:
+            blocks[exercise]["chapters"].add(chapter)
+    return {
+        e: {
+            "exercises": sorted(blocks[e]["exercises"], key=_exercise_order),
+            "chapters": sorted(blocks[e]["chapters"]),
+        }
+        for e in sorted(ids, key=_exercise_order)
+    }
+
+
+def load_dependency_map(root: Path = ROOT) -> dict:
+    return json.loads((root / DEPS).read_text(encoding="utf-8"))
+
+
+def _chapter_numbers(chapters: list[str]) -> str:
+    """['03_paged_cache', '04_engine', '05_x', '08_y'] -> '03-05, 08' (runs joined by a dash)."""
+    numbers = sorted(int(c.split("_", 1)[0]) for c in chapters)
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"{r[0]:02d}" if len(r) == 1 else f"{r[0]:02d}–{r[-1]:02d}" for r in runs)
+
+
+def dependency_table(blocks: dict[str, dict], only: list[str] | None = None) -> str:
+    """The map as a markdown table, one row per exercise (those of `only`, if given)."""
+    rows = [
+        "| exercise | stubbed, it stops the tests of | and cells of the chapters |",
+        "|---|---|---|",
+    ]
+    for exercise, blocked in blocks.items():
+        if only is None or exercise in only:
+            others = ", ".join(blocked["exercises"]) or "none"
+            rows.append(
+                f"| `{exercise}` | {others} | {_chapter_numbers(blocked['chapters']) or 'none'} |"
+            )
+    return "\n".join(rows)
+
+
+# The CPU attention kernels numba compiles (`cache=True`): no exercise region, so every copy holds
+# them byte for byte, and may load what the reference compiled instead of compiling them again.
+KERNELS = Path("src") / "minivllm" / "attention" / "numba_cpu.py"
+
+
+def seed_kernel_cache(root: Path, project: Path, cache_dir: Path) -> bool:
+    """Put the reference's compiled CPU kernels where numba, run in `project` with
+    NUMBA_CACHE_DIR=`cache_dir`, looks for them (compiling them here first if needed: what
+    the engine does when it starts). A minute of compiling saved per graded copy; numba checks the
+    source's size and time (copies keep both) and recompiles anything that does not match. False
+    if the copy's kernels differ from the reference's."""
+    source, copied = root / KERNELS, project / KERNELS
+    if not copied.is_file() or copied.read_bytes() != source.read_bytes():
+        return False
+    from numba.core import caching, config
+
+    from minivllm.attention import numba_cpu
+
+    numba_cpu.warm_up()
+    numba_cpu.warm_up(threads=1)  # the serial kernel, which one-thread engines use
+    where = caching.UserProvidedCacheLocator.get_suitable_cache_subpath
+    compiled = (
+        Path(config.CACHE_DIR) / where(str(source))
+        if config.CACHE_DIR
+        else source.parent / "__pycache__"
     )
+    target = cache_dir / where(str(copied.resolve()))
+    target.mkdir(parents=True, exist_ok=True)
+    for path in compiled.glob(f"{source.stem}.*.nb[ic]"):
+        shutil.copy2(path, target / path.name)
+    return True
+
+
+def refresh_dependency_map(root: Path, work: Path) -> dict:
+    """Recompute the map in a probe copy under `work`: grade every exercise test there (in order,
+    so a value one test memoizes for the next is counted the same way each time), then execute
+    each chapter with the probe logging what its kernel, and any process it starts, entered."""
+    probe, commit = work / "probe", _head_commit(root)  # what the copy is made from
+    make_probe_copy(root, probe, everything=True)
+    seed_kernel_cache(root, probe, work / "numba-cache")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(probe / "src"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "NUMBA_CACHE_DIR": str(work / "numba-cache"),
+        # a probe line is Python: on a GPU numba would refuse to compile a kernel holding one
+        "NUMBA_ENABLE_CUDASIM": "1",
+    }
+    report_path = work / "probe.json"
+    command = [sys.executable, "tools/student.py", "--grade", "--json", str(report_path)]
+    subprocess.run([*command, "-pno:randomly"], cwd=probe, env=env, check=False)
+    tests = json.loads(report_path.read_text(encoding="utf-8"))["tests"]
+    failed = [n for n, t in tests.items() if t["outcome"] not in ("passed", "skipped")]
+    if failed or not tests:
+        raise SystemExit(f"the probe copy did not pass its exercise tests: {failed or 'none ran'}")
+    chapters = {}
+    for chapter in sorted((probe / "chapters").glob("[0-9][0-9]_*.py")):
+        log = work / f"{chapter.stem}.log"
+        log.write_text("", encoding="utf-8")
+        print(f"executing {chapter.name} in the probe copy", flush=True)
+        subprocess.run(
+            [sys.executable, "tools/notebooks.py", "execute", str(chapter)],
+            cwd=probe,
+            env={**env, "EXERCISE_PROBE_LOG": str(log)},
+            check=True,
+        )
+        chapters[chapter.stem] = sorted(set(log.read_text(encoding="utf-8").split()))
+    return {
+        "regenerate": "python tools/student.py --deps --refresh",
+        "commit": commit,
+        "chapters_run": sorted(chapters),
+        "blocks": dependency_map(tests, chapters),
+    }
+
+
+def _head_commit(root: Path) -> str:
+    done = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "src", "chapters", "tests"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return done.stdout.strip() + (" with uncommitted changes" if dirty else "") or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,7 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="write into a non-empty DEST")
     parser.add_argument(
         "--exercises",
-        help="comma-separated ids (e.g. ch03.1,ch05.2) to stub; the default is every exercise",
+        help="comma-separated ids (e.g. ch03.1,ch05.2) to stub; the default is every exercise. "
+        "With --grade: the exercises to grade (default: a student copy's assigned ones, else all)",
     )
     parser.add_argument(
         "--book", action="store_true", help="also build the copy's HTML book, without solutions"
@@ -461,20 +760,46 @@ def main(argv: list[str] | None = None) -> int:
         "a test entered it (graded, the report lists them per test)",
     )
     parser.add_argument(
-        "--grade", action="store_true", help="run the exercise tests here and report per exercise"
+        "--grade",
+        action="store_true",
+        help="run the exercise tests here; one line per exercise: passed, failed or blocked",
     )
     parser.add_argument(
         "--json", type=Path, help="with --grade: also write the full report to this file"
     )
+    parser.add_argument(
+        "--deps",
+        action="store_true",
+        help=f"print which exercises block which chapters and other exercises' tests ({DEPS})",
+    )
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help=f"with --deps: recompute {DEPS} in a probe copy (grades it, runs every chapter)",
+    )
     args, extra = parser.parse_known_args(argv)
+    only = set(filter(None, args.exercises.split(","))) if args.exercises else None
     if args.grade:
-        report = grade(ROOT, extra)
-        print(grade_table(report))
+        chosen = sorted(only, key=_exercise_order) if only else assigned_exercises(ROOT)
+        report = grade(ROOT, extra, chosen)
         if args.json:
             args.json.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        print(grade_table(exercise_results(report, chosen)))
         return report["exit_code"]
+    if args.deps:
+        if args.refresh:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="minivllm-deps-") as work:
+                data = refresh_dependency_map(ROOT, Path(work))
+            (ROOT / DEPS).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+            print(f"wrote {DEPS}")
+        data = load_dependency_map()
+        print(dependency_table(data["blocks"], sorted(only) if only else None))
+        print(f"(computed at {data['commit']}; `{data['regenerate']}` recomputes it)")
+        return 0
     if args.dest is None or extra:
-        parser.error("give DEST (and nothing else), or --grade")
+        parser.error("give DEST (and nothing else), --grade or --deps")
     if args.probe and (args.exercises or args.book):
         parser.error("--probe keeps every exercise and writes no book")
     try:
@@ -482,7 +807,6 @@ def main(argv: list[str] | None = None) -> int:
             exercises = make_probe_copy(ROOT, args.dest, args.force)
             print(f"wrote a probe copy to {args.dest.resolve()}: {len(exercises)} regions probed")
             return 0
-        only = set(filter(None, args.exercises.split(","))) if args.exercises else None
         exercises = make_student_copy(ROOT, args.dest, args.force, only)
     except MarkerError as error:
         raise SystemExit(f"error: {error}") from None
