@@ -10,6 +10,7 @@ from matplotlib.axes import Axes
 from matplotlib.patches import ConnectionPatch, Rectangle
 
 from minivllm.book import FREE_COLOR, sequence_color
+from minivllm.book.figures.readable import MIN_POINTS
 from minivllm.kv.block_manager import BlockManager
 
 
@@ -23,12 +24,13 @@ def block_owners(manager: BlockManager) -> dict[int, list[int]]:
 
 
 def _label_size(ax: Axes, x_span: float, y_span: float) -> float:
-    """A font size (points) for a cell's label: a third of the cell's side once the axes keeps its
-    aspect ratio, between 8 and 12 pt, so a pool of a few big cells reads as easily as the page's
-    text and a pool of many small ones still fits its labels."""
+    """A font size (points) for a cell's label: as large as two lines of it fit in the cell once the
+    axes keeps its aspect ratio, between the book's smallest readable size and 13 pt. A figure with
+    many cells must be drawn large enough for its labels: none is drawn smaller than a reader can
+    read."""
     box = ax.get_window_extent()
     points_per_unit = min(box.width / x_span, box.height / y_span) * 72 / ax.figure.dpi
-    return max(8.0, min(12.0, points_per_unit / 3))
+    return max(MIN_POINTS, min(13.0, points_per_unit / 2.6))
 
 
 def _cell(
@@ -36,11 +38,12 @@ def _cell(
 ) -> None:
     ax.add_patch(
         Rectangle(
-            (x, y), 0.92, 0.92, facecolor=color, edgecolor="white", hatch="///" if shared else None
+            (x, y), 0.92, 0.92, facecolor=color, edgecolor="white", hatch="//" if shared else None
         )
     )
-    # A shared cell's hatching runs through its label: give the label a pale plate to sit on.
-    plate = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85)
+    # A shared cell's hatching would run through its label: the label sits on a white plate, above
+    # the hatching, so only the cell's rim shows the stripes.
+    plate = dict(boxstyle="round,pad=0.12", facecolor="white", edgecolor="none")
     ax.text(
         x + 0.46,
         y + 0.46,
@@ -49,6 +52,7 @@ def _cell(
         va="center",
         fontsize=size,
         bbox=plate if shared else None,
+        zorder=3,
     )
 
 
