@@ -7,7 +7,8 @@ one sequence (prefix sharing, fork) is hatched and labelled with its reference c
 from __future__ import annotations
 
 from matplotlib.axes import Axes
-from matplotlib.patches import ConnectionPatch, Rectangle
+from matplotlib.legend_handler import HandlerTuple
+from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 
 from minivllm.book import FREE_COLOR, sequence_color
 from minivllm.book.figures.readable import MIN_POINTS
@@ -118,3 +119,17 @@ def draw_block_tables(
 
 
 # The fate of a draft token in speculative decoding (chapter 06).
+
+
+def block_legend(fig, tables: bool = False, free_label: str = "free block", **where) -> None:
+    """A legend for the pool (and block tables) under `fig` (a figure or subfigure): a free block,
+    a held block (its colour names its sequence), and with `tables` what a table cell's label
+    means. `where` goes to `fig.legend` (by default: centred below the drawing)."""
+    held = tuple(Patch(facecolor=sequence_color(s)) for s in range(4))
+    handles = [Patch(facecolor=FREE_COLOR, edgecolor="#cccccc"), held]
+    labels = [free_label, "held block: one colour per sequence"]
+    if tables:
+        handles.append(Patch(facecolor="none", edgecolor="none"))
+        labels.append("table cell →n: the physical block it maps to")
+    options = dict(loc="lower center", ncol=len(handles), frameon=False, fontsize=10)
+    fig.legend(handles, labels, handler_map={tuple: HandlerTuple(ndivide=None)}, **options | where)
