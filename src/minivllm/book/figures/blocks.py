@@ -81,6 +81,12 @@ def draw_block_pool(
     return centres
 
 
+def _lower_left(centre: tuple) -> tuple:
+    """Where an arrow ends on a pool cell: near its lower left corner, so the arrow head does not
+    sit on the cell's label."""
+    return centre[0] - 0.34, centre[1] - 0.3
+
+
 def draw_block_tables(
     ax: Axes,
     manager: BlockManager,
@@ -106,7 +112,7 @@ def draw_block_tables(
                     ConnectionPatch(
                         xyA=(logical + 0.9, y + 0.46),
                         coordsA=ax.transData,
-                        xyB=pool_centres[block],
+                        xyB=_lower_left(pool_centres[block]),
                         coordsB=pool_ax.transData,
                         color=sequence_color(seq_id),
                         alpha=0.45,
@@ -127,9 +133,10 @@ def block_legend(fig, tables: bool = False, free_label: str = "free block", **wh
     means. `where` goes to `fig.legend` (by default: centred below the drawing)."""
     held = tuple(Patch(facecolor=sequence_color(s)) for s in range(4))
     handles = [Patch(facecolor=FREE_COLOR, edgecolor="#cccccc"), held]
-    labels = [free_label, "held block: one colour per sequence"]
+    labels = [free_label, "held: one colour per sequence"]
     if tables:
         handles.append(Patch(facecolor="none", edgecolor="none"))
-        labels.append("table cell →n: the physical block it maps to")
+        labels.append("→n: maps to physical block n")
     options = dict(loc="lower center", ncol=len(handles), frameon=False, fontsize=10)
-    fig.legend(handles, labels, handler_map={tuple: HandlerTuple(ndivide=None)}, **options | where)
+    handler_map = {tuple: HandlerTuple(ndivide=None, pad=0)}  # the four colours side by side
+    fig.legend(handles, labels, handler_map=handler_map, **options | where)
