@@ -139,8 +139,10 @@ show(BlockPool.decref)
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "Block tables (left) and the block pool (right), an arrow from each logical block to its physical block: sequence 1 has finished, and sequence 3 took its freed blocks first, from the front of the free queue.", "name": "fig-03-free-queue"}}
 def show_state(manager: BlockManager, title: str) -> None:
-    # the whole page's width to the cells: tables and pool side by side, little margin between
-    layout = {"width_ratios": [1.2, 1], "wspace": 0.05, "left": 0.01, "right": 0.99}
+    # The page's width to the cells: tables and pool side by side, each as wide as its cells (the
+    # widest table and its labels, 8 pool columns), little margin between.
+    widest = max(len(table.blocks) for table in manager.tables.values())
+    layout = {"width_ratios": [widest + 1.6, 8.1], "wspace": 0.05, "left": 0.01, "right": 0.99}
     fig, (tables_ax, pool_ax) = plt.subplots(1, 2, figsize=(7.5, 3.2), gridspec_kw=layout)
     centres = draw_block_pool(pool_ax, manager, columns=8)
     draw_block_tables(tables_ax, manager, pool_ax, centres)
