@@ -47,9 +47,13 @@ from minivllm.book.figures.timelines import draw_gantt
 from minivllm.engine import processing
 from minivllm.model.checkpoint import load_model
 from minivllm.runner.sampler import derive_seed
-from minivllm.serving import async_engine, openai_protocol
-from minivllm.serving import server as server_module
-from minivllm.serving.client import StreamedCompletion, run_clients, stream_completion
+from minivllm.serving import async_engine, endpoints, openai_protocol, responses
+from minivllm.serving.client import (
+    StreamedCompletion,
+    run_clients,
+    stream_completion,
+    streams_beside,
+)
 from minivllm.serving.openai_protocol import ChatMessage, render_chat, sse_event
 from minivllm.serving.server import ServerThread
 from minivllm.training.corpus import shipped_validation_text
@@ -206,16 +210,18 @@ print(
 # %% [markdown]
 # ## Build 3: the endpoints
 #
-# `server.py` joins the two. A handler validates the body, puts the request in the engine's inbox
+# `endpoints.py` joins the two. A handler validates the body, puts the request in the engine's inbox
 # and awaits the verdict — a prompt that can never fit the cache fails right there, in the engine's
 # `InputProcessor` (the checks `LLMEngine.add_request` makes), while the server can still answer 400
-# — then either collects the whole answer or streams it:
+# — then either collects the whole answer or streams it (`responses.py`; `app.py` puts the handlers
+# on their routes and every error in the API's own body, `server.py` runs the process, and
+# `connections.py` times out a connection that sends nothing or reads nothing):
 
 # %%
-show(server_module.OpenAIServer.completions)
+show(endpoints.OpenAIServer.completions)
 
 # %%
-show(server_module.sse_stream)
+show(responses.sse_stream)
 
 # %% [markdown]
 # ## Run it
@@ -642,6 +648,69 @@ print(
     f"TTFT p50 {np.percentile(ttft, 50):.0f} ms, p99 {np.percentile(ttft, 99):.0f} ms; "
     f"ITL p50 {np.percentile(itl, 50):.1f} ms, p99 {np.percentile(itl, 99):.1f} ms"
 )
+
+# %% [markdown]
+# ### Isolation under load: one huge answer beside 24 streams
+#
+# Checked fields protect the engine; they do not protect *time*. One legal request can still take
+# it from everyone: 32 prompts of 480 tokens, two samples each, echoed, with 20 logprobs per token,
+# not streamed, is an answer of about 15 MB of JSON. Built and encoded in one go, that work runs
+# on the event loop — the same thread that writes every other client's stream — and each stream
+# stops until it is done. So the server writes a big answer a choice at a time
+# (`responses.json_in_pieces`), yielding the loop between choices; and it refuses, before any work,
+# an answer that could pass its output budget (prompts × n × (echoed prompt + max_tokens) ×
+# (logprobs + 1), `minivllm serve --max-output-units`) with a 400 saying what to lower.
+# `streams_beside` runs 24 streaming clients and, half a second in, the big request; below it runs
+# twice, the second time with the old one-go writer put back:
+
+# %%
+show(responses.whole_response)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+long_prompt = [65 + i % 26 for i in range(480)]
+big = {"prompt": [long_prompt] * 32, "n": 2, "logprobs": 20, "echo": True, "max_tokens": 16}
+beside = [
+    {"prompt": "ROMEO:\n", "max_tokens": 48, "ignore_eos": True, "seed": i, "temperature": 0.8}
+    for i in range(24)
+]
+isolation = {"in pieces": await streams_beside(server.base_url, beside, big, big_after=0.5)}
+inline_units, responses.INLINE_ANSWER_UNITS = responses.INLINE_ANSWER_UNITS, float("inf")
+try:  # the writer before: every choice built and the whole body encoded in one go
+    isolation["in one go"] = await streams_beside(server.base_url, beside, big, big_after=0.5)
+finally:
+    responses.INLINE_ANSWER_UNITS = inline_units
+for name, run in isolation.items():
+    print(
+        f"answer {name:9s}: {run.big_status}, {run.big_bytes / 1e6:.1f} MB in "
+        f"{run.big_seconds:.1f} s; the 24 streams' longest wait for a token {run.max_gap:.2f} s"
+    )
+
+# %% mystnb={"figure": {"caption": "24 streams beside one 15 MB answer: each dot a token reaching its client (a row per stream); shaded, the big request from sent to read. Left: the answer written a choice at a time; right: encoded in one go, as before. Wall clock on the machine that built this page.", "name": "fig-08-isolation"}}
+# NBVAL_IGNORE_OUTPUT
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+for ax, (name, run) in zip(axes, isolation.items()):
+    start = min(stream.sent for stream in run.streams)
+    for row, stream in enumerate(run.streams):
+        ax.plot(
+            [t - start for t in stream.chunk_times],
+            [row] * len(stream.chunk_times),
+            "|",
+            color="#1f77b4",
+            markersize=4,
+        )
+    ax.axvspan(0.5, 0.5 + run.big_seconds, color="#ff7f0e", alpha=0.15, label="big request")
+    ax.set_title(f"answer {name}: longest wait {run.max_gap:.2f} s")
+    ax.set_xlabel("seconds since the streams started")
+axes[0].set_ylabel("stream")
+axes[0].legend(loc="upper right")
+plt.show()
+
+# %% [markdown]
+# Both times the big answer arrives whole and every stream finishes; what changes is how long the
+# streams stop. `tests/test_server_isolation.py` holds the server to it — no gap over 0.5 s — and
+# `benchmarks/server_isolation.py` measures the issue's full-size request (125 MB), alternating
+# the two writers.
 
 # %% [markdown]
 # ## Measure: what the server costs

@@ -97,3 +97,49 @@ async def run_clients(
         started = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         return time.perf_counter() - started, results
+
+
+@dataclass
+class Isolation:
+    """Streams served beside one big non-streamed request: what the streams' clients saw, and what
+    the big request's client got."""
+
+    streams: list[StreamedCompletion]
+    big_status: int | None = None  # None: no big request was sent
+    big_bytes: int = 0
+    big_seconds: float = 0.0
+
+    @property
+    def gaps(self) -> list[float]:
+        """Every inter-token gap of every stream."""
+        return [gap for stream in self.streams for gap in stream.itls]
+
+    @property
+    def max_gap(self) -> float:
+        return max(self.gaps, default=0.0)
+
+
+async def streams_beside(
+    base_url: str,
+    stream_bodies: SequenceOf[dict],
+    big_body: dict | None = None,
+    big_after: float = 0.5,
+    timeout: float = 600,
+) -> Isolation:
+    """One streaming client per body in `stream_bodies`, all at once; `big_after` seconds later (the
+    streams are flowing) one more client posts `big_body` to `/completions`, not streamed, and reads
+    its whole answer. Does the big answer stall the streams?"""
+    limits = httpx.Limits(max_connections=len(stream_bodies) + 1)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def big() -> tuple[int, int, float]:
+            await asyncio.sleep(big_after)
+            started = time.perf_counter()
+            response = await client.post(f"{base_url}/completions", json=big_body)
+            return response.status_code, len(response.content), time.perf_counter() - started
+
+        streams = [stream_completion(client, base_url, body) for body in stream_bodies]
+        if big_body is None:
+            return Isolation(list(await asyncio.gather(*streams)))
+        *results, (status, size, seconds) = await asyncio.gather(*streams, big())
+        return Isolation(results, status, size, seconds)

@@ -5,7 +5,7 @@ copies the wire format exactly and nothing else: the request bodies of `/v1/comp
 `/v1/chat/completions` as pydantic models (checked field by field, so a bad request is refused with
 a message naming the field), and the bodies that go back -- whole responses, streamed chunks,
 errors -- as plain dicts shaped like OpenAI's. It knows no engine and imports no torch: the server
-(server.py) joins it to the engine.
+(endpoints.py) joins it to the engine.
 
 Two translations live here. `CompletionRequest.sampling_params` turns OpenAI's knobs into the
 engine's `SamplingParams`. `render_chat` turns a chat -- a list of messages with roles -- into the
