@@ -34,7 +34,7 @@ import torch
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.book import sequence_color, show, use_book_style
 from minivllm.book.arena import make_workload, simulate_contiguous, simulate_paged
-from minivllm.book.figures.blocks import draw_block_pool, draw_block_tables
+from minivllm.book.figures.blocks import block_legend, draw_block_pool, draw_block_tables
 from minivllm.book.stats import within
 from minivllm.book.stepper import Stepper
 from minivllm.kv.block_manager import BlockManager
@@ -139,9 +139,11 @@ show(BlockPool.decref)
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "Block tables (left) and the block pool (right), an arrow from each logical block to its physical block: sequence 1 has finished, and sequence 3 took its freed blocks first, from the front of the free queue.", "name": "fig-03-free-queue"}}
 def show_state(manager: BlockManager, title: str) -> None:
-    fig, (tables_ax, pool_ax) = plt.subplots(
-        1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [1, 1.2]}
-    )
+    # The page's width to the cells: tables and pool side by side, each as wide as its cells (the
+    # widest table and its labels, 8 pool columns), little margin between.
+    widest = max(len(table.blocks) for table in manager.tables.values())
+    layout = {"width_ratios": [widest + 1.6, 8.1], "wspace": 0.05, "left": 0.01, "right": 0.99}
+    fig, (tables_ax, pool_ax) = plt.subplots(1, 2, figsize=(7.5, 3.2), gridspec_kw=layout)
     centres = draw_block_pool(pool_ax, manager, columns=8)
     draw_block_tables(tables_ax, manager, pool_ax, centres)
     fig.suptitle(title, fontsize=10)
@@ -334,7 +336,7 @@ def pool_grid(record, columns: int = 32):
     return [owner[r * columns : (r + 1) * columns] for r in range(len(owner) // columns)]
 
 
-def draw_pool_step(ax, record) -> None:
+def draw_pool_step(ax, record, fontsize: float = 11) -> None:
     from matplotlib.colors import ListedColormap, to_rgb
 
     grid = pool_grid(record)
@@ -349,17 +351,19 @@ def draw_pool_step(ax, record) -> None:
     ax.set_title(
         f"step {record.step}: {len(record.running)} running, {record.waiting} waiting\n"
         f"{record.used / max(record.reserved, 1):.0%} of held slots used",
-        fontsize=8,
+        fontsize=fontsize,
     )
     ax.axis("off")
 
 
 def pool_figure(step: int):
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = plt.subplots(figsize=(7.5, 3.4), layout="constrained")
     draw_pool_step(ax, paged.steps[step])
+    block_legend(fig, loc="outside lower center")
     return fig
 
 
+# %% mystnb={"figure": {"caption": "Step through chapter 02's workload in the paged pool, every 25th decode step: one cell per block (32 to a row), coloured by the sequence that holds it, grey when free. Drag the slider, or step with the buttons or the arrow keys.", "name": "fig-03-pool-stepper"}}
 Stepper(pool_figure, steps=range(0, paged.num_steps, 25), start=300)
 
 # %% [markdown]
@@ -367,10 +371,11 @@ Stepper(pool_figure, steps=range(0, paged.num_steps, 25), start=300)
 # {term}`kernel <kernel (CUDA)>` or a network. Six moments side by side:
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "The paged pool at six moments of chapter 02's workload: one cell per block, one colour per sequence, grey free; each panel's title gives the step, the sequences running and waiting, and how much of the held slots hold tokens.", "name": "fig-03-pool-over-time"}}
-fig, axes = plt.subplots(2, 3, figsize=(10, 4))
+fig, axes = plt.subplots(3, 2, figsize=(7.5, 6.6), layout="constrained")
 for ax, step in zip(axes.flat, [20, 100, 200, 400, 700, 1000]):
-    draw_pool_step(ax, paged.steps[step])
-fig.suptitle("The paged pool over time: one colour per sequence, grey = free", fontsize=10)
+    draw_pool_step(ax, paged.steps[step], fontsize=10)
+fig.suptitle("The paged pool over time", fontsize=11)
+block_legend(fig, loc="outside lower center")
 plt.show()
 
 # %% [markdown]

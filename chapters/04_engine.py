@@ -38,6 +38,7 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.book import sequence_color, show, use_book_style
+from minivllm.book.figures.sampling import draw_next_token_probs, token_label
 from minivllm.book.figures.timelines import draw_batch_places, draw_flat_batch, draw_gantt
 from minivllm.book.modes import StaticBatching
 from minivllm.engine.trace import read_jsonl, write_jsonl
@@ -124,7 +125,7 @@ print(
 # The rest of the batch did nothing. Each row below is one batch place; each colour a request.
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "Static batching: each row a batch place, each colour the request holding it; grey where a place sits idle until the whole batch has drained.", "name": "fig-04-static-places"}}
-fig, ax = plt.subplots(figsize=(8, 2.2))
+fig, ax = plt.subplots(figsize=(7.5, 2.2))
 draw_batch_places(ax, static.trace, 4, "static batching: grey = an idle batch place")
 plt.show()
 
@@ -269,10 +270,8 @@ for _ in range(3):
 engine.add_request("MACBETH:\n", SamplingParams(max_tokens=20, temperature=0))
 plan = engine.scheduler.schedule()
 batch = build_batch(plan, engine.scheduler.sequences, engine.manager)
-token_text = [
-    tokenizer.token_repr(int(t)).replace("<0x0A>", "↵").replace(" ", "␣") for t in batch.input_ids
-]
-fig, ax = plt.subplots(figsize=(8, 1.6))
+token_text = [token_label(tokenizer.token_repr(int(t))) for t in batch.input_ids]
+fig, ax = plt.subplots(figsize=(7.5, 2.2))
 draw_flat_batch(ax, batch, token_text, [c.seq_id for c in plan.chunks])
 plt.show()
 print("query_start ", batch.query_start.tolist(), "  context_lens", batch.context_lens.tolist())
@@ -318,23 +317,23 @@ show(token_probs)
 print(position_uniforms(seeds=[5, 5, 6], positions=[17, 18, 17]))
 print(position_uniforms(seeds=[6, 5], positions=[17, 17]), "<- same (seed, position), same number")
 
-# %% tags=["hide-input"] mystnb={"figure": {"caption": "The probabilities of the most likely next tokens after the prompt 'ROMEO:' and a new line starting with 'I', under four combinations of temperature, top-k and top-p: each setting reshapes the same logits.", "name": "fig-04-sampling-params"}}
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The probabilities of the eight most likely next tokens (at temperature 1, no top-k or top-p) after the prompt 'ROMEO:' and a new line starting with 'I', under four combinations of temperature, top-k and top-p, side by side: each setting reshapes the same logits.", "name": "fig-04-sampling-params"}}
 logits = model(torch.tensor(tokenizer.encode("ROMEO:\nI", add_bos=True)))[-1:].detach()
-fig, ax = plt.subplots(figsize=(7.5, 2.6))
-for (t, k, p), color in zip([(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 0, 0.8), (1.0, 5, 1.0)], range(4)):
-    probs = token_probs(logits, torch.tensor([t]), torch.tensor([k]), torch.tensor([p]))[0]
-    top = probs.argsort(descending=True)[:12]
-    ax.plot(
-        range(12),
-        probs[top].numpy(),
-        "o-",
-        color=sequence_color(color),
-        label=f"T={t}, top_k={k}, top_p={p}",
-    )
-ax.set_xticks(range(12), [tokenizer.token_repr(int(i)) for i in top])
-ax.set_ylabel("probability")
+settings = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 0, 0.8), (1.0, 5, 1.0)]
+probs = {
+    f"T={t}, top_k={k}, top_p={p}": token_probs(
+        logits, torch.tensor([t]), torch.tensor([k]), torch.tensor([p])
+    )[0]
+    for t, k, p in settings
+}
+top = probs["T=1.0, top_k=0, top_p=1.0"].argsort(descending=True)[:8]  # the plain distribution's
+fig, ax = plt.subplots(figsize=(7.5, 3))
+draw_next_token_probs(
+    ax,
+    [tokenizer.token_repr(int(i)) for i in top],
+    {name: setting[top].tolist() for name, setting in probs.items()},
+)
 ax.set_title("the next token after 'ROMEO:\\nI', by sampling parameters")
-ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
@@ -412,7 +411,7 @@ for delta in engine.stream(
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "Static (top) against continuous (bottom) batching: the same 16 requests, four places; each row a request (grey: waiting, hatched: prefill, solid: decode).", "name": "fig-04-gantt"}}
 continuous, continuous_out = run(prompts, params, max_num_seqs=4)
 assert [o.token_ids for o in continuous_out] == [o.token_ids for o in static_out]
-fig, axes = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+fig, axes = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True)
 draw_gantt(axes[0], static.trace, f"static batching: {len(static.trace)} steps")
 draw_gantt(axes[1], continuous.trace, f"continuous batching: {len(continuous.trace)} steps")
 plt.tight_layout()
@@ -549,12 +548,12 @@ print("\nthe same greedy tokens under all three:", tokens[0] == tokens[1] == tok
 # for every request that starts with them: the third series, and room for more requests still.
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "The step trace's memory series for the same 16 requests in the same 64-block pool: the pool's blocks in use, the reserved slots holding no token, and the blocks saved by sharing, under the basic layout, the paged one, and the paged one with prefix caching.", "name": "fig-04-kv-layouts"}}
-fig, axes = plt.subplots(3, 1, figsize=(8, 6.5), sharex=True, sharey=True)
+fig, axes = plt.subplots(3, 1, figsize=(7.5, 6.5), sharex=True, sharey=True)
 for ax, (name, (engine, _, _)) in zip(axes, layout_runs.items()):
     draw_memory_trace(ax, engine.trace, f"{name}: {len(engine.trace)} steps")
 for ax in axes[:-1]:
     ax.set_xlabel("")
-axes[-1].legend(loc="center right", fontsize=8)
+axes[-1].legend(loc="center right", fontsize=9)
 plt.tight_layout()
 plt.show()
 

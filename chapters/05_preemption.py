@@ -35,7 +35,7 @@ import torch
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from minivllm.book import sequence_color, show, use_book_style
-from minivllm.book.figures.blocks import draw_block_pool, draw_block_tables
+from minivllm.book.figures.blocks import block_legend, draw_block_pool, draw_block_tables
 from minivllm.book.figures.preemption import draw_step_pool
 from minivllm.book.figures.timelines import draw_gantt
 from minivllm.book.modes import Stall
@@ -93,10 +93,11 @@ except SchedulerStalled as error:
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "The deadlocked pool (left) and the block tables (right), one colour per request: every block is held by a request that needs one more, and none is free.", "name": "fig-05-deadlock"}}
 fig, (pool_ax, table_ax) = plt.subplots(
-    1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1, 1.4]}
+    1, 2, figsize=(7.5, 3.6), gridspec_kw={"width_ratios": [1, 1.4]}, layout="constrained"
 )
 centres = draw_block_pool(pool_ax, stuck.manager, columns=6, title="the pool, deadlocked")
 draw_block_tables(table_ax, stuck.manager)
+block_legend(fig, tables=True, loc="outside lower center")
 plt.show()
 
 # %% [markdown]
@@ -291,7 +292,7 @@ for policy, (trace, choices, _) in worked.items():
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "The worked example under newest-first, the two steps before its preemption, the preemption, and the step after. Each panel shows the pool of 6 one-token blocks as that step's forward pass used it (labelled with the request holding each block), what happened to blocks in the step, and the queues after it. In the preemption step (shaded) B's two blocks are outlined in its colour: one is free again, C takes the other; B is back in the waiting queue, and in the next step it prefills its prompt and output again.", "name": "fig-05-worked-newest"}}
 trace, _, pools = worked[newest_first]
 preempting = next(i for i, r in enumerate(trace) if r.preempted)
-fig, axes = plt.subplots(2, 2, figsize=(7.6, 5.4))
+fig, axes = plt.subplots(2, 2, figsize=(7.5, 5.4))
 for ax, index in zip(axes.flat, range(preempting - 2, preempting + 2)):
     draw_step_pool(ax, pools[index], trace[index], names, pools[index - 1], describe(trace[index]))
 plt.show()
@@ -324,8 +325,9 @@ def draw_burst_step(fig, manager, record):
 
 
 def burst_figure(step: int):
-    fig = plt.figure(figsize=(9, 3.4))
+    fig = plt.figure(figsize=(7.5, 3.8), layout="constrained")
     draw_burst_step(fig, *burst_snapshots[step - 1])
+    block_legend(fig, tables=True, loc="outside lower center")
     return fig
 
 
@@ -334,6 +336,8 @@ def burst_figure(step: int):
 first_preemption = next(r.step for _, r in burst_snapshots if r.preempted)
 events = [r.step for _, r in burst_snapshots if r.preempted or r.resumed][:12]
 frames = sorted(set(range(1, len(burst_snapshots) + 1, 20)) | set(events))
+
+# %% mystnb={"figure": {"caption": "Step through the burst under newest-first preemption, every 20th step and the first steps that preempt or resume a request: the pool (left), the block tables (right), and above them the requests preempted or resumed in the step and the waiting queue after it. Drag the slider, or step with the buttons or the arrow keys.", "name": "fig-05-burst-stepper"}}
 Stepper(burst_figure, steps=frames, start=first_preemption)
 
 # %% [markdown]
@@ -343,9 +347,10 @@ Stepper(burst_figure, steps=frames, start=first_preemption)
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "Four moments of the burst with preemption: just before the first preemption, at it, at the first resumption, and near the end; each shows the pool, the block tables and the queues.", "name": "fig-05-burst-moments"}}
 first_resume = next(r.step for _, r in burst_snapshots if r.resumed)
 moments = [first_preemption - 1, first_preemption, first_resume, len(burst_snapshots) - 5]
-fig = plt.figure(figsize=(10, 13))
+fig = plt.figure(figsize=(7.5, 13), layout="constrained")
 for subfig, step in zip(fig.subfigures(len(moments), 1), moments):
     draw_burst_step(subfig, *burst_snapshots[step - 1])
+block_legend(fig, tables=True, loc="outside lower center")
 plt.show()
 
 # %% [markdown]
@@ -392,7 +397,7 @@ print(normal.finish_reason, repr(normal.text))
 # while recomputing.
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "Every request's timeline in the burst under newest-first: grey while waiting, hatched while prefilling, solid while decoding, crossed grey once preempted, back-hatched while recomputing.", "name": "fig-05-burst-timeline"}}
-fig, ax = plt.subplots(figsize=(7.6, 4.2))
+fig, ax = plt.subplots(figsize=(7.5, 4.2))
 trace = burst_traces["newest"]
 preemptions = sum(len(r.preempted) for r in trace)
 draw_gantt(ax, trace, f"newest first: {len(trace)} steps, {preemptions} preemptions")
@@ -426,7 +431,7 @@ print("after every step, output tokens never increase along the running list:", 
 # its two schedules:
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "The worked example under each policy. Newest-first (top) preempts B, which recomputes in one step; least-progressed (bottom) breaks the tie between B and C towards the higher id and preempts C, whose prompt and output exceed one step's token budget, so it needs two steps to come back. Grey: waiting; hatched: prefill; solid: decode; crossed grey: preempted; back-hatched: recompute.", "name": "fig-05-policy-timelines"}}
-fig, axes = plt.subplots(2, 1, figsize=(7.6, 3.8), sharex=True)
+fig, axes = plt.subplots(2, 1, figsize=(7.5, 3.8), sharex=True)
 for ax, (policy, (trace, choices, _)) in zip(axes, worked.items()):
     recomputed = sum(r.recomputed_tokens for r in trace)
     victims = " ".join(names[victim] for _, victim in choices)
@@ -507,7 +512,7 @@ for num_blocks, m in measured.items():
 for num_blocks, m in measured.items():
     print(f"{num_blocks:3d} blocks: {m['tokens'] / m['seconds']:6.0f} tokens/s")
 sizes = sorted(measured)
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(7.6, 3.0))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(7.5, 3.0))
 ax1.plot(sizes, [measured[b]["overhead"] for b in sizes], "o-", color=sequence_color(0))
 ax2.plot(
     sizes,

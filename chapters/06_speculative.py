@@ -217,7 +217,7 @@ for offset, (name, counts) in zip([0.1, 0.3], histograms.items()):
     )
 ax.set_xticks(x, vocab)
 ax.set_ylabel("probability")
-ax.legend(fontsize=8)
+ax.legend(fontsize=9)
 plt.show()
 
 # %% [markdown]
@@ -380,8 +380,8 @@ print(
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "One speculative round. Top: for each draft token the target's p and the draft's q side by side, the column shaded by its fate (accepted, first rejection, never checked), then the token the target adds itself; bottom: the block table before the verify, with slots reserved for the drafts, and after the rollback.", "name": "fig-06-round"}}
 accepted_count = len(run) - 1
 final_kind = "bonus" if accepted_count == len(drafted_ids) else "resampled"
-fig = plt.figure(figsize=(10, 4.4))
-top, bottom = fig.subfigures(2, 1, height_ratios=[2.6, 1])
+fig = plt.figure(figsize=(7.5, 5.8))
+top, bottom = fig.subfigures(2, 1, height_ratios=[2.6, 1.5])
 draw_speculative_round(
     top.subplots(),
     [chr(t) for t in drafted_ids],
@@ -391,15 +391,15 @@ draw_speculative_round(
     chr(run[-1]),
     final_kind,
 )
-before_ax, after_ax = bottom.subplots(1, 2)
+before_ax, after_ax = bottom.subplots(2, 1)  # one above the other: a table is a long row
 draw_block_tables(before_ax, tables_before)
 before_ax.set_title(
     f"before the verify: {tables_before.num_tokens(seq_id)} slots "
     f"({plan.chunks[0].num_lookahead} reserved for drafts)",
-    fontsize=9,
+    fontsize=10,
 )
 draw_block_tables(after_ax, engine.manager)
-after_ax.set_title(f"after the rollback: {engine.manager.num_tokens(seq_id)} slots", fontsize=9)
+after_ax.set_title(f"after the rollback: {engine.manager.num_tokens(seq_id)} slots", fontsize=10)
 plt.show()
 
 # %% [markdown]
@@ -486,7 +486,7 @@ for name, settings in [("draft model", {"draft_model": draft}), ("n-gram", {"met
     engine = speculative_engine(SpeculativeConfig(num_speculative_tokens=4, **settings))
     engine.generate(prompts[:4], SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
     maps[name] = engine.trace
-fig, axes = plt.subplots(2, 1, figsize=(10, 4.2), sharex=True)
+fig, axes = plt.subplots(2, 1, figsize=(7.5, 4.2), sharex=True)
 for ax, (name, trace) in zip(axes, maps.items()):
     draw_acceptance_map(
         ax,
@@ -560,7 +560,7 @@ ax.plot(ks, [k + 1 for k in ks], ":", color="grey", label="k + 1 (every draft ac
 ax.axhline(2.5, color="#d62728", lw=0.8, alpha=0.6)
 ax.set_xlabel("k (draft tokens per round)")
 ax.set_ylabel("tokens per target pass")
-ax.legend(fontsize=8)
+ax.legend(fontsize=9)
 plt.show()
 
 # %% [markdown]

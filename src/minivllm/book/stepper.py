@@ -20,9 +20,10 @@ from matplotlib.figure import Figure
 _ids = itertools.count()
 
 
-def figure_png(fig: Figure, dpi: int = 72) -> bytes:
-    """The figure as PNG bytes, at screen resolution (a stepper embeds dozens of them); the figure
-    is closed (it is not shown again below the cell)."""
+def figure_png(fig: Figure, dpi: int = 100) -> bytes:
+    """The figure as PNG bytes, at the resolution the book's other figures have (a figure as wide
+    as the page is as many pixels wide as the page's column); the figure is closed (it is not shown
+    again below the cell)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     plt.close(fig)
@@ -54,20 +55,39 @@ class Stepper:
         frames = ",".join(f'"data:image/png;base64,{frame}"' for frame in self.frames)
         steps = ",".join(str(step) for step in self.steps)
         label = html.escape(self.label)
-        return f"""<div id="{name}">
-<label>{label} <input type="range" min="0" max="{len(self.frames) - 1}" value="{self.start}"
- style="width: 60%; vertical-align: middle"> <output>{self.steps[self.start]}</output></label><br>
-<img style="max-width: 100%" src="data:image/png;base64,{self.frames[self.start]}">
+        last = len(self.frames) - 1
+        # One tick per frame on the slider (the browser draws a datalist's options as ticks), and
+        # buttons that move one frame, so every frame can be reached however many there are.
+        ticks = "".join(f'<option value="{i}"></option>' for i in range(len(self.frames)))
+        return f"""<div id="{name}" style="width: 100%; font-size: 1em">
+<div style="display: flex; align-items: center; gap: 0.5em">
+<button type="button" title="previous frame" aria-label="previous frame">&#9664;</button>
+<input type="range" min="0" max="{last}" step="1" value="{self.start}" list="{name}-ticks"
+ aria-label="{label}" style="flex: 1; min-width: 0">
+<button type="button" title="next frame" aria-label="next frame">&#9654;</button>
+<span style="white-space: nowrap">{label} <output>{self.steps[self.start]}</output>
+ (frame <span>{self.start + 1}</span> of {len(self.frames)})</span>
+</div>
+<datalist id="{name}-ticks">{ticks}</datalist>
+<img style="width: 100%; max-width: 100%" alt="{label} {self.steps[self.start]}"
+ src="data:image/png;base64,{self.frames[self.start]}">
 <script>
 (function () {{
   const root = document.getElementById("{name}");
   const frames = [{frames}], steps = [{steps}];
   const slider = root.querySelector("input"), image = root.querySelector("img");
-  const shown = root.querySelector("output");
-  slider.addEventListener("input", () => {{
+  const shown = root.querySelector("output"), frame = root.querySelector("output + span");
+  const [previous, next] = root.querySelectorAll("button");
+  function go(index) {{
+    slider.value = Math.max(0, Math.min({last}, index));
     image.src = frames[slider.value];
+    image.alt = "{label} " + steps[slider.value];
     shown.textContent = steps[slider.value];
-  }});
+    frame.textContent = Number(slider.value) + 1;
+  }}
+  slider.addEventListener("input", () => go(Number(slider.value)));
+  previous.addEventListener("click", () => go(Number(slider.value) - 1));
+  next.addEventListener("click", () => go(Number(slider.value) + 1));
 }})();
 </script>
 </div>"""

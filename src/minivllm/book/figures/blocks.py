@@ -7,9 +7,11 @@ one sequence (prefix sharing, fork) is hatched and labelled with its reference c
 from __future__ import annotations
 
 from matplotlib.axes import Axes
-from matplotlib.patches import ConnectionPatch, Rectangle
+from matplotlib.legend_handler import HandlerTuple
+from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 
 from minivllm.book import FREE_COLOR, sequence_color
+from minivllm.book.figures.readable import MIN_POINTS
 from minivllm.kv.block_manager import BlockManager
 
 
@@ -23,12 +25,13 @@ def block_owners(manager: BlockManager) -> dict[int, list[int]]:
 
 
 def _label_size(ax: Axes, x_span: float, y_span: float) -> float:
-    """A font size (points) for a cell's label: a third of the cell's side once the axes keeps its
-    aspect ratio, between 8 and 12 pt, so a pool of a few big cells reads as easily as the page's
-    text and a pool of many small ones still fits its labels."""
+    """A font size (points) for a cell's label: as large as two lines of it fit in the cell once the
+    axes keeps its aspect ratio, between the book's smallest readable size and 13 pt. A figure with
+    many cells must be drawn large enough for its labels: none is drawn smaller than a reader can
+    read."""
     box = ax.get_window_extent()
     points_per_unit = min(box.width / x_span, box.height / y_span) * 72 / ax.figure.dpi
-    return max(8.0, min(12.0, points_per_unit / 3))
+    return max(MIN_POINTS, min(13.0, points_per_unit / 2.6))
 
 
 def _cell(
@@ -36,11 +39,12 @@ def _cell(
 ) -> None:
     ax.add_patch(
         Rectangle(
-            (x, y), 0.92, 0.92, facecolor=color, edgecolor="white", hatch="///" if shared else None
+            (x, y), 0.92, 0.92, facecolor=color, edgecolor="white", hatch="//" if shared else None
         )
     )
-    # A shared cell's hatching runs through its label: give the label a pale plate to sit on.
-    plate = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85)
+    # A shared cell's hatching would run through its label: the label sits on a white plate, above
+    # the hatching, so only the cell's rim shows the stripes.
+    plate = dict(boxstyle="round,pad=0.12", facecolor="white", edgecolor="none")
     ax.text(
         x + 0.46,
         y + 0.46,
@@ -49,6 +53,7 @@ def _cell(
         va="center",
         fontsize=size,
         bbox=plate if shared else None,
+        zorder=3,
     )
 
 
@@ -76,6 +81,12 @@ def draw_block_pool(
     return centres
 
 
+def _lower_left(centre: tuple) -> tuple:
+    """Where an arrow ends on a pool cell: near its lower left corner, so the arrow head does not
+    sit on the cell's label."""
+    return centre[0] - 0.34, centre[1] - 0.3
+
+
 def draw_block_tables(
     ax: Axes,
     manager: BlockManager,
@@ -101,7 +112,7 @@ def draw_block_tables(
                     ConnectionPatch(
                         xyA=(logical + 0.9, y + 0.46),
                         coordsA=ax.transData,
-                        xyB=pool_centres[block],
+                        xyB=_lower_left(pool_centres[block]),
                         coordsB=pool_ax.transData,
                         color=sequence_color(seq_id),
                         alpha=0.45,
@@ -114,3 +125,18 @@ def draw_block_tables(
 
 
 # The fate of a draft token in speculative decoding (chapter 06).
+
+
+def block_legend(fig, tables: bool = False, free_label: str = "free block", **where) -> None:
+    """A legend for the pool (and block tables) under `fig` (a figure or subfigure): a free block,
+    a held block (its colour names its sequence), and with `tables` what a table cell's label
+    means. `where` goes to `fig.legend` (by default: centred below the drawing)."""
+    held = tuple(Patch(facecolor=sequence_color(s)) for s in range(4))
+    handles = [Patch(facecolor=FREE_COLOR, edgecolor="#cccccc"), held]
+    labels = [free_label, "held: one colour per sequence"]
+    if tables:
+        handles.append(Patch(facecolor="none", edgecolor="none"))
+        labels.append("→n: maps to physical block n")
+    options = dict(loc="lower center", ncol=len(handles), frameon=False, fontsize=10)
+    handler_map = {tuple: HandlerTuple(ndivide=None, pad=0)}  # the four colours side by side
+    fig.legend(handles, labels, handler_map=handler_map, **options | where)

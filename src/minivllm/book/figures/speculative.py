@@ -41,14 +41,14 @@ def draw_speculative_round(
         )
         ax.bar(i + 0.17, q_t, width=0.32, color="#ff7f0e", label="q (draft)" if i == 0 else None)
         verdict = "accept" if i < num_accepted else "reject" if i == num_accepted else "unchecked"
-        ax.text(i, 1.04, f"{text!r}\n{verdict}", ha="center", fontsize=8)
+        ax.text(i, 1.04, f"{text!r}\n{verdict}", ha="center", fontsize=9)
     end = len(drafted)
     at = num_accepted if num_accepted < end else end
     ax.annotate(
         f"{final_kind}\n{final!r}",
         xy=(at, 0.5),
         xytext=(end + 0.6, 0.5),
-        fontsize=8,
+        fontsize=9,
         ha="center",
         va="center",
         color=TARGET_COLOR,
@@ -58,7 +58,7 @@ def draw_speculative_round(
     ax.set_ylim(0, 1.22)
     ax.set_xticks(range(end), [f"draft {i + 1}" for i in range(end)])
     ax.set_ylabel("probability of the draft token")
-    ax.legend(loc="upper right", bbox_to_anchor=(1.0, 0.92), fontsize=8)
+    ax.legend(loc="upper right", bbox_to_anchor=(1.0, 0.92), fontsize=9)
     ax.grid(False)
 
 

@@ -63,7 +63,7 @@ def draw_gantt(ax: Axes, records, title: str = "requests over steps", label_ever
     ax.set_yticks(
         [y + 0.4 for y in ticks],
         [f"req {seq_ids[len(seq_ids) - 1 - y]}" for y in ticks],
-        fontsize=7,
+        fontsize=9,
     )
     ax.set_xlabel("engine step")
     ax.grid(False)
@@ -72,39 +72,46 @@ def draw_gantt(ax: Axes, records, title: str = "requests over steps", label_ever
 
 def draw_flat_batch(ax: Axes, batch, token_text: list[str], seq_ids: list[int]) -> None:
     """The flattened batch of one step: each new token a cell coloured by its sequence, with its
-    position above and its cache slot below; brackets show each sequence's query range."""
+    position above and its cache slot below; a bracket over each sequence's query range
+    (`query_start[i]:query_start[i + 1]`, its rows of the batch), labelled with the sequence id."""
     starts = batch.query_start.tolist()
     for i, seq_id in enumerate(seq_ids):
+        color = sequence_color(seq_id)
         for row in range(starts[i], starts[i + 1]):
-            ax.add_patch(Rectangle((row, 0), 0.94, 1, facecolor=sequence_color(seq_id), alpha=0.85))
+            ax.add_patch(Rectangle((row, 0), 0.94, 1, facecolor=color, alpha=0.85))
+            text = token_text[row]
+            ax.text(row + 0.47, 0.5, text, ha="center", va="center", color="white", fontsize=9)
+            ax.text(row + 0.47, 1.12, str(int(batch.positions[row])), ha="center", va="bottom")
             ax.text(
                 row + 0.47,
-                0.5,
-                token_text[row],
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white",
-            )
-            ax.text(row + 0.47, 1.15, str(int(batch.positions[row])), ha="center", fontsize=6)
-            ax.text(
-                row + 0.47,
-                -0.35,
+                -0.12,
                 str(int(batch.slot_mapping[row])),
                 ha="center",
-                fontsize=6,
+                va="top",
                 color="#555555",
             )
-        kind = "decode" if i < batch.num_decodes else "prefill"
-        ax.text(
-            (starts[i] + starts[i + 1]) / 2, 1.6, f"seq {seq_id}\n{kind}", ha="center", fontsize=7
-        )
-    ax.text(-0.6, 1.15, "position", ha="right", fontsize=7)
-    ax.text(-0.6, 0.5, "token", ha="right", va="center", fontsize=7)
-    ax.text(-0.6, -0.35, "slot", ha="right", fontsize=7, color="#555555")
-    ax.set_xlim(-0.2, starts[-1])
-    ax.set_ylim(-0.6, 2.3)
+        _bracket(ax, starts[i], starts[i + 1] - 0.06, 1.75, color)
+        ax.text((starts[i] + starts[i + 1] - 0.06) / 2, 1.8, str(seq_id), ha="center", color=color)
+    # Over the brackets, which of them decode (one token each) and which prefill a chunk.
+    for kind, first, last in (
+        ("decodes", 0, batch.num_decodes),
+        ("prefill", batch.num_decodes, len(seq_ids)),
+    ):
+        if last > first:
+            middle = (starts[first] + starts[last] - 0.06) / 2
+            ax.text(middle, 2.35, kind, ha="center", weight="bold")
+    ax.text(-0.3, 1.8, "sequence", ha="right")
+    ax.text(-0.3, 1.12, "position", ha="right", va="bottom")
+    ax.text(-0.3, 0.5, "token", ha="right", va="center")
+    ax.text(-0.3, -0.12, "slot", ha="right", va="top", color="#555555")
+    ax.set_xlim(-1.9, starts[-1])
+    ax.set_ylim(-0.75, 2.9)
     ax.axis("off")
+
+
+def _bracket(ax: Axes, left: float, right: float, y: float, color: str) -> None:
+    """A square bracket opening downwards from `left` to `right` at height `y`."""
+    ax.plot([left, left, right, right], [y - 0.15, y, y, y - 0.15], color=color, lw=1.5)
 
 
 def draw_batch_places(ax: Axes, records, places: int, title: str) -> None:

@@ -1,0 +1,230 @@
+"""The book's figures read on the page: every text a drawing function writes is at least 9 pt once
+the figure is shown as wide as the page, tick labels do not run into each other, and a stepper is as
+wide as the page with a slider that reaches every frame.
+
+Each drawing function is drawn with small inputs at the page's width, as the chapters draw it."""
+
+from __future__ import annotations
+
+import re
+import struct
+from types import SimpleNamespace
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from minivllm.book import use_book_style  # noqa: E402
+from minivllm.book.figures.blocks import block_legend, draw_block_pool, draw_block_tables  # noqa: E402
+from minivllm.book.figures.preemption import draw_step_pool  # noqa: E402
+from minivllm.book.figures.readable import (  # noqa: E402
+    PAGE_WIDTH,
+    overlapping_tick_labels,
+    small_text,
+)
+from minivllm.book.figures.sampling import (  # noqa: E402
+    draw_next_token_probs,
+    tick_label,
+    token_label,
+)
+from minivllm.book.figures.speculative import (  # noqa: E402
+    draw_acceptance_map,
+    draw_speculative_round,
+)
+from minivllm.book.figures.timelines import (  # noqa: E402
+    draw_batch_places,
+    draw_flat_batch,
+    draw_gantt,
+    draw_memory_trace,
+)
+from minivllm.book.stepper import Stepper  # noqa: E402
+from minivllm.engine.trace import StepRecord  # noqa: E402
+from minivllm.kv.block_manager import BlockManager  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def book_style():
+    use_book_style()
+    yield
+    plt.close("all")
+
+
+def record(step: int, **fields) -> StepRecord:
+    """A step record with nothing in it but `fields`."""
+    empty = dict.fromkeys(
+        ["admitted", "decoded", "prefilled", "finished", "stalled", "preempted", "resumed"], ()
+    )
+    counts = dict(num_batched_tokens=0, prefix_hit_tokens=0, recomputed_tokens=0)
+    base = empty | counts | dict(running=(), waiting=(), blocks_used=0, blocks_free=8)
+    return StepRecord(step=step, **(base | fields))
+
+
+# Three requests: 0 and 1 run from step 1, 2 waits, 1 is preempted at step 3 and comes back.
+TRACE = [
+    record(1, admitted=(0, 1), prefilled=((0, 4), (1, 4)), running=(0, 1), waiting=(2,)),
+    record(2, decoded=(0, 1), running=(0, 1), waiting=(2,), blocks_used=4, blocks_free=4),
+    record(3, decoded=(0,), preempted=(1,), running=(0,), waiting=(1, 2), blocks_used=3),
+    record(4, admitted=(1,), resumed=(1,), prefilled=((1, 6),), decoded=(0,), running=(0, 1)),
+    record(5, decoded=(0, 1), finished=((0, "length"),), running=(1,), waiting=(2,)),
+    record(6, admitted=(2,), prefilled=((2, 4),), decoded=(1,), finished=((1, "stop"),)),
+    record(7, decoded=(2,), finished=((2, "length"),), speculated=((2, 4, 2),)),
+]
+
+
+def shared_pool() -> BlockManager:
+    """A pool where sequences share blocks (a fork) and one has its own."""
+    manager = BlockManager(num_blocks=32, block_size=16)
+    manager.allocate(0, 100)
+    manager.fork(0, 1)
+    manager.allocate(2, 30)
+    return manager
+
+
+def draw_pool_and_tables():
+    fig, (tables_ax, pool_ax) = plt.subplots(
+        1, 2, figsize=(PAGE_WIDTH, 3.2), gridspec_kw={"width_ratios": [1, 1.2]}
+    )
+    centres = draw_block_pool(pool_ax, shared_pool(), columns=8)
+    draw_block_tables(tables_ax, shared_pool(), pool_ax, centres)
+    block_legend(fig, tables=True)
+    return fig
+
+
+def draw_flat():
+    batch = SimpleNamespace(
+        query_start=np.array([0, 1, 2, 12]),
+        positions=np.array([10, 11, *range(10)]),
+        slot_mapping=np.array([38, 19, *range(44, 54)]),
+        num_decodes=2,
+    )
+    names = ["w", " ", "<bos>", *"MACBETH:", "<0x0A>"]
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 2.2))
+    draw_flat_batch(ax, batch, [token_label(n) for n in names], [0, 1, 3])
+    return fig
+
+
+def draw_probs():
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3))
+    tokens = [" ", "'", "f", "<0x0A>", "<0xA9>", "<0xB0>", "<0xAF>", "<bos>"]
+    series = {f"T={t}": [1 / (i + 1) ** t for i in range(len(tokens))] for t in (1.0, 0.7)}
+    draw_next_token_probs(ax, tokens, series)
+    return fig
+
+
+def draw_timelines():
+    fig, axes = plt.subplots(3, 1, figsize=(PAGE_WIDTH, 6))
+    draw_gantt(axes[0], TRACE)
+    draw_batch_places(axes[1], TRACE, 2, "places")
+    draw_memory_trace(axes[2], TRACE)
+    axes[2].legend(fontsize=9)
+    return fig
+
+
+def draw_speculation():
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 5))
+    draw_speculative_round(
+        top, ["a", "b", "c", "d"], [0.9, 0.5, 0.1, 0.3], [0.5] * 4, 2, "x", "resampled"
+    )
+    draw_acceptance_map(bottom, TRACE, seq_id=2, title="request 2")
+    return fig
+
+
+def draw_preemption_step():
+    previous, now = (
+        BlockManager(num_blocks=6, block_size=1),
+        BlockManager(num_blocks=6, block_size=1),
+    )
+    previous.allocate(0, 3)
+    previous.allocate(1, 3)
+    now.allocate(0, 4)
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.4))
+    draw_step_pool(ax, now, TRACE[2], {0: "A", 1: "B", 2: "C"}, previous, "B is preempted")
+    return fig
+
+
+FIGURES = [
+    draw_pool_and_tables,
+    draw_flat,
+    draw_probs,
+    draw_timelines,
+    draw_speculation,
+    draw_preemption_step,
+]
+
+
+@pytest.mark.parametrize("draw", FIGURES, ids=lambda draw: draw.__name__)
+def test_every_text_is_at_least_9_pt_on_the_page(draw) -> None:
+    assert small_text(draw()) == []
+
+
+def test_the_size_check_sees_small_text_and_figures_wider_than_the_page() -> None:
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3))
+    ax.set_title("small", fontsize=7)
+    assert ("small", 7.0) in small_text(fig)
+    fig, ax = plt.subplots(figsize=(2 * PAGE_WIDTH, 3))  # shown at half size on the page
+    ax.set_title("shrunk", fontsize=12)
+    assert ("shrunk", 6.0) in small_text(fig)
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3))
+    ax.axis("off")  # the tick labels of a hidden axis are not drawn
+    ax.text(0, 0, "big", fontsize=12)
+    assert small_text(fig) == []
+
+
+def test_token_names_are_printable() -> None:
+    assert [token_label(n) for n in [" ", "<0x0A>", "<0xA9>", "a", "<bos>"]] == [
+        "␣",
+        "↵",
+        "0xA9",
+        "a",
+        "<bos>",
+    ]
+    assert [tick_label(n) for n in [" ", "<0x0A>", "<0xA9>", "a"]] == [
+        "' '",
+        "'\\n'",
+        "0xA9",
+        "'a'",
+    ]
+
+
+def test_token_ticks_do_not_run_together() -> None:
+    fig = draw_probs()
+    assert overlapping_tick_labels(fig.axes[0]) == []
+    # The check itself: twelve raw byte names on a narrow axis do run together.
+    fig, ax = plt.subplots(figsize=(4, 2))
+    ax.set_xticks(range(12), [f"<0x{0xA0 + i:02X}>" for i in range(12)])
+    assert overlapping_tick_labels(ax)
+
+
+def test_the_flat_batch_draws_a_bracket_per_sequence() -> None:
+    ax = draw_flat().axes[0]
+    assert len(ax.lines) == 3  # one per sequence's query range
+    brackets = sorted(line.get_xdata()[0] for line in ax.lines)
+    assert brackets == [0, 1, 2]  # each starts at the sequence's query_start
+
+
+def png_width(png: bytes) -> int:
+    return struct.unpack(">I", png[16:20])[0]
+
+
+def test_a_stepper_is_page_wide_with_a_slider_step_and_tick_per_frame() -> None:
+    import base64
+
+    def draw(step: int):
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 2))
+        ax.set_title(f"step {step}")
+        return fig
+
+    stepper = Stepper(draw, steps=range(0, 50, 5), start=20)
+    page = stepper._repr_html_()
+    assert png_width(base64.b64decode(stepper.frames[0])) == PAGE_WIDTH * 100  # 100 dpi
+    slider = re.search(r'<input type="range"[^>]*>', page).group(0)
+    assert 'min="0"' in slider and 'max="9"' in slider and 'step="1"' in slider
+    assert 'value="4"' in slider  # step 20 is the fifth frame
+    assert "flex: 1" in slider  # the slider takes the row's width, not a fixed few pixels
+    assert page.count("<option") == 10  # one tick per frame
+    assert page.count("<button") == 2  # one frame back, one forward
+    assert "(frame <span>5</span> of 10)" in page
