@@ -52,8 +52,8 @@ from minivllm.model.checkpoint import (
     sampling_defaults,
 )
 from minivllm.model.fused import fuse_model
-from minivllm.model.parallel import check_shardable
 from minivllm.model.hf_tokenizer import HFTokenizer, load_tokenizer
+from minivllm.model.parallel import check_shardable
 from minivllm.model.tokenizer import ByteTokenizer, Tokenizer
 from minivllm.model.transformer import ModelConfig, Transformer, placed_on
 from minivllm.runner.cuda_graph import DecodeGraphs
@@ -128,7 +128,11 @@ class LLMEngine:
             self.storage = self.parallel.storage
         else:
             self.storage = PagedKVStorage(
-                model.config, config.num_blocks + graphs, config.block_size, config.dtype, self.device
+                model.config,
+                config.num_blocks + graphs,
+                config.block_size,
+                config.dtype,
+                self.device,
             )
         scheduler_config, self.drafter = config.scheduler, None
         if speculative is not None:  # reserve k lookahead slots after each decode for drafts

@@ -248,7 +248,11 @@ def build_shard(
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.n_heads, attn.n_kv_heads = q_count, kv_count
-        for proj, heads in ((attn.q_proj, q_count), (attn.k_proj, kv_count), (attn.v_proj, kv_count)):
+        for proj, heads in (
+            (attn.q_proj, q_count),
+            (attn.k_proj, kv_count),
+            (attn.v_proj, kv_count),
+        ):
             proj.out_features = heads * head_dim
             _resize(proj, "weight", 0, heads * head_dim)
             if proj.bias is not None:
@@ -305,6 +309,8 @@ def shard_from_model(
             if cut is None:
                 param.copy_(source)
                 continue
-            param.narrow(cut.dim, 0, cut.length).copy_(source.narrow(cut.dim, cut.start, cut.length))
+            param.narrow(cut.dim, 0, cut.length).copy_(
+                source.narrow(cut.dim, cut.start, cut.length)
+            )
             zero_padding(param, cut)
     return part

@@ -254,7 +254,9 @@ def free_port() -> int:
 def _child_environment(threads: int):
     """Spawned ranks see `threads` threads for OpenMP, MKL and numba, and gloo on the loopback
     interface (read by each library as it loads, or as the group starts)."""
-    values = dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"), str(threads))
+    values = dict.fromkeys(
+        ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"), str(threads)
+    )
     values.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
