@@ -169,13 +169,23 @@ def _backend_name(device: str) -> str:
 
 
 def _init_group(settings: RankSettings, rank: int, init_method: str) -> None:
-    dist.init_process_group(
-        _backend_name(settings.device),
-        init_method=init_method,
-        rank=rank,
-        world_size=settings.world,
-        timeout=datetime.timedelta(seconds=settings.timeout_s),
-    )
+    """Join the default process group. Ranks meeting on 127.0.0.1 talk over the loopback
+    interface (gloo would otherwise pick the interface the host name resolves to, which a machine
+    without a network may not have), unless GLOO_SOCKET_IFNAME says otherwise."""
+    loopback = init_method.startswith("tcp://127.0.0.1:") and "GLOO_SOCKET_IFNAME" not in os.environ
+    if loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        dist.init_process_group(
+            _backend_name(settings.device),
+            init_method=init_method,
+            rank=rank,
+            world_size=settings.world,
+            timeout=datetime.timedelta(seconds=settings.timeout_s),
+        )
+    finally:
+        if loopback:
+            del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def _broadcast(message):
@@ -252,12 +262,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def _child_environment(threads: int):
-    """Spawned ranks see `threads` threads for OpenMP, MKL and numba, and gloo on the loopback
-    interface (read by each library as it loads, or as the group starts)."""
+    """Spawned ranks see `threads` threads for OpenMP, MKL and numba (read by each library as it
+    loads)."""
     values = dict.fromkeys(
         ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"), str(threads)
     )
-    values.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -355,7 +364,6 @@ class TensorParallelGroup:
                 theirs.close()
                 self._procs.workers.append(worker)
                 self._procs.conns.append(mine)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return init_method
 
     def _wait_ready(self) -> None:
