@@ -16,7 +16,6 @@ logit moves in its last bits: within 1e-4 of logits a few units wide (`LOGIT_TOL
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from minivllm.attention.backend import get_backend
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.book.tiny_checkpoint import save_random_weights
+from minivllm.cli import main
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.checkpoint import hf_config, load_model
 from minivllm.model.fused import fuse_model
@@ -40,6 +40,7 @@ from minivllm.runner.batch import BatchPiece, pack_batch, run_model
 from minivllm.runner.tensor_parallel import RankSettings, RankState, WeightsSource, free_port
 
 LOGIT_TOLERANCE = 1e-4
+TORCHRUN = Path(sys.executable).parent / "torchrun"
 BACKENDS = ("torch", "numba")
 # Tiny checkpoints: an odd vocabulary (the last rank's rows are padded), 2 layers.
 TINY = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=128)
@@ -293,31 +294,23 @@ def test_a_checkpoint_at_tp_2_each_rank_loading_its_shard(folders) -> None:
     assert no_children_left()
 
 
-@pytest.mark.skipif(
-    shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
-    reason="torchrun not installed",
-)
-def test_torchrun_starts_the_same_ranks(tmp_path) -> None:
+@pytest.mark.slow  # three interpreters start: the torchrun agent and two ranks
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this python")
+def test_torchrun_starts_the_same_ranks(capsys) -> None:
     """`torchrun --nproc-per-node 2 -m minivllm.cli generate ... --tensor-parallel-size 2` on
-    localhost: rank 0 prints what one process prints, rank 1 exits with it."""
-    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    localhost: rank 0 prints what one process prints, rank 1 exits with it, nothing is left."""
     args = ["generate", "ROMEO:", "--max-tokens", "12", "--temperature", "0"]
+    assert main(args) == 0
+    expected = capsys.readouterr().out
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    one = subprocess.run(
-        [sys.executable, "-m", "minivllm.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert one.returncode == 0, one.stderr
     two = subprocess.run(
         [
-            torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
             "--master-port", str(free_port()), "-m", "minivllm.cli", *args,
             "--tensor-parallel-size", "2",
         ],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert two.returncode == 0, two.stderr
-    assert two.stdout == one.stdout
+    assert two.stdout == expected
+    assert no_children_left()
