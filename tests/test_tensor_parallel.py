@@ -15,9 +15,12 @@ logit moves in its last bits: within 1e-4 of logits a few units wide (`LOGIT_TOL
 
 from __future__ import annotations
 
+import _thread
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -291,6 +294,33 @@ def test_a_checkpoint_at_tp_2_each_rank_loading_its_shard(folders) -> None:
     assert next(meta.parameters()).device.type == "meta"
     with LLMEngine(meta, EngineConfig(**config, tensor_parallel_size=2)) as two:
         assert tokens_of(two.generate(prompts, params)) == expected
+        # Ctrl-C in the middle of a run: the interrupt reaches the caller, `close()` (the with
+        # block's end) stops the ranks
+        long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        timer = threading.Timer(0.5, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(1000):  # runs until the interrupt lands, somewhere in a step
+                two.generate([[1, 2, 3]] * 4, long)
+        timer.join()
+    assert no_children_left()
+
+
+@pytest.mark.slow  # waits out a collective's timeout
+def test_a_rank_that_stops_answering_times_out(folders) -> None:
+    meta = load_model(folders["qwen2"], weights=False)
+    config = EngineConfig(
+        num_blocks=32, attention_backend="torch", tensor_parallel_size=2, distributed_timeout_s=5
+    )
+    engine = LLMEngine(meta, config)
+    try:
+        os.kill(engine.parallel.pids[0], signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="a rank failed or timed out"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+        assert time.monotonic() - started < 60
+    finally:
+        engine.close()
     assert no_children_left()
 
 
