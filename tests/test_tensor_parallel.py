@@ -38,7 +38,7 @@ from minivllm.kv.block_manager import BlockManager
 from minivllm.model.checkpoint import hf_config, load_model
 from minivllm.model.fused import fuse_model
 from minivllm.model.parallel import Shard, check_shardable, shard_from_model, shard_slices
-from minivllm.model.transformer import ModelConfig
+from minivllm.model.transformer import ModelConfig, RopeScaling
 from minivllm.runner.batch import BatchPiece, pack_batch, run_model
 from minivllm.runner.tensor_parallel import RankSettings, RankState, WeightsSource, free_port
 
@@ -59,6 +59,13 @@ FAMILIES = {
         qk_norm=True,
         explicit_head_dim=16,
         tie_word_embeddings=True,
+    ),
+    "llama3-biases": ModelConfig(  # biases on q, k, v and o (o's added once, after the sum)
+        **TINY,
+        n_kv_heads=2,
+        attention_bias=True,
+        o_proj_bias=True,
+        rope_scaling=RopeScaling(4.0, 1.0, 4.0, 16),
     ),
     "one-kv-head": ModelConfig(**TINY, n_kv_heads=1),  # fewer K/V heads than ranks
 }
@@ -143,7 +150,7 @@ def test_the_ranks_slices_tile_every_tensor(folders, name, world) -> None:
         assert not padding.any(), name_  # the vocabulary's padding rows are zeros
 
 
-@pytest.mark.parametrize("name", ["target", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["target", "qwen2", "qwen3", "llama3-biases"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rank_reads_exactly_its_slices_from_the_checkpoint(folders, name, dtype) -> None:
     """Rows from where they start, columns through the conversion buffer; in the file's dtype and
