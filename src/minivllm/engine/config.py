@@ -154,8 +154,9 @@ def _resolve_device(config: EngineConfig) -> str:
         return config.device
     cpu_only = config.forward_processes > 1 or backend_device(config.attention_backend) == "cpu"
     # a GPU per tensor-parallel rank, or the ranks run on the CPU
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "cuda" if gpus >= config.tensor_parallel_size and not cpu_only else "cpu"
+    tp = config.tensor_parallel_size
+    enough = torch.cuda.is_available() and (tp == 1 or torch.cuda.device_count() >= tp)
+    return "cuda" if enough and not cpu_only else "cpu"
 
 
 def resolve_capacity(
