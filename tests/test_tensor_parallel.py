@@ -205,7 +205,7 @@ def step_batches(config: ModelConfig, manager: BlockManager):
 
 
 def _rank_logits(rank: int, world: int, init_method: str, cases: list, out: str) -> None:
-    """One rank of `test_two_ranks_compute_one_processs_logits`: every case's steps through this
+    """One rank of `test_the_ranks_compute_one_processs_logits`: every case's steps through this
     rank's shard; rank 0 saves the logits."""
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -224,11 +224,19 @@ def _rank_logits(rank: int, world: int, init_method: str, cases: list, out: str)
         dist.destroy_process_group()
 
 
-def test_two_ranks_compute_one_processs_logits(folders, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "world",
+    [2, pytest.param(4, marks=pytest.mark.slow)],  # 4: ranks share the cores
+)
+def test_the_ranks_compute_one_processs_logits(folders, tmp_path, world) -> None:
+    """With 4 ranks every model here has fewer K/V heads than ranks (replicated)."""
     cases = [(name, str(folder), b) for name, folder in folders.items() for b in BACKENDS]
     init_method = f"tcp://127.0.0.1:{free_port()}"
     mp.start_processes(
-        _rank_logits, (2, init_method, cases, str(tmp_path)), nprocs=2, start_method="spawn"
+        _rank_logits,
+        (world, init_method, cases, str(tmp_path)),
+        nprocs=world,
+        start_method="spawn",
     )
     for name, folder, backend in cases:
         model = fuse_model(load_model(folder))

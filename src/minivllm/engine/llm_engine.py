@@ -269,8 +269,10 @@ class LLMEngine:
         "KV cache: 2048 blocks of 16 = 32768 tokens (96.0 MiB of K/V) in float32;
         max_model_len 512"."""
         dtype = str(self.config.dtype).removeprefix("torch.")
+        ranks = self.config.tensor_parallel_size
+        split = f", split by K/V heads over {ranks} ranks" if ranks > 1 else ""
         return (
-            f"KV cache: {self.cache.describe()} in {dtype}; "
+            f"KV cache: {self.cache.describe()} in {dtype}{split}; "
             f"max_model_len {self.config.max_model_len}"
         )
 
