@@ -18,9 +18,12 @@ system's greedy tokens are compared with the one-process run.
 
     python benchmarks/tensor_parallel.py                 # 3 repeats, 24 requests
     python benchmarks/tensor_parallel.py --repeats 5 --requests 48
+    python benchmarks/tensor_parallel.py --shape 100m --requests 8 --output-tokens 16 32
 
-Writes benchmarks/results/tensor_parallel.json (with the CPU model and the load average before and
-after each run: on a shared machine say so beside the numbers).
+`--shape 100m` runs a real-shaped model (benchmarks/real_model.py's random Qwen3 checkpoint, built
+once) in float32. Writes benchmarks/results/tensor_parallel.json (tensor_parallel_SHAPE.json for a
+shape), with the CPU model and the load average before and after each run: on a shared machine
+say so beside the numbers.
 """
 
 from __future__ import annotations
@@ -54,16 +57,24 @@ def systems(threads: int) -> dict[str, dict]:
     }
 
 
-def build(model, fields: dict, num_blocks: int, threads: int) -> tuple[LLMEngine, int]:
-    fields = dict(fields)
-    own_threads = fields.pop("_threads", threads)
+def build(folder, fields: dict, num_blocks: int, threads: int, shared: dict) -> LLMEngine:
+    """An engine for one system: the one-process systems share one engine (only the threads
+    differ), tensor parallelism's ranks read their shards of the folder themselves."""
     torch.set_num_threads(threads)  # TP shares torch's threads out between its ranks
     config = EngineConfig(
         num_blocks=num_blocks,
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
-        **fields,
+        dtype=torch.float32,
+        **{k: v for k, v in fields.items() if not k.startswith("_")},
     )
-    return LLMEngine(model, config), own_threads
+    if config.tensor_parallel_size > 1:
+        return LLMEngine(load_model(folder, torch.float32, weights=False), config)
+    if config.forward_processes == 1 and "one process" in shared:
+        return shared["one process"]
+    engine = LLMEngine(load_model(folder, torch.float32), config, own_model=True)
+    if config.forward_processes == 1:
+        shared["one process"] = engine
+    return engine
 
 
 def run_once(engine: LLMEngine, threads: int, requests) -> dict:
@@ -168,17 +179,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2, help="the one-process engine's threads")
-    parser.add_argument("--model", default="target")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--shape",
+        default="target",
+        help="'target' (the shipped model) or a shape of benchmarks/real_model.py (100m, "
+        "qwen3-0.6b, tiny): a random Qwen3 checkpoint of that shape, built once",
+    )
+    parser.add_argument("--dir", type=Path, default=None, help="where real_model.py's go")
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=(32, 96), metavar="N")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    model = load_model(args.model)
-    requests = make_workload(args.requests, seed=0, output_tokens=(32, 96))
+    if args.shape == "target":
+        folder, out = "target", args.out or RESULTS
+    else:
+        from real_model import DEFAULT_DIR, make_checkpoint
+
+        folder = make_checkpoint(args.dir or DEFAULT_DIR, args.shape, "float32")
+        out = args.out or RESULTS.with_name(f"tensor_parallel_{args.shape}.json")
+    requests = make_workload(args.requests, seed=0, output_tokens=tuple(args.output_tokens))
     num_blocks = sum(-(-(len(r.prompt_ids) + r.max_tokens) // 16) for r in requests) + 16
-    engines = {}
+    engines, shared = {}, {}
     for label, fields in systems(args.threads).items():
         started = time.perf_counter()
-        engines[label] = build(model, fields, num_blocks, args.threads)
+        engine = build(folder, fields, num_blocks, args.threads, shared)
+        engines[label] = engine, fields.get("_threads", args.threads)
         print(f"started {label} in {time.perf_counter() - started:.1f} s", flush=True)
     runs: dict[str, list[dict]] = {label: [] for label in engines}
     try:
@@ -197,7 +222,7 @@ def main() -> None:
                 )
     finally:
         for engine, _ in engines.values():
-            engine.close()
+            engine.close()  # the shared one-process engine twice: close() is idempotent
 
     reference = runs[next(iter(runs))][0]["_tokens"]
     summary = []
@@ -247,7 +272,8 @@ def main() -> None:
     )
     record = {
         "benchmark": "tensor_parallel",
-        "model": args.model,
+        "model": str(folder) if args.shape == "target" else f"random Qwen3, shape {args.shape}",
+        "dtype": "float32",
         "workload": {
             "requests": len(requests),
             "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
@@ -266,9 +292,9 @@ def main() -> None:
             "machine: see the load averages per run."
         ),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -64,9 +64,10 @@ from minivllm.attention.backend import get_backend, warm_up_backend
 from minivllm.attention.batch import VarlenBatch
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.model.checkpoint import load_model
-from minivllm.model.parallel import COMM, Shard, local_config, shard_from_model
+from minivllm.model.fused import fuse_model
+from minivllm.model.parallel import Shard, local_config, shard_from_model
 from minivllm.model.transformer import Transformer
-from minivllm.runner.workers import _packed, _unpacked
+from minivllm.runner.workers import _packed, _unpacked  # a batch as numpy arrays, and back
 
 _READY = "ready"
 START_TIMEOUT_S = 180.0  # a rank imports torch and numba and loads its shard: slow on a busy CPU
@@ -126,8 +127,6 @@ class RankState:
 
     @classmethod
     def build(cls, source: WeightsSource, settings: RankSettings, rank: int) -> RankState:
-        from minivllm.model.fused import fuse_model
-
         device = torch.device(f"cuda:{rank}" if settings.device == "cuda" else "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -321,7 +320,6 @@ class TensorParallelGroup:
             raise ValueError(f"a tensor-parallel group needs 2 ranks or more, got {settings.world}")
         self.settings = settings
         self.broadcast_s = 0.0  # time spent sending batches (rank 0's side), for the benchmark
-        self.steps = 0
         self._procs = _Processes()
         self._finalizer = weakref.finalize(self, self._procs.stop)
         rank = launched_by_torchrun(settings.world)
@@ -343,6 +341,7 @@ class TensorParallelGroup:
             _init_group(settings, 0, init_method)
             self._procs.group_started = True
         except BaseException:
+            self._procs.healthy = False  # nobody waits for a step: stop the ranks at once
             self.close()
             raise
 
@@ -416,9 +415,7 @@ class TensorParallelGroup:
             started = time.perf_counter()
             _broadcast((_packed(batch), list(copies)))
             self.broadcast_s += time.perf_counter() - started
-            logits = self.state.step(batch, list(copies))
-            self.steps += 1
-            return logits
+            return self.state.step(batch, list(copies))
         except RuntimeError as error:  # a collective failed: a rank died or timed out
             raise self._failed(error) from error
         except BaseException:  # Ctrl-C mid-step: the ranks are out of step, stop them all
@@ -442,10 +439,6 @@ class TensorParallelGroup:
             f"tensor parallelism failed: {why}; the engine's ranks are stopped, build a new "
             "engine to go on"
         )
-
-    def comm_seconds(self) -> float:
-        """Seconds this process has spent in collectives since the counter was reset."""
-        return COMM.seconds
 
     def close(self) -> None:
         """Stop every rank (idempotent; also on garbage collection and at exit)."""
