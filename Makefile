@@ -13,15 +13,18 @@ export OMP_NUM_THREADS ?= 2
 export OMP_WAIT_POLICY ?= PASSIVE
 export PYTHONHASHSEED := 0
 
-.PHONY: book test lint lab notebooks student bench serve check-notebooks clean help gpu-check
+.PHONY: book html test lint lab notebooks student bench serve check-notebooks clean help gpu-check
 
 help:
-	@echo "make book       install, execute every chapter, build the HTML book (book/_build/html)"
+	@echo "make book       install, execute every chapter into the build, build the HTML book"
+	@echo "                (book/_build/html); the committed notebooks stay as they are"
+	@echo "make html       the HTML book from the committed notebooks, without executing (< 1 min)"
 	@echo "make test       install, ruff (lint + format check), unit + property tests, strict nbval,"
 	@echo "                the student-mode check"
 	@echo "make lint       ruff check and ruff format --check (what make test runs first)"
 	@echo "make lab        JupyterLab on chapters/"
-	@echo "make notebooks  sync chapters/*.py -> .ipynb and execute in place"
+	@echo "make notebooks  sync chapters/*.py -> .ipynb and execute in place (updates the committed"
+	@echo "                notebooks; CHAPTERS=chapters/04_engine.py for some)"
 	@echo "make student DEST=dir [EXERCISES=ch03.1,ch05.2] [STUDENT_FLAGS=--force]"
 	@echo "                a course copy with those exercises (default: all) stubbed, and its own"
 	@echo "                HTML book without their solutions (DEST/book/_build/html)"
@@ -31,19 +34,26 @@ help:
 	@echo "make gpu-check  on an NVIDIA GPU machine: CUDA tests, engine tests, chapters, GPU benchmarks"
 
 $(VENV)/bin/python:
+	@echo "== creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# pip -q is silent for minutes on a fresh machine: say so before it starts.
 $(BOOK_STAMP): pyproject.toml | $(VENV)/bin/python
+	@echo "== installing minivllm and the book's dependencies into $(VENV) (a few minutes the first time)"
 	$(PY) -m pip install -q -e ".[book]"
 	touch $@
 
 $(DEV_STAMP): pyproject.toml | $(VENV)/bin/python
+	@echo "== installing minivllm and the dev dependencies into $(VENV) (a few minutes the first time)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@ $(BOOK_STAMP)
 
+# The chapters run into the build (book/chapters/), not over the committed notebooks.
 book: $(BOOK_STAMP)
-	$(PY) tools/notebooks.py execute
+	$(PY) tools/build_book.py --execute
+
+html: $(BOOK_STAMP)
 	$(PY) tools/build_book.py
 
 LINTED := src tests benchmarks tools chapters examples book/scoreboard.py

@@ -163,7 +163,8 @@ show(Sequence.num_uncomputed_tokens.fget)
 # the `StepPlan`, and changes only its queues and the {term}`block tables <block table>`. The
 # phases, in order: the running batch — decodes first (each reserves the slot for its next token
 # *before* the forward pass), then prompts still being prefilled — and then admissions from the
-# waiting queue, first come first served, while three limits hold: `max_num_seqs`, the per-step
+# waiting queue, first come first served (the sequences of one client request take turns with
+# another's: `sched/waiting.py`), while three limits hold: `max_num_seqs`, the per-step
 # {term}`token budget` `max_num_batched_tokens`, and free blocks. Two names point ahead: `_reserve`
 # asks for a running sequence's slots and, when there are none, hands the sequence to the
 # **{term}`preemption <preemption (by recompute)>` policy** (chapter 05; `may_preempt`, `served`,

@@ -214,7 +214,8 @@ print(
 # and awaits the verdict — a prompt that can never fit the cache fails right there, in the engine's
 # `InputProcessor` (the checks `LLMEngine.add_request` makes), while the server can still answer 400
 # — then either collects the whole answer or streams it (`responses.py`; `app.py` puts the handlers
-# on their routes and every error in the API's own body, `server.py` runs the process):
+# on their routes and every error in the API's own body, `server.py` runs the process, and
+# `connections.py` times out a connection that sends nothing or reads nothing):
 
 # %%
 show(endpoints.OpenAIServer.completions)

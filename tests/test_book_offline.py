@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "tools"))  # tools/listing_widths.py, a script beside the build's
 
 # What a browser fetches by itself when a page opens (a plain <a href> link is not fetched).
 LOADS = [
@@ -103,3 +104,34 @@ def test_a_stepper_carries_its_frames_and_its_script_inline() -> None:
     assert repr(stepper) == "Stepper(3 frames, step 0..20)"
     with pytest.raises(ValueError, match="start=5"):
         Stepper(draw, steps=[0, 10], start=5)
+
+
+@pytest.mark.slow
+def test_every_show_listing_fits_the_code_column(built_book: Path) -> None:
+    """The longest line of each show() listing against the characters the code column holds at a
+    1280 px window, as tools/listing_widths.py derives it from book/_static/minivllm.css."""
+    import listing_widths as widths  # tools/, put on the path above
+
+    pages = widths.page_pres(built_book)
+    listings = [pre for found in pages.values() for pre in found if pre.kind == "listing"]
+    assert len(listings) >= 50, f"only {len(listings)} show() listings found in the built book"
+    assert widths.too_wide(pages) == []
+    css = (built_book / "_static" / "minivllm.css").read_text()
+    assert css == widths.STYLESHEET.read_text(), "the book does not carry the stylesheet measured"
+    assert (
+        'href="../_static/minivllm.css' in (built_book / "chapters" / "04_engine.html").read_text()
+    )
+
+
+@pytest.mark.slow
+def test_each_script_runs_once_per_page(built_book: Path) -> None:
+    """An inline script listed twice redeclares its consts (sphinx-thebe's THEBE_JS_URL threw a
+    SyntaxError on every page)."""
+    script = re.compile(r"<script\b[^>]*>.*?</script>", re.S)
+    twice = {}
+    for page in sorted(built_book.rglob("*.html")):
+        scripts = script.findall(page.read_text(errors="replace"))
+        repeated = {s[:80] for s in scripts if scripts.count(s) > 1}
+        if repeated:
+            twice[str(page.relative_to(built_book))] = sorted(repeated)
+    assert not twice, f"scripts listed twice: {twice}"

@@ -2,21 +2,28 @@
 (committed), and the same for the book's own pages in `BOOK_PAGES` (`book/scoreboard.py`).
 
     python tools/notebooks.py execute [chapters/00_model.py ...]   sync .py -> .ipynb, execute it
+    python tools/notebooks.py execute --into DIR [...]  ... writing the .ipynb into DIR instead
+                                                        (the book build's, not the committed)
     python tools/notebooks.py check                     fail if a pair drifted or a cell is unrun
 
 Execution happens in the notebook's folder with a fresh kernel per notebook, cells in order, no
-timing metadata, so running it twice on the same machine gives the same outputs.
+timing metadata, so running it twice on the same machine gives the same outputs. The kernel talks
+to us over local IPC sockets in a private temporary folder, not TCP (which ipykernel warns is
+unencrypted, once per kernel).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import jupytext
 import nbformat
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +54,13 @@ def stable_cell_ids(nb: nbformat.NotebookNode) -> None:
         cell["id"] = f"c{index:03d}-{digest}"
 
 
-def execute(py_path: Path) -> None:
+def elapsed(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes}:{seconds:02d}"
+
+
+def execute(py_path: Path, into: Path | None = None) -> Path:
+    """Execute `py_path` as a notebook and write it beside its source, or into `into`."""
     nb = jupytext.read(py_path)
     stable_cell_ids(nb)
     nb.metadata["kernelspec"] = {
@@ -55,19 +68,39 @@ def execute(py_path: Path) -> None:
         "display_name": "Python 3",
         "language": "python",
     }
-    started = time.perf_counter()
-    client = NotebookClient(
-        nb,
-        timeout=CELL_TIMEOUT_S,
-        kernel_name="python3",
-        record_timing=False,
-        resources={"metadata": {"path": str(py_path.resolve().parent)}},
-    )
-    client.execute()
+    with tempfile.TemporaryDirectory(prefix="minivllm-kernel-") as sockets:
+        kernel = KernelManager(
+            kernel_name="python3", transport="ipc", ip=str(Path(sockets) / "kernel")
+        )
+        client = NotebookClient(
+            nb,
+            km=kernel,
+            timeout=CELL_TIMEOUT_S,
+            kernel_name="python3",
+            record_timing=False,
+            resources={"metadata": {"path": str(py_path.resolve().parent)}},
+        )
+        client.execute(cleanup_kc=True)  # shut the kernel down: nbclient keeps one it did not make
     # The kernel reports its exact Python version; keep only what matters so commits stay quiet.
     nb.metadata["language_info"] = {"name": "python"}
-    jupytext.write(nb, py_path.with_suffix(".ipynb"))
-    print(f"executed {py_path.name} in {time.perf_counter() - started:.0f} s")
+    target = (into or py_path.parent) / py_path.with_suffix(".ipynb").name
+    jupytext.write(nb, target)
+    return target
+
+
+def execute_all(paths: list[Path], into: Path | None = None, what: str = "notebook") -> None:
+    """Execute each in turn, saying which one starts (N of M, time so far) and how long it took."""
+    started = time.perf_counter()
+    for number, path in enumerate(paths, 1):
+        print(
+            f"  {what} {number} of {len(paths)}: {path.stem} "
+            f"(started at {elapsed(time.perf_counter() - started)})",
+            flush=True,
+        )
+        began = time.perf_counter()
+        execute(path.with_suffix(".py"), into)
+        print(f"    executed in {time.perf_counter() - began:.0f} s", flush=True)
+    print(f"  {len(paths)} executed in {elapsed(time.perf_counter() - started)}", flush=True)
 
 
 def problems() -> list[str]:
@@ -95,18 +128,18 @@ def problems() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    command, paths = (argv[0] if argv else "check"), [Path(p) for p in argv[1:]]
-    if command == "execute":
-        for path in paths or notebook_sources():
-            execute(path.with_suffix(".py"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("command", nargs="?", default="check", choices=["execute", "check"])
+    parser.add_argument("paths", nargs="*", type=Path, help="sources (default: every one)")
+    parser.add_argument("--into", type=Path, help="write the executed .ipynb files into INTO")
+    args = parser.parse_intermixed_args(argv)
+    if args.command == "execute":
+        execute_all(args.paths or notebook_sources(), args.into)
         return 0
-    if command == "check":
-        found = problems()
-        for problem in found:
-            print(problem)
-        return 1 if found else 0
-    print(__doc__)
-    return 2
+    found = problems()
+    for problem in found:
+        print(problem)
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from minivllm.model.hf_tokenizer import load_tokenizer
 from minivllm.runner.speculative import SpeculativeConfig
 from minivllm.sched.scheduler import SchedulerConfig
 from minivllm.sched.sequence import SamplingParams
-from minivllm.serving.limits import ServerLimits
+from minivllm.serving.limits import ConnectionLimits, ServerLimits
 
 API_KEY_VARIABLE = "MINIVLLM_API_KEY"  # as vLLM's VLLM_API_KEY
 # --kv: the EngineConfig.kv_layout each choice selects
@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
             "max_output_units",
             "tokens x (logprobs + 1) one answer may carry: prompts x n x (echo + max_tokens)",
         ),
+        (
+            "--max-seqs-per-request",
+            "max_seqs_per_request",
+            "sequences (prompts x n) in one request (default: --max-num-seqs)",
+        ),
     ):
         default = getattr(defaults, field)
         limits.add_argument(
@@ -146,9 +151,71 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=help_text if default is None else f"{help_text} (default: {default})",
         )
+    add_connection_arguments(srv)
+    add_watch_arguments(srv)
     add_engine_arguments(srv)
     add_chat_parser(commands)
     return parser
+
+
+def add_connection_arguments(srv) -> None:
+    group = srv.add_argument_group("limits on connections (past them: 503, 408, or closed)")
+    defaults = ConnectionLimits()
+    for flag, field, kind, metavar, help_text in (
+        ("--max-connections", "max_connections", int, "N", "connections at once; past it, 503"),
+        ("--read-timeout", "read_timeout", float, "S", "seconds to send a whole request"),
+        ("--write-timeout", "write_timeout", float, "S", "seconds a response waits on a reader"),
+        (
+            "--send-buffer-bytes",
+            "send_buffer_bytes",
+            int,
+            "N",
+            "kernel send buffer per socket (0: the kernel's own sizing)",
+        ),
+        (
+            "--accept-error-log-interval",
+            "accept_error_log_interval",
+            float,
+            "S",
+            "seconds between two 'out of file descriptors' log lines",
+        ),
+        (
+            "--max-access-log-chars",
+            "max_access_log_chars",
+            int,
+            "N",
+            "characters of a path in the access log",
+        ),
+    ):
+        default = getattr(defaults, field)
+        group.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            dest=field,
+            metavar=metavar,
+            help=f"{help_text} (default: {default})",
+        )
+
+
+def add_watch_arguments(srv) -> None:
+    group = srv.add_argument_group("watching the engine")
+    group.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="/health answers 503 when one round of engine work (the inbox, then a step) has run "
+        "this long (default: 60)",
+    )
+    group.add_argument(
+        "--max-trace-bytes",
+        type=int,
+        default=64 << 20,
+        metavar="N",
+        help="bytes of step trace kept for /stats and debugging; the oldest steps go first "
+        "(default: 64 MiB)",
+    )
 
 
 def add_chat_parser(commands) -> None:
@@ -357,12 +424,20 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     )
 
 
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    values = {field: getattr(args, field) for field in ConnectionLimits.__dataclass_fields__}
+    if values["send_buffer_bytes"] == 0:
+        values["send_buffer_bytes"] = None  # the kernel sizes it
+    return ConnectionLimits(**values)
+
+
 def serve(args: argparse.Namespace) -> int:
     """0 after Ctrl-C; 1 when the engine died."""
     # FastAPI and uvicorn load only for this command
     from minivllm.serving.server import serve as serve_http
 
     limits = server_limits(args)  # checked before the model loads
+    connections = connection_limits(args)
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
     engine = started(build_serving_engine(args))
@@ -374,6 +449,9 @@ def serve(args: argparse.Namespace) -> int:
         args.log_level,
         limits,
         args.api_key,
+        connections,
+        stall_timeout=args.stall_timeout,
+        max_trace_bytes=args.max_trace_bytes,
     )
 
 

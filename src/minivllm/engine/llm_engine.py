@@ -22,7 +22,7 @@ token ids only, and the EOS ids the tokenizer names.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,6 +35,7 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.engine.config import EngineConfig, _resolve_device, resolve_capacity
 from minivllm.engine.conversation import render_conversation
 from minivllm.engine.processing import (
+    EngineRequest,
     InputProcessor,
     OutputProcessor,
     RequestLimits,
@@ -186,9 +187,10 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------------
     def add_request(
         self,
-        prompt: str | SequenceOf[int],
+        prompt: str | SequenceOf[int] | EngineRequest,
         params: SamplingParams | None = None,
         request_id: int | None = None,
+        group: Hashable | None = None,
     ) -> int:
         """Queue a request and return its id. Everything is checked first; a bad request raises
         ValueError saying what to change, and the engine is left exactly as it was.
@@ -197,8 +199,16 @@ class LLMEngine:
         Sample 0 is the request as it would run alone; samples 1..n-1 get seq ids of their own
         and seeds derived from (seed, index), wait for sample 0's prompt, then fork its block
         table, sharing the prompt's KV blocks. Each reports as a `RequestOutput` with this
-        request_id and its `index`."""
-        prompt_ids, params = self.inputs.process(prompt, params)
+        request_id and its `index`.
+
+        `group` names the client request it is part of (default: its own request id): the
+        scheduler admits waiting groups in turns (sched/waiting.py), so give every prompt of one
+        client request the same group, and one big request cannot hold back a small one.
+
+        `prompt` may be an `EngineRequest` that `self.inputs.process` made (params None): it was
+        checked then and is queued as it is."""
+        request = self.inputs.process(prompt, params)
+        prompt_ids, params = list(request.prompt_ids), request.params
         request_id = self._next_id if request_id is None else request_id
         if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
@@ -207,7 +217,7 @@ class LLMEngine:
         if request_id in self.groups or any(i in self.scheduler.sequences for i in seq_ids):
             raise ValueError(f"request id {request_id} is already in use by an unfinished request")
         seed = params.seed if params.seed is not None else derive_seed(self.config.seed, request_id)
-        bad_word_ids = self.inputs.bad_word_ids(params)
+        bad_word_ids = request.bad_word_ids
         samples = [
             Sequence(
                 seq_id,
@@ -217,6 +227,7 @@ class LLMEngine:
                 self.eos_token_ids,
                 request_id=request_id,
                 index=index,
+                group=group,
                 bad_word_ids=bad_word_ids,
             )
             for index, seq_id in enumerate(seq_ids)
@@ -442,9 +453,9 @@ class LLMEngine:
                 f"{len(prompts)} prompts but {len(param_list)} SamplingParams: give one, or one "
                 "each"
             )
-        for prompt, p in zip(prompts, param_list):  # check them all before queueing any
-            self.inputs.process(prompt, p)
-        return [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
+        # every one checked before any is queued, and each checked once
+        requests = [self.inputs.process(prompt, p) for prompt, p in zip(prompts, param_list)]
+        return [self.add_request(request) for request in requests]
 
 
 class LLM:

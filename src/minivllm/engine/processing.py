@@ -121,6 +121,17 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class EngineRequest:
+    """A request as `InputProcessor.process` checked it: what `LLMEngine.add_request` (and the
+    server's AsyncEngine) queue without checking again -- admission happens once."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    bad_word_ids: tuple[tuple[int, ...], ...]  # `params.bad_words` as token ids, for the sampler
+    checked_by: object = field(default=None, repr=False, compare=False)  # the InputProcessor
+
+
+@dataclass(frozen=True)
 class RequestLimits:
     """What the engine can ever run, for the checks at the door."""
 
@@ -148,15 +159,23 @@ class InputProcessor:
         self.default_params = self.params(default_params)
 
     def process(
-        self, prompt: Prompt, params: SamplingParams | None
-    ) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the params (None: the engine's defaults), both checked;
-        raises TypeError or ValueError."""
+        self, prompt: Prompt | EngineRequest, params: SamplingParams | None
+    ) -> EngineRequest:
+        """The request checked once, as the engine will run it: the prompt's token ids, the params
+        (None: the engine's defaults) and the bad words' token ids. Raises TypeError or ValueError
+        saying what to change. An EngineRequest this processor made passes as it is (one another
+        engine made is checked again: its limits may differ)."""
+        if isinstance(prompt, EngineRequest):
+            if params is not None:
+                raise TypeError("an EngineRequest carries its SamplingParams: pass params=None")
+            if prompt.checked_by is self:
+                return prompt
+            prompt, params = list(prompt.prompt_ids), prompt.params
         params = self.default_params if params is None else self.params(params)
         prompt_ids = self.prompt_ids(prompt)
         self.check_params(params)
         self.check_fits(prompt_ids, params)
-        return prompt_ids, params
+        return EngineRequest(tuple(prompt_ids), params, self.bad_word_ids(params), checked_by=self)
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against the vocabulary, n against
@@ -168,11 +187,16 @@ class InputProcessor:
         applied to draft positions they were not designed for. logit_bias, min_p, min_tokens and
         allowed_token_ids depend on the position alone and work with it."""
         limits, vocab = self.limits, self.limits.vocab_size
-        if bad := sorted(t for t in params.token_ids() if t >= vocab):
-            raise ValueError(
-                f"SamplingParams names token id {bad[0]} (stop_token_ids, logit_bias or "
-                f"allowed_token_ids), outside the vocabulary 0..{vocab - 1}"
-            )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+        ):
+            if bad := [t for t in ids if t >= vocab]:
+                raise ValueError(
+                    f"SamplingParams.{name}: token id {min(bad)} is outside the vocabulary "
+                    f"0..{vocab - 1}"
+                )
         if params.allowed_token_ids is not None:
             self._check_something_is_allowed(params)
         if limits.max_num_seqs is not None and params.n > limits.max_num_seqs:

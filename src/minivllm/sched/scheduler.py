@@ -11,7 +11,7 @@ the whole policy runs, and is tested, with no model at all.
    a token for a user who is already waiting is worth more than starting someone new.
 2. **Unfinished prefills.** A running sequence whose prompt did not fit in one step's token budget
    continues with its next chunk (**chunked prefill**).
-3. **Admissions.** Waiting sequences join, first come first served, while the limits hold:
+3. **Admissions.** Waiting sequences join in the waiting queue's order while the limits hold:
    `max_num_seqs` running, `max_num_batched_tokens` per step, and free blocks for what they compute
    this step. A prompt larger than what is left of the budget is admitted with a first chunk.
 
@@ -30,11 +30,13 @@ Everything else is behind a seam, so this file holds only the ideas above:
 - **Speculative decoding** (chapter 06) is only a number per decode: the lookahead slots reserved
   after it for draft tokens.
 - **Admission**: continuous batching, or a rule such as the book's `StaticBatching`.
+- **Queue order**: the waiting queue (waiting.py) takes client requests in turns, so a small
+  request behind a big one is not served after all of it; preempted sequences come back first.
+  With each request alone in its group (the default) that is first come first served.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -44,6 +46,7 @@ from minivllm.kv.block_manager import BlockManager
 from minivllm.sched.plan import ScheduledChunk, StepPlan
 from minivllm.sched.preemption import VICTIM_POLICIES, Preemption, preemption_policy
 from minivllm.sched.sequence import ABORT, CACHE_FULL, Sequence, Status
+from minivllm.sched.waiting import WaitingQueue
 
 
 class Admission(Protocol):
@@ -123,7 +126,7 @@ class SchedulerStalled(RuntimeError):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, manager: BlockManager) -> None:
         self.config, self.manager = config, manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()  # requests in turns, preempted sequences first
         self.running: list[Sequence] = []
         self.sequences: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self.step = 0
@@ -135,10 +138,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence. Its `forks` (the other samples of a request with n > 1) are
         registered too but not queued: they join when its prompt is computed (`_fork`)."""
-        group = [seq, *seq.forks]
-        if taken := [s.seq_id for s in group if s.seq_id in self.sequences]:
+        samples = [seq, *seq.forks]
+        if taken := [s.seq_id for s in samples if s.seq_id in self.sequences]:
             raise ValueError(f"sequence {taken[0]} is already scheduled")
-        for member in group:
+        for member in samples:
             member.status, member.arrival_step = Status.WAITING, self.step
             self.sequences[member.seq_id] = member
         self.waiting.append(seq)
@@ -204,7 +207,7 @@ class Scheduler:
                 chunks.append(self._chunk(seq, granted, not is_decode, lookahead))
                 served.append(seq)
                 budget -= granted + lookahead
-        # Phase 3: admissions, first come first served -- but not in a step that had to preempt.
+        # Phase 3: admissions, in the waiting queue's order -- not in a step that had to preempt.
         admitted, hit_tokens = self._admit(chunks, budget) if not preempted else ([], 0)
         if not chunks and not finished and self.sequences:
             raise SchedulerStalled(self._stall_message())
@@ -261,7 +264,7 @@ class Scheduler:
             if num_new < end - cached and not self._may_chunk(seq):
                 break  # without chunking the whole prompt must fit in what is left of the budget
             if not manager.allocate_slots(seq.seq_id, cached, num_new, prefix_blocks=hits):
-                break  # first come first served: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.status, seq.num_computed_tokens = Status.RUNNING, cached
             if seq.num_draft_computed_tokens is not None:

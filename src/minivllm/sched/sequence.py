@@ -22,6 +22,7 @@ wait in its `forks` until its prompt is computed, then share its prompt's blocks
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
@@ -284,6 +285,9 @@ class Sequence:
     # A lone request has request_id == seq_id and index 0.
     request_id: int | None = None
     index: int = 0
+    # Fairness (waiting.py): the client request it belongs to. Every prompt and sample of one HTTP
+    # request shares one; the waiting queue serves groups in turns. Default: its request_id.
+    group: Hashable | None = None
     # The other samples of its request, waiting for this one's prompt: when its prefill is done
     # they fork its block table (sharing the prompt's blocks) and draw their first tokens from the
     # same logits (scheduler.update).
@@ -301,6 +305,8 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.request_id is None:
             self.request_id = self.seq_id
+        if self.group is None:
+            self.group = self.request_id
         if self.params.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

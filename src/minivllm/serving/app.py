@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.serving import anthropic_protocol as anthropic
@@ -36,17 +38,19 @@ def build_app(
         default_response_class=SafeJSONResponse,
     )
     app.state.limits = server.limits
-    for path, handler, model in (
-        ("/v1/completions", server.completions, CompletionRequest),
-        ("/v1/chat/completions", server.chat_completions, ChatCompletionRequest),
-        ("/v1/messages", server.messages, anthropic.MessagesRequest),
-        ("/tokenize", server.tokenize, TokenizeRequest),
-        ("/detokenize", server.detokenize, DetokenizeRequest),
-        ("/generate", server.generate, native.GenerateRequest),
-    ):
+    bodies = {
+        "/v1/completions": (server.completions, CompletionRequest),
+        "/v1/chat/completions": (server.chat_completions, ChatCompletionRequest),
+        "/v1/messages": (server.messages, anthropic.MessagesRequest),
+        "/tokenize": (server.tokenize, TokenizeRequest),
+        "/detokenize": (server.detokenize, DetokenizeRequest),
+        "/generate": (server.generate, native.GenerateRequest),
+    }
+    refs = add_body_schemas(app, [model for _, model in bodies.values()])
+    for path, (handler, model) in bodies.items():
         # the body is read by the handler (within the limits); its schema still goes in the docs
-        schema = {"content": {"application/json": {"schema": model.model_json_schema()}}}
-        app.add_api_route(path, handler, methods=["POST"], openapi_extra={"requestBody": schema})
+        body = {"required": True, "content": {"application/json": {"schema": refs[model]}}}
+        app.add_api_route(path, handler, methods=["POST"], openapi_extra={"requestBody": body})
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
     app.add_api_route("/version", server.version, methods=["GET"])
@@ -58,6 +62,32 @@ def build_app(
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)
     return app
+
+
+def add_body_schemas(app: FastAPI, models: list[type[BaseModel]]) -> dict[type[BaseModel], dict]:
+    """Put the request bodies' JSON schemas in `/openapi.json` as OpenAPI wants them: every model
+    (and every model inside one) under `components/schemas`, referred to as
+    `#/components/schemas/Name`, a path that resolves from the document's root. (A model's own
+    `model_json_schema()` keeps its parts under `$defs` with `#/$defs/...` refs, which resolve only
+    inside that schema: pasted into the document, they point nowhere.) Returns each model's `$ref`.
+    """
+    refs, definitions = models_json_schema(
+        [(model, "validation") for model in models], ref_template="#/components/schemas/{model}"
+    )
+    schemas = definitions.get("$defs", {})
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = FastAPI.openapi(app)  # FastAPI's own document (cached in openapi_schema)
+            components = document.setdefault("components", {}).setdefault("schemas", {})
+            clash = components.keys() & schemas.keys()
+            if clash:
+                raise RuntimeError(f"two OpenAPI schemas share the names {sorted(clash)}")
+            components.update(schemas)
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return {model: refs[(model, "validation")] for model in models}
 
 
 def error_response(request: Request, error: APIError) -> JSONResponse:

@@ -23,6 +23,8 @@ with the error and the engine steps on. But if `step()` itself raises, the engin
 longer be trusted and the AsyncEngine is **dead**: the cause is logged, every open stream gets an
 `EngineDeadError`, so does every new request, the server answers 503, and `on_death` callbacks run
 (`minivllm serve` stops and exits non-zero, so a supervisor can restart it, as vLLM V1 does).
+An engine thread that is alive but stuck -- one round of work running past `stall_timeout` while
+requests wait -- is caught too: `stalled()` says why, and `/health` answers 503 with it.
 
 With `n > 1` one engine request is n samples; each delta names its sample (`index`), and a
 stream is done when every sample of every request has finished.
@@ -43,7 +45,7 @@ from typing import TypeVar
 
 from minivllm.engine.llm_engine import EngineStats, LLMEngine
 from minivllm.engine.processing import RequestOutput, TextDelta
-from minivllm.engine.trace import StepRecord
+from minivllm.engine.trace import StepRecord, TraceBudget
 from minivllm.sched.sequence import SamplingParams
 from minivllm.serving.metrics import ServingMetrics
 
@@ -130,15 +132,27 @@ def choice_of(delta: TextDelta) -> Choice:
 
 
 @dataclass
+class _Sample:
+    """The engine thread's timings of one sample of a request (what its metrics are made of)."""
+
+    scheduled: float | None = None  # when the step that first ran it began
+    first_token: float | None = None
+    last_output: float | None = None
+    finished: bool = False
+
+
+@dataclass
 class _Request:
     """The engine thread's bookkeeping for one unfinished request (all its samples)."""
 
     stream: RequestStream
     arrival: float  # time.perf_counter() when the client's request reached add_request
-    unfinished: int = 1  # samples still running
-    scheduled: float | None = None  # when the step that first ran it began
-    first_token: float | None = None
-    last_output: float | None = None
+    samples: list[_Sample]  # by index: n of them
+    seq_ids: tuple[int, ...]  # the samples' sequences, by index (sample 0's is the request's id)
+
+    @property
+    def unfinished(self) -> int:
+        return sum(not sample.finished for sample in self.samples)
 
 
 class AsyncEngine:
@@ -153,19 +167,34 @@ class AsyncEngine:
     """
 
     def __init__(
-        self, engine: LLMEngine, metrics: ServingMetrics | None = None, max_trace: int = 100_000
+        self,
+        engine: LLMEngine,
+        metrics: ServingMetrics | None = None,
+        max_trace: int = 100_000,
+        max_trace_bytes: int = 64 << 20,
+        stall_timeout: float = 60.0,
     ) -> None:
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
         # called on the engine thread, once, with the error, when the engine dies
         self.on_death: list[Callable[[EngineDeadError], object]] = []
-        # step records kept (a server runs for days; a trace must not grow forever)
-        self.max_trace = max_trace
+        # the step records kept, at most this many and this many bytes (estimated): a server runs
+        # for days, and a trace must not grow forever
+        self.trace_budget = TraceBudget(max_trace, max_trace_bytes)
+        # `stalled()` says so once the engine has had work and made no progress for this long
+        self.stall_timeout = stall_timeout
+        # when the engine thread began its current round of work (its inbox, then one step), or
+        # None while it sleeps with nothing to do; read by other threads (`stalled`)
+        self._busy_since: float | None = None
         self.error: EngineDeadError | None = None
         self._inbox: list[tuple[Future, Callable[[LLMEngine], object]]] = []
         self._wakeup = threading.Condition()
         self._closing = False
         self._requests: dict[int, _Request] = {}  # touched by the engine thread only
+        # seq id -> (request id, sample index) of every sample of those requests (the trace
+        # names sequences; a request's sample 0 has the request's id)
+        self._sample_of: dict[int, tuple[int, int]] = {}
+        self._num_streams = 0  # streams added so far, to name each one's group (engine thread)
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -239,7 +268,7 @@ class AsyncEngine:
         return self.call(lambda engine: engine.stats().blocks_used)
 
     def trace(self) -> list[StepRecord]:
-        """A copy of the engine's step trace (the last `max_trace` steps)."""
+        """A copy of the engine's step trace: the latest steps, within `trace_budget`."""
         return self.call(lambda engine: list(engine.trace))
 
     async def render_metrics(self) -> str:
@@ -253,6 +282,23 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    def stalled(self) -> str | None:
+        """Why the engine is stuck, or None. The engine thread works in rounds (its inbox, then one
+        step) and sleeps when there is nothing to do; a round that has run for `stall_timeout`
+        seconds -- a step or a submitted function that never returns -- means work is waiting
+        and nothing moves. Safe to call from any thread: it reads one attribute, never the engine.
+        """
+        busy_since = self._busy_since
+        if busy_since is None or not self.is_alive:
+            return None
+        stuck = time.monotonic() - busy_since
+        if stuck < self.stall_timeout:
+            return None
+        return (
+            f"the engine has made no progress for {stuck:.1f} s (limit {self.stall_timeout:g} s) "
+            "while work is waiting"
+        )
 
     def close(self, timeout: float | None = 30) -> None:
         """Stop the engine thread: requests still running are aborted (their blocks freed) and their
@@ -273,7 +319,9 @@ class AsyncEngine:
         while True:
             with self._wakeup:
                 while not (self._inbox or self._closing or self.engine.has_unfinished()):
+                    self._busy_since = None  # idle: nothing waits, so nothing can be stuck
                     self._wakeup.wait()
+                self._busy_since = time.monotonic()  # each round is progress (see `stalled`)
                 inbox, self._inbox, closing = self._inbox, [], self._closing
             for future, fn in inbox:
                 # False: its caller cancelled it while it waited
@@ -298,15 +346,11 @@ class AsyncEngine:
         now = time.perf_counter()
         for record in engine.trace[before:]:
             self.metrics.preemptions.inc(len(record.preempted))
-            for request_id in record.admitted:
-                request = self._requests.get(request_id)
-                if request is not None and request.scheduled is None:
-                    request.scheduled = now - record.step_s
-                    self.metrics.scheduled(request.scheduled - request.arrival)
+            for seq_id in record.admitted:
+                self._scheduled(seq_id, now - record.step_s)
             for _, proposed, accepted in record.speculated:
                 self.metrics.speculated(proposed, accepted)
-        if len(engine.trace) > 2 * self.max_trace:
-            del engine.trace[: -self.max_trace]
+        self.trace_budget.keep(engine.trace, len(engine.trace) - before)
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -325,7 +369,7 @@ class AsyncEngine:
                 logger.exception(
                     "request %s failed while its output was handed out", out.request_id
                 )
-                self._requests.pop(out.request_id, None)
+                self._forget(out.request_id)
                 with contextlib.suppress(Exception):
                     self.engine.abort(out.request_id)
                 item = RequestFailedError(f"the request failed: {error!r}")
@@ -340,9 +384,9 @@ class AsyncEngine:
             request.stream.prompt_logprobs[out.request_id] = out.prompt_logprobs
         if delta.finish_reason is not None:
             request.stream.stop_reasons[choice_of(delta)] = out.stop_reason
-            request.unfinished -= 1
+            request.samples[out.index].finished = True
             if request.unfinished == 0:
-                del self._requests[out.request_id]
+                self._forget(out.request_id)
         return delta
 
     def _send(
@@ -353,49 +397,84 @@ class AsyncEngine:
         except RuntimeError:  # the loop is closed: nobody will ever read these streams
             self._abort([d.request_id for _, d in items if isinstance(d, TextDelta)])
 
+    def _scheduled(self, seq_id: int, when: float) -> None:
+        """The sequence `seq_id` was admitted by the step that began at `when`: the first time, its
+        sample's queue time is over."""
+        request_id, index = self._sample_of.get(seq_id, (-1, 0))
+        request = self._requests.get(request_id)
+        if request is not None and request.samples[index].scheduled is None:
+            request.samples[index].scheduled = when
+            self.metrics.scheduled(when - request.arrival)
+
     def _observe(self, request: _Request, out: RequestOutput, now: float) -> None:
-        if request.first_token is None:
-            prefill = None if request.scheduled is None else now - request.scheduled
+        """The metrics of one output: every request-level metric counts per sample (see
+        metrics.py), so each sample has its own first token, gaps and finish."""
+        sample = request.samples[out.index]
+        if sample.first_token is None:
+            if sample.scheduled is None and request.samples[0].scheduled is not None:
+                # a fork is never admitted itself: it waited in its parent's seat, and runs from
+                # the parent's prompt on
+                sample.scheduled = request.samples[0].scheduled
+                self.metrics.scheduled(sample.scheduled - request.arrival)
+            prefill = None if sample.scheduled is None else now - sample.scheduled
             self.metrics.first_token(
                 now - request.arrival, len(out.prompt_token_ids), out.num_cached_tokens, prefill
             )
-            request.first_token = now
-        since_last = None if request.last_output is None else now - request.last_output
+            sample.first_token = now
+        since_last = None if sample.last_output is None else now - sample.last_output
         self.metrics.tokens(len(out.new_token_ids), since_last)
-        request.last_output = now
+        sample.last_output = now
         if out.finish_reason is not None:
             self.metrics.finished(
                 out.finish_reason,
                 now - request.arrival,
                 len(out.token_ids),
-                now - request.first_token,
+                now - sample.first_token,
             )
 
     def _add(
         self, stream: RequestStream, prompts: list, params: list[SamplingParams], arrival: float
     ) -> None:
         added: dict[int, int] = {}  # request id -> prompt tokens
+        # One group for every prompt and sample of this client request: the scheduler admits
+        # groups in turns, so a small request is not queued behind all of a big one. A tuple
+        # never equals a lone request's group (its int request id).
+        self._num_streams += 1
+        group = ("stream", self._num_streams)
         try:
             for prompt, p in zip(prompts, params):
-                prompt_ids, p = self.engine.inputs.process(prompt, p)  # the engine's own checks
-                added[self.engine.add_request(prompt_ids, p)] = len(prompt_ids)
+                request = self.engine.inputs.process(prompt, p)  # checked once, here
+                added[self.engine.add_request(request, group=group)] = len(request.prompt_ids)
         except Exception:
             # All or none: one error for the client, no half-started answer.
             for request_id in added:
                 self.engine.abort(request_id)
             raise
         stream.num_prompt_tokens.update(added)
-        stream.added(list(added), params[0].n)
+        n = params[0].n
+        stream.added(list(added), n)
         for request_id in added:
-            self._requests[request_id] = _Request(stream, arrival, unfinished=params[0].n)
+            seq_ids = self.engine.groups.get(request_id, (request_id,))
+            samples = [_Sample() for _ in range(n)]
+            self._requests[request_id] = _Request(stream, arrival, samples, seq_ids)
+            self._sample_of.update({seq_id: (request_id, i) for i, seq_id in enumerate(seq_ids)})
+
+    def _forget(self, request_id: int) -> _Request | None:
+        """Stop tracking a request (finished, aborted or failed); its bookkeeping, if it had any."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            for seq_id in request.seq_ids:
+                self._sample_of.pop(seq_id, None)
+        return request
 
     def _abort(self, request_ids: Iterable[int]) -> None:
         now = time.perf_counter()
         for request_id in request_ids:
-            request = self._requests.pop(request_id, None)
+            request = self._forget(request_id)
             if request is not None:
                 self.engine.abort(request_id)
-                self.metrics.finished("abort", now - request.arrival)
+                for _ in range(request.unfinished):  # one abort per sample still running
+                    self.metrics.finished("abort", now - request.arrival)
 
     def _stop(self, error: EngineDeadError) -> None:
         """No more steps: fail what waits in the inbox, end every open stream with `error`, tell
@@ -407,7 +486,7 @@ class AsyncEngine:
         for future, _ in inbox:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
-        requests, self._requests = self._requests, {}
+        requests, self._requests, self._sample_of = self._requests, {}, {}
         with contextlib.suppress(Exception):  # give the blocks back; a failed engine may refuse
             for request_id in requests:
                 self.engine.abort(request_id)
@@ -420,8 +499,12 @@ class AsyncEngine:
                 logger.exception("an on_death callback failed")
 
     def _render_metrics(self, engine: LLMEngine) -> str:
-        stats = engine.stats()
-        self.metrics.engine_state(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+        # samples, the metrics' unit: a sequence whose forks wait for its prompt seats them too
+        scheduler = engine.scheduler
+        running, waiting = (
+            sum(1 + len(s.forks) for s in q) for q in (scheduler.running, scheduler.waiting)
+        )
+        self.metrics.engine_state(running, waiting, engine.stats().kv_cache_usage)
         return self.metrics.render()
 
 

@@ -38,7 +38,9 @@ from minivllm.serving.limits import (
     check_count,
     check_output_budget,
     check_prompt_chars,
+    check_sequences,
     check_stop_strings,
+    max_seqs_per_request,
     off_the_loop_if_big,
     parse_json,
     read_body,
@@ -49,7 +51,6 @@ from minivllm.serving.openai_protocol import (
     ChatMessage,
     CompletionRequest,
     ResponseHeader,
-    SamplingFields,
     TokenId,
     chat_delta,
     model_card,
@@ -97,6 +98,8 @@ class OpenAIServer:
         self.templated = has_chat_template(self.tokenizer)
         self.end_of_turn = None if self.templated else END_OF_TURN
         self.max_prompt_chars = self.limits.max_prompt_chars or self.context
+        scheduler = engine.engine.config.scheduler
+        self.max_seqs = max_seqs_per_request(self.limits, scheduler.max_num_seqs)
         self.created = int(time.time())
 
     # -- OpenAI ------------------------------------------------------------------------------------
@@ -108,16 +111,16 @@ class OpenAIServer:
         check_count("prompt", len(prompts), self.limits.max_prompts, "prompts")
         check_stop_strings("stop", body.stops(), self.limits)
         check_stop_strings("bad_words", tuple(body.bad_words or ()), self.limits)
-        self._check_token_ids(body)
+        params = sampling_params(lambda: body.sampling_params(COMPLETION_MAX_TOKENS))
+        if body.echo and params.logprobs is not None:  # the prompt's logprobs come with it
+            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+        check_sequences(len(prompts), params.n, self.max_seqs)
         # within the context, text is tokenised in microseconds; only truncate_prompt_tokens lets
         # a long text through, and then it is tokenised off the event loop
         chars = sum(len(p) for p in prompts if isinstance(p, str))
         prompt_ids = await off_the_loop_if_big(
             chars, self._all_prompt_ids, prompts, body.truncate_prompt_tokens
         )
-        params = sampling_params(lambda: body.sampling_params(COMPLETION_MAX_TOKENS))
-        if body.echo and params.logprobs is not None:  # the prompt's logprobs come with it
-            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         echoed = [len(ids) if body.echo else 0 for ids in prompt_ids]
         check_output_budget(echoed, params, self.limits)
         header = ResponseHeader.new("text_completion", self.model_name)
@@ -136,7 +139,6 @@ class OpenAIServer:
         check_count("messages", len(body.messages), self.limits.max_messages, "messages")
         check_stop_strings("stop", body.stops(), self.limits)
         check_stop_strings("bad_words", tuple(body.bad_words or ()), self.limits)
-        self._check_token_ids(body)
         prompt_ids = await off_the_loop_if_big(
             sum(len(m.text) for m in body.messages),
             self._chat_prompt_ids,
@@ -146,6 +148,7 @@ class OpenAIServer:
         room = max(1, self.context - len(prompt_ids))  # the default: up to the context
         turn_end = [self.end_of_turn] if self.end_of_turn else []
         params = sampling_params(lambda: body.sampling_params(room, extra_stop=turn_end))
+        check_sequences(1, params.n, self.max_seqs)
         check_output_budget([0], params, self.limits)
         header = ResponseHeader.new(
             "chat.completion.chunk" if body.stream else "chat.completion", self.model_name
@@ -249,7 +252,6 @@ class OpenAIServer:
         body = await self._request(request, native.GenerateRequest)
         check_stop_strings("stop", body.stops(), self.limits)
         check_stop_strings("bad_words", tuple(body.bad_words or ()), self.limits)
-        self._check_token_ids(body)
         chars = len(body.prompt) if isinstance(body.prompt, str) else 0
         prompt_ids = await off_the_loop_if_big(
             chars, self._prompt_ids, body.prompt, "prompt", body.truncate_prompt_tokens
@@ -278,8 +280,13 @@ class OpenAIServer:
             return {"version": "unknown"}
 
     async def health(self):
+        """200 while the engine serves; 503 with the reason when its thread is dead, or alive but
+        stuck: work waiting and no progress for `AsyncEngine.stall_timeout` seconds (a supervisor
+        restarts either). Never waits for the engine thread: a stuck engine gets its answer too."""
         if not self.engine.is_alive:
             raise engine_dead(self.engine.error)
+        if (stall := self.engine.stalled()) is not None:
+            raise APIError(503, stall, "server_error", code="engine_stalled")
         # astrai's field: the model was loaded before the app was built, and its engine serves
         return {"status": "ok", "model_loaded": True}
 
@@ -323,21 +330,6 @@ class OpenAIServer:
                 param=param,
                 code="model_not_found",
             )
-
-    def _check_token_ids(self, body: SamplingFields) -> None:
-        """Token ids in the sampling fields must be in the vocabulary (the prompt's are checked
-        by the engine)."""
-        for param, ids in (
-            ("stop_token_ids", body.stop_token_ids or ()),
-            ("allowed_token_ids", body.allowed_token_ids or ()),
-            ("logit_bias", [int(key) for key in body.logit_bias or {}]),
-        ):
-            if bad := [t for t in ids if t >= self.vocab_size]:
-                raise RequestError(
-                    f"{param}: token id {bad[0]} is outside the vocabulary "
-                    f"0..{self.vocab_size - 1}",
-                    param=param,
-                )
 
     def _prompt_ids(self, prompt: str | list[int], param: str, truncate: int | None) -> list[int]:
         """A prompt as the engine's token ids (BOS first for text), with vLLM's

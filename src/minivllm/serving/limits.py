@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # the command line reads ServerLimits without loading the web
     from minivllm.sched.sequence import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("minivllm.serving")
 PARSE_INLINE_BYTES = 64 * 1024  # bodies up to this are parsed on the event loop (~1 ms at most)
 
 
@@ -43,11 +45,54 @@ class ServerLimits:
     # what one answer may carry: prompts x n x (echoed prompt + max_tokens) x (logprobs + 1),
     # about 25 bytes of JSON each: 4,000,000 is ~100 MB at most
     max_output_units: int = 4_000_000
+    # sequences (prompts x n samples) in one request; None: the engine's max_num_seqs, one full
+    # batch (see check_sequences)
+    max_seqs_per_request: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"ServerLimits.{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Bounds on one connection, so that no client can hold what the others need: sockets (a file
+    descriptor each), and memory for a response nobody reads (`serving/connections.py`).
+
+    - `max_connections`: connections served at once; past it a connection's request is answered
+      503 (with `retry-after`) and the connection closed, and it gets at most a second to send it.
+    - `read_timeout`: seconds a connection has to send a whole request (headers and body), counted
+      from its opening or from the end of its previous response; then it is closed (408 when part
+      of a request came). uvicorn alone closes an idle connection only after a response.
+    - `write_timeout`: seconds a response may stall on a client that reads nothing (the socket's
+      buffers full); then the connection is dropped and its requests aborted, their blocks freed.
+    - `send_buffer_bytes`: the kernel's send buffer per connection (SO_SNDBUF, which Linux
+      doubles); `None`: the kernel's own sizing, which grows to megabytes (4 MiB by default on
+      Linux) for a client that reads nothing, so that the write timeout would only start once
+      those are full. 256 KiB still streams at 2.5 MB/s over a 100 ms round trip.
+    - `accept_error_log_interval`: seconds between two log lines saying that a connection could
+      not be accepted (out of file descriptors); the line counts the ones left out.
+    - `max_access_log_chars`: characters of a request's path in the access log.
+    """
+
+    max_connections: int = 512
+    read_timeout: float = 30.0
+    write_timeout: float = 30.0
+    send_buffer_bytes: int | None = 256 * 1024
+    accept_error_log_interval: float = 10.0
+    max_access_log_chars: int = 1000
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is None and name == "send_buffer_bytes":
+                continue
+            if not is_number or not value > 0 or value == float("inf"):
+                raise ValueError(f"ConnectionLimits.{name} must be a number > 0, got {value!r}")
+            if name in ("max_connections", "send_buffer_bytes", "max_access_log_chars"):
+                if not isinstance(value, int):
+                    raise ValueError(f"ConnectionLimits.{name} must be an int, got {value!r}")
 
 
 class RequestError(ValueError):
@@ -72,6 +117,24 @@ def check_count(param: str, count: int, limit: int, what: str) -> None:
             f"{param}: {count} {what}, but this server takes at most {limit} per request",
             param=param,
         )
+
+
+def check_sequences(num_prompts: int, n: int, limit: int) -> None:
+    """Refuse a request of more sequences (prompts x n samples) than `limit`, by default the
+    engine's max_num_seqs: one request may fill the batch but not queue many batches' worth, which
+    would hold the engine for minutes however fairly the waiting requests take turns."""
+    if num_prompts * n > limit:
+        raise RequestError(
+            f"{num_prompts} prompt(s) x n={n} samples is {num_prompts * n} sequences, but this "
+            f"server takes at most {limit} per request: send fewer prompts or a smaller n "
+            f"(minivllm serve --max-seqs-per-request)",
+            param="n" if n > 1 else "prompt",
+        )
+
+
+def max_seqs_per_request(limits: ServerLimits, max_num_seqs: int) -> int:
+    """The limit `check_sequences` applies: the server's, else the engine's max_num_seqs."""
+    return limits.max_seqs_per_request or max_num_seqs
 
 
 def check_stop_strings(param: str, stops: tuple[str, ...], limits: ServerLimits) -> None:
@@ -147,12 +210,20 @@ async def read_body(request: Request, limits: ServerLimits) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise too_large(int(declared), limits)
+    from starlette.requests import ClientDisconnect  # the web stack is loaded by now
+
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limits.max_body_bytes:
-            raise too_large(size, limits)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise too_large(size, limits)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody is left to answer, and nothing is wrong with the server: one line, no traceback.
+        client = "{}:{}".format(*request.client) if request.client else "a client"
+        logger.warning("%s closed the connection after %d bytes of its body", client, size)
+        raise RequestError("the client closed the connection mid-body", status=499) from None
     if not size:
         raise RequestError("the body is empty: send a JSON object")
     return b"".join(chunks)

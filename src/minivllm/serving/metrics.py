@@ -16,6 +16,19 @@ Names start with `minivllm:` as vLLM's start with `vllm:` (the rest of each name
 is legal in a metric name (`[a-zA-Z_:][a-zA-Z0-9_:]*`). Every series carries vLLM's `model_name`
 label, so one Prometheus can scrape several servers. Nothing here knows the engine:
 `ServingMetrics` is told plain numbers.
+
+**One unit per family: the sample.** A request with `n > 1` is n samples, and every family that
+counts or times requests counts each sample as one, as vLLM V1 does (it runs such a request as n
+child requests, each queued, timed and finished on its own; see its `parallel_sampling.py`). So an
+`n=4` request that finishes is 4 in `request_success_total`, 4 observations in every
+`request_*`, `e2e_request_latency_seconds` and `time_to_first_token_seconds` histogram, and its
+prompt counts 4 times in `prompt_tokens_total` and the prefix-cache counters (a fork shares its
+parent's prompt blocks and reports its parent's cache hits, so the hit rate is that of the
+prompts). An `n=8` request aborted before it finishes is 8 aborts (only the samples still running
+when it is aborted: a sample that finished already counted under its own reason). The gauges count
+samples too: a running or waiting request with n samples is n. Generated tokens are counted one
+by one; the speculative-decoding counters count verifications of one sample's draft. Every HELP
+line says its unit.
 """
 
 from __future__ import annotations
@@ -140,77 +153,97 @@ class ServingMetrics:
             "minivllm:engine_alive", "Whether the engine thread is alive (0 once it has died)."
         )
         self.engine_alive.set(1)
-        self.running = Gauge("minivllm:num_requests_running", "Requests in the running batch.")
+        self.running = Gauge(
+            "minivllm:num_requests_running",
+            "Samples in the running batch (a request with n samples is n).",
+        )
         self.waiting = Gauge(
-            "minivllm:num_requests_waiting", "Requests waiting to be admitted (or re-admitted)."
+            "minivllm:num_requests_waiting",
+            "Samples waiting to be admitted or re-admitted (a request with n samples is n).",
         )
         self.kv_cache_usage = Gauge(
             "minivllm:kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full)."
         )
         self.preemptions = Counter(
-            "minivllm:num_preemptions_total", "Sequences preempted (their K/V thrown away)."
+            "minivllm:num_preemptions_total",
+            "Samples preempted (their K/V thrown away), per preemption.",
         )
         self.prefix_queries = Counter(
-            "minivllm:prefix_cache_queries_total", "Prompt tokens of admitted requests."
+            "minivllm:prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache, per sample "
+            "(n samples: n times the prompt).",
         )
         self.prefix_hits = Counter(
-            "minivllm:prefix_cache_hits_total", "Of those, tokens found in the prefix cache."
+            "minivllm:prefix_cache_hits_total",
+            "Of those, tokens found in the prefix cache (per sample, as the queries).",
         )
         self.prefix_hit_rate = Gauge(
             "minivllm:prefix_cache_hit_rate", "Prefix cache hits / queries, since start."
         )
         self.prompt_tokens = Counter(
-            "minivllm:prompt_tokens_total", "Prompt tokens of requests that started."
+            "minivllm:prompt_tokens_total",
+            "Prompt tokens of samples that got their first token (n samples: n times the prompt).",
         )
-        self.generation_tokens = Counter("minivllm:generation_tokens_total", "Tokens generated.")
+        self.generation_tokens = Counter(
+            "minivllm:generation_tokens_total", "Tokens generated, all samples together."
+        )
         self.request_success = Counter(
-            "minivllm:request_success_total", "Requests finished, by finish reason."
+            "minivllm:request_success_total",
+            "Samples finished, by finish reason (an n=4 request is 4; an abort counts each "
+            "sample still running).",
         )
         # every series exists from the start, so a rate never has a gap
         for reason in FINISH_REASONS:
             self.request_success.inc(0, finished_reason=reason)
         self.spec_drafts = Counter(
-            "minivllm:spec_decode_num_drafts_total", "Speculative verifications (one per sequence)."
+            "minivllm:spec_decode_num_drafts_total",
+            "Speculative verifications, one per sample per step.",
         )
         self.spec_draft_tokens = Counter(
-            "minivllm:spec_decode_num_draft_tokens_total", "Draft tokens proposed."
+            "minivllm:spec_decode_num_draft_tokens_total",
+            "Draft tokens proposed, all samples together.",
         )
         self.spec_accepted_tokens = Counter(
             "minivllm:spec_decode_num_accepted_tokens_total", "Of those, tokens accepted."
         )
         self.e2e_latency = Histogram(
             "minivllm:e2e_request_latency_seconds",
-            "Arrival to last token, per request.",
+            "Arrival to last token (or abort), per sample.",
             E2E_BUCKETS,
         )
         self.queue_time = Histogram(
             "minivllm:request_queue_time_seconds",
-            "Arrival to the start of the step that first schedules the request.",
+            "Arrival to the start of the step that first schedules the sample (a fork: its "
+            "parent), per sample.",
             PHASE_BUCKETS,
         )
         self.prefill_time = Histogram(
             "minivllm:request_prefill_time_seconds",
-            "First scheduled to first token: the prefill, in one step or in chunks.",
+            "First scheduled to first token: the prefill, in one step or in chunks, per sample.",
             PHASE_BUCKETS,
         )
         self.decode_time = Histogram(
-            "minivllm:request_decode_time_seconds", "First token to last token.", PHASE_BUCKETS
+            "minivllm:request_decode_time_seconds",
+            "First token to last token, per finished sample.",
+            PHASE_BUCKETS,
         )
         self.ttft = Histogram(
-            "minivllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+            "minivllm:time_to_first_token_seconds",
+            "Arrival to first token, per sample.",
+            TTFT_BUCKETS,
         )
         self.itl = Histogram(
             "minivllm:inter_token_latency_seconds",
-            "Time between a request's consecutive outputs (a speculative step may bring several "
-            "tokens at once).",
+            "Time between a sample's consecutive outputs (a speculative step may bring several "
+            "tokens at once), per output.",
             ITL_BUCKETS,
         )
         self.request_prompt_tokens = Histogram(
-            "minivllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
+            "minivllm:request_prompt_tokens", "Prompt tokens, per sample.", TOKEN_BUCKETS
         )
         self.request_generation_tokens = Histogram(
             "minivllm:request_generation_tokens",
-            "Tokens generated per finished request.",
+            "Tokens generated, per finished sample.",
             TOKEN_BUCKETS,
         )
 
@@ -220,7 +253,7 @@ class ServingMetrics:
         self.kv_cache_usage.set(kv_cache_usage)
 
     def scheduled(self, queue_seconds: float) -> None:
-        """A request's first step began `queue_seconds` after it arrived."""
+        """A sample's first step began `queue_seconds` after its request arrived."""
         self.queue_time.observe(queue_seconds)
 
     def first_token(
@@ -230,8 +263,8 @@ class ServingMetrics:
         cached_tokens: int,
         prefill_seconds: float | None = None,
     ) -> None:
-        """A request's prefill is done: its prompt has been looked up in the prefix cache and
-        run. `prefill_seconds`: since it was first scheduled, when that is known."""
+        """A sample's prefill is done (its first token is out): its prompt has been looked up in
+        the prefix cache and run. `prefill_seconds`: since it was first scheduled, when known."""
         self.ttft.observe(seconds)
         if prefill_seconds is not None:
             self.prefill_time.observe(prefill_seconds)
@@ -241,7 +274,7 @@ class ServingMetrics:
         self.prefix_hits.inc(cached_tokens)
 
     def tokens(self, count: int, since_last: float | None) -> None:
-        """`count` new tokens of one request; `since_last` is the time since its previous output."""
+        """`count` new tokens of one sample; `since_last` is the time since its previous output."""
         self.generation_tokens.inc(count)
         if since_last is not None:
             self.itl.observe(since_last)
@@ -259,6 +292,7 @@ class ServingMetrics:
         generation_tokens: int | None = None,
         decode_seconds: float | None = None,
     ) -> None:
+        """One sample finished (or was aborted) `seconds` after its request arrived."""
         self.request_success.inc(finished_reason=reason)
         self.e2e_latency.observe(seconds)
         if generation_tokens is not None:

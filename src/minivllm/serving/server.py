@@ -4,7 +4,7 @@
     curl localhost:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"model": "target", "prompt": "ROMEO:\\n", "max_tokens": 40}'
 
-The server is four modules, one job each:
+The server is five modules, one job each:
 
 - `app.py`: `build_app`, a FastAPI app with OpenAI's endpoints -- `/v1/completions`,
   `/v1/chat/completions`, `/v1/models` (and `/v1/models/{id}`) --, Anthropic's `/v1/messages`,
@@ -14,6 +14,8 @@ The server is four modules, one job each:
   API's own body;
 - `endpoints.py`: the handlers, every check before the engine sees a request;
 - `responses.py`: the answers, whole or as Server-Sent Events, and a client's disconnect;
+- `connections.py`: what one connection may take (a deadline to send its request, a cap on
+  connections, a deadline to read its response) and what the log takes of failures;
 - this module: `ServerThread` runs all of it in a background thread on a free loopback port, for
   notebooks and tests; `serve` runs it in the foreground for the command line, and returns 1 if
   the engine died.
@@ -32,7 +34,8 @@ import uvicorn
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.serving.app import build_app
 from minivllm.serving.async_engine import AsyncEngine, EngineDeadError
-from minivllm.serving.limits import ServerLimits
+from minivllm.serving.connections import ConnectionStats, guarded_protocol, install_log_filters
+from minivllm.serving.limits import ConnectionLimits, ServerLimits
 from minivllm.serving.metrics import ServingMetrics
 
 __all__ = ["ServerThread", "build_app", "serve"]
@@ -59,6 +62,7 @@ class ServerThread:
         log_level: str = "warning",
         limits: ServerLimits | None = None,
         api_key: str | None = None,
+        connections: ConnectionLimits | None = None,
     ) -> None:
         self.model_name, self.host = model_name, host
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -70,8 +74,11 @@ class ServerThread:
             raise
         self.port = self._socket.getsockname()[1]
         self.engine = AsyncEngine(engine, ServingMetrics(model_name))
-        config = uvicorn.Config(
+        self.connection_stats = ConnectionStats()
+        config = uvicorn_config(
             build_app(self.engine, model_name, limits, api_key),
+            connections or ConnectionLimits(),
+            self.connection_stats,
             log_config=None,
             log_level=log_level,
             access_log=False,
@@ -119,6 +126,15 @@ class ServerThread:
         self.stop()
 
 
+def uvicorn_config(
+    app, connections: ConnectionLimits, stats: ConnectionStats, **options
+) -> uvicorn.Config:
+    """uvicorn's settings with the connection guards of `connections` (counted in `stats`)."""
+    config = uvicorn.Config(app, http=guarded_protocol(connections, stats), **options)
+    install_log_filters(connections)  # after Config, which sets up uvicorn's loggers
+    return config
+
+
 def serve(
     engine: LLMEngine,
     model_name: str = "target",
@@ -127,6 +143,9 @@ def serve(
     log_level: str = "info",
     limits: ServerLimits | None = None,
     api_key: str | None = None,
+    connections: ConnectionLimits | None = None,
+    stall_timeout: float = 60.0,
+    max_trace_bytes: int = 64 << 20,
 ) -> int:
     """Serve in the foreground until Ctrl-C (the `minivllm serve` command). Returns 0, or 1 when
     the engine died: the server stops at once so that a supervisor restarts it (as vLLM V1)."""
@@ -135,9 +154,16 @@ def serve(
     # engine needs.
     gc.collect()
     gc.freeze()
-    async_engine = AsyncEngine(engine, ServingMetrics(model_name))
+    async_engine = AsyncEngine(
+        engine,
+        ServingMetrics(model_name),
+        max_trace_bytes=max_trace_bytes,
+        stall_timeout=stall_timeout,
+    )
     app = build_app(async_engine, model_name, limits, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    options = {"host": host, "port": port, "log_level": log_level}
+    config = uvicorn_config(app, connections or ConnectionLimits(), ConnectionStats(), **options)
+    server = uvicorn.Server(config)
 
     def stop_serving(error: EngineDeadError) -> None:
         logger.critical("the engine died (%s): the server stops", error)
