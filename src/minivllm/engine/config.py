@@ -79,7 +79,10 @@ class EngineConfig:
     # holds its share of every layer's heads and MLP units and its own K/V pool for its heads,
     # and they meet in two all-reduces per layer. The ranks are processes spawned on this
     # machine when the engine starts (or started by torchrun), gloo on a CPU, NCCL on GPUs; the
-    # scheduler and the sampler run once, in this process. Stopped by `LLMEngine.close()`.
+    # scheduler and the sampler run once, in this process. Stopped by `LLMEngine.close()`. The
+    # cache's blocks are counted at the whole model's K/V bytes per token, so a memory budget is
+    # shared out between the ranks, each holding its heads' part of every block (with fewer K/V
+    # heads than ranks, a rank holds one whole head: more than its share).
     tensor_parallel_size: int = 1
     # A tensor-parallel step whose collectives wait longer than this (a rank hung) fails.
     distributed_timeout_s: float = 300.0
