@@ -7,7 +7,8 @@ slices of the whole model. With two gloo ranks on 127.0.0.1: the logits of a seq
 and tiny checkpoints of the families with q/k/v biases (Qwen2), q/k norms and a tied head (Qwen3),
 and one K/V head for two ranks, on every CPU attention backend; then whole engines, TP = 1 against
 TP = 2, greedy and seeded tokens; a rank killed mid-run ends the engine with a clear error and
-leaves no process behind; and the same through `torchrun --nproc-per-node 2`.
+leaves no process behind, as do Ctrl-C, a rank that stops answering (a timeout) and an engine
+killed outright; and the same tokens through `torchrun --nproc-per-node 2`.
 
 Tolerance: the row-parallel layers add partial sums in another order than one matmul does, so a
 logit moves in its last bits: within 1e-4 of logits a few units wide (`LOGIT_TOLERANCE`).
@@ -359,3 +360,43 @@ def test_torchrun_starts_the_same_ranks(capsys) -> None:
     assert two.returncode == 0, two.stderr
     assert two.stdout == expected
     assert no_children_left()
+
+
+ENGINE_THEN_WAIT = """
+import sys, time
+from minivllm import EngineConfig, LLMEngine
+from minivllm.model.checkpoint import load_model
+if __name__ == "__main__":
+    engine = LLMEngine(load_model("target", weights=False), EngineConfig(
+        num_blocks=16, attention_backend="torch", tensor_parallel_size=2))
+    print(*engine.parallel.pids, flush=True)
+    time.sleep(300)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow  # an interpreter and its rank start
+def test_ranks_do_not_outlive_an_engine_killed_outright(tmp_path) -> None:
+    """SIGKILL on the engine's process closes nothing: each rank exits by itself (its wait for
+    the next step fails as the engine's sockets close, or its watchdog sees the parent gone)."""
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_THEN_WAIT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
+    try:
+        ranks = [int(pid) for pid in engine.stdout.readline().split()]
+        assert len(ranks) == 1 and alive(ranks[0])
+    finally:
+        engine.kill()
+        engine.wait()
+    deadline = time.monotonic() + 10
+    while any(map(alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(alive, ranks))
