@@ -5,7 +5,8 @@ there are fewer than ranks), and a rank that reads its shard from the files gets
 slices of the whole model. With two gloo ranks on 127.0.0.1: the logits of a sequence of steps
 (prefill chunks, then decodes over the paged cache) against one process's, for the shipped model
 and tiny checkpoints of the families with q/k/v biases (Qwen2), q/k norms and a tied head (Qwen3),
-and one K/V head for two ranks, on every CPU attention backend; then whole engines, TP = 1 against
+q/k/v/o biases and RoPE scaling (Llama 3), and one K/V head for two ranks, on every CPU attention
+backend (at four ranks too: slow); then whole engines, TP = 1 against
 TP = 2, greedy and seeded tokens; a rank killed mid-run ends the engine with a clear error and
 leaves no process behind, as do Ctrl-C, a rank that stops answering (a timeout) and an engine
 killed outright; and the same tokens through `torchrun --nproc-per-node 2`.
