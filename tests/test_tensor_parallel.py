@@ -42,7 +42,13 @@ from minivllm.model.fused import fuse_model
 from minivllm.model.parallel import Shard, check_shardable, shard_from_model, shard_slices
 from minivllm.model.transformer import ModelConfig, RopeScaling
 from minivllm.runner.batch import BatchPiece, pack_batch, run_model
-from minivllm.runner.tensor_parallel import RankSettings, RankState, WeightsSource, free_port
+from minivllm.runner.tensor_parallel import (
+    LOOPBACK,
+    RankSettings,
+    RankState,
+    WeightsSource,
+    free_port,
+)
 
 LOGIT_TOLERANCE = 1e-4
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -210,7 +216,7 @@ def _rank_logits(rank: int, world: int, init_method: str, cases: list, out: str)
     """One rank of `test_the_ranks_compute_one_processs_logits`: every case's steps through this
     rank's shard; rank 0 saves the logits."""
     torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         for name, folder, backend in cases:
@@ -349,7 +355,7 @@ def test_torchrun_starts_the_same_ranks(capsys) -> None:
     args = ["generate", "ROMEO:", "--max-tokens", "12", "--temperature", "0"]
     assert main(args) == 0
     expected = capsys.readouterr().out
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": LOOPBACK}
     two = subprocess.run(
         [
             str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",

@@ -48,6 +48,7 @@ import datetime
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -70,6 +71,7 @@ from minivllm.model.transformer import Transformer
 from minivllm.runner.workers import _packed, _unpacked  # a batch as numpy arrays, and back
 
 _READY = "ready"
+LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"  # the loopback interface's name
 START_TIMEOUT_S = 180.0  # a rank imports torch and numba and loads its shard: slow on a busy CPU
 
 
@@ -173,7 +175,7 @@ def _init_group(settings: RankSettings, rank: int, init_method: str) -> None:
     without a network may not have), unless GLOO_SOCKET_IFNAME says otherwise."""
     loopback = init_method.startswith("tcp://127.0.0.1:") and "GLOO_SOCKET_IFNAME" not in os.environ
     if loopback:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
     try:
         dist.init_process_group(
             _backend_name(settings.device),
