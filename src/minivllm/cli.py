@@ -307,6 +307,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "model's whole context up front, as servers did before paging (no prefix caching)",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks, processes on this machine (or started by torchrun: "
+        "see minivllm.runner.tensor_parallel), each loading its own shard (default: 1)",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs",
@@ -317,6 +326,12 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     """The loaded model's dtype (a checkpoint's own, `dtype="auto"`): the K/V cache takes the
     same, so an attention kernel for that dtype can run and the cache is no larger than needed."""
     return next(model.parameters()).dtype
+
+
+def engine_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The model the engine is built from: loaded whole, or with tensor parallelism only checked
+    and described (on the meta device) -- each rank then reads its own shard of the folder."""
+    return load_model(args.model, weights=args.tensor_parallel_size == 1)
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -352,11 +367,12 @@ def generate(args: argparse.Namespace) -> None:
         ignore_eos=args.ignore_eos,
         **sampling_settings(args),
     )
-    model = load_model(args.model)
+    model = engine_model(args)
     config = EngineConfig(
         speculative=speculative_config(args),
         kv_layout=KV_LAYOUTS[args.kv],
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         dtype=model_dtype(model),
         **capacity(args),
     )
@@ -389,12 +405,13 @@ def build_serving_engine(args: argparse.Namespace) -> LLMEngine:
         ),
     )
     defaults = default_sampling_params(args.model)
-    model = load_model(args.model)
+    model = engine_model(args)
     config = EngineConfig(
         scheduler=scheduler,
         speculative=speculative_config(args),
         kv_layout=KV_LAYOUTS[args.kv],
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         dtype=model_dtype(model),
         **capacity(args),
     )
@@ -446,12 +463,13 @@ def build_chat_engine(args: argparse.Namespace) -> LLMEngine:
     layout = KV_LAYOUTS[args.kv]
     caching = not args.no_prefix_caching and layout == "paged"
     scheduler = SchedulerConfig(enable_prefix_caching=caching)
-    model = load_model(args.model)
+    model = engine_model(args)
     config = EngineConfig(
         scheduler=scheduler,
         speculative=speculative_config(args),
         kv_layout=layout,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         dtype=model_dtype(model),
         **capacity(args),
     )

@@ -75,6 +75,17 @@ class EngineConfig:
     # where threads inside each small operation hardly do. Workers start with the engine (a few
     # seconds) and stop with `LLMEngine.close()`.
     forward_processes: int = 1
+    # Ranks that split the model between them, Megatron-style (runner/tensor_parallel.py): each
+    # holds its share of every layer's heads and MLP units and its own K/V pool for its heads,
+    # and they meet in two all-reduces per layer. The ranks are processes spawned on this
+    # machine when the engine starts (or started by torchrun), gloo on a CPU, NCCL on GPUs; the
+    # scheduler and the sampler run once, in this process. Stopped by `LLMEngine.close()`. The
+    # cache's blocks are counted at the whole model's K/V bytes per token, so a memory budget is
+    # shared out between the ranks, each holding its heads' part of every block (with fewer K/V
+    # heads than ranks, a rank holds one whole head: more than its share).
+    tensor_parallel_size: int = 1
+    # A tensor-parallel step whose collectives wait longer than this (a rank hung) fails.
+    distributed_timeout_s: float = 300.0
     # How sequences hold K/V blocks (kv/block_manager.py): "paged" grows each sequence a block at
     # a time and shares blocks (prefix caching, n > 1 forks); "contiguous" is the layout before
     # paging (`--kv basic`): every admitted sequence reserves the blocks of the model's whole
@@ -106,6 +117,23 @@ class EngineConfig:
                 f"EngineConfig.forward_processes must be an int >= 1, got "
                 f"{self.forward_processes!r}"
             )
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if tp > 1 and self.forward_processes > 1:
+            raise ValueError(
+                "tensor_parallel_size and forward_processes are two ways to use more processes: "
+                "choose one"
+            )
+        if tp > 1 and self.speculative is not None and self.speculative.method == "draft":
+            raise ValueError(
+                "speculative decoding with a draft model is not split over tensor-parallel "
+                "ranks: use method 'ngram', or tensor_parallel_size=1"
+            )
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(
+                f"EngineConfig.distributed_timeout_s must be > 0, got {self.distributed_timeout_s}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(
                 f"EngineConfig.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}"
@@ -128,7 +156,10 @@ def _resolve_device(config: EngineConfig) -> str:
     if config.device != "auto":
         return config.device
     cpu_only = config.forward_processes > 1 or backend_device(config.attention_backend) == "cpu"
-    return "cuda" if torch.cuda.is_available() and not cpu_only else "cpu"
+    # a GPU per tensor-parallel rank, or the ranks run on the CPU
+    tp = config.tensor_parallel_size
+    enough = torch.cuda.is_available() and (tp == 1 or torch.cuda.device_count() >= tp)
+    return "cuda" if enough and not cpu_only else "cpu"
 
 
 def resolve_capacity(

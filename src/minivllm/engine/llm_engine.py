@@ -54,12 +54,14 @@ from minivllm.model.checkpoint import (
 )
 from minivllm.model.fused import fuse_model
 from minivllm.model.hf_tokenizer import HFTokenizer, load_tokenizer
+from minivllm.model.parallel import check_shardable
 from minivllm.model.tokenizer import ByteTokenizer, Tokenizer
 from minivllm.model.transformer import ModelConfig, Transformer, placed_on
 from minivllm.runner.cuda_graph import DecodeGraphs
 from minivllm.runner.model_runner import ModelRunner, RunnerOutput
 from minivllm.runner.sampler import derive_seed
 from minivllm.runner.speculative import SpeculativeConfig, make_drafter
+from minivllm.runner.tensor_parallel import RankSettings, TensorParallelGroup, WeightsSource
 from minivllm.runner.workers import ForwardWorkers
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.scheduler import Scheduler, SchedulerConfig
@@ -101,8 +103,12 @@ class LLMEngine:
         )
         self.default_params = InputProcessor.params(default_params)
         self.device = _resolve_device(config)
-        # the caller's model stays where it was, and as it was (unless own_model)
-        self.model = model = placed_on(model, self.device, in_place=own_model)
+        parallel = config.tensor_parallel_size > 1
+        if parallel:  # the ranks hold the weights, in shards; this model only describes them
+            check_shardable(model.config, config.tensor_parallel_size)
+        else:  # the caller's model stays where it was, and as it was (unless own_model)
+            model = placed_on(model, self.device, in_place=own_model)
+        self.model = model
         backend_name = resolve_backend_name(
             config.attention_backend, self.device, config.dtype, next(model.parameters()).dtype
         )
@@ -117,9 +123,18 @@ class LLMEngine:
         # With CUDA graphs the storage has one block more than the manager hands out: the sink
         # that a graph's padding rows write to (runner/cuda_graph.py).
         graphs = uses_cuda_graphs(config, self.device)
-        self.storage = PagedKVStorage(
-            model.config, config.num_blocks + graphs, config.block_size, config.dtype, self.device
-        )
+        self.parallel: TensorParallelGroup | None = None
+        if parallel:  # rank 0's shard and K/V pool are this process's
+            self.parallel = start_ranks(model, config, backend_name, self.device)
+            self.storage = self.parallel.storage
+        else:
+            self.storage = PagedKVStorage(
+                model.config,
+                config.num_blocks + graphs,
+                config.block_size,
+                config.dtype,
+                self.device,
+            )
         scheduler_config, self.drafter = config.scheduler, None
         if speculative is not None:  # reserve k lookahead slots after each decode for drafts
             self.drafter = make_drafter(
@@ -136,8 +151,12 @@ class LLMEngine:
                 scheduler_config, num_lookahead_slots=config.speculative.num_speculative_tokens
             )
         self.scheduler = Scheduler(scheduler_config, self.manager)
-        runner_model = fuse_model(model, own_model) if config.fuse_projections else model
+        if parallel:
+            runner_model = self.parallel.model
+        else:
+            runner_model = fuse_model(model, own_model) if config.fuse_projections else model
         self.runner = ModelRunner(runner_model, self.storage, self.manager, backend, self.drafter)
+        self.runner.parallel = self.parallel
         if config.forward_processes > 1:  # ForwardWorkers refuses a cache off the CPU
             self.runner.workers = ForwardWorkers(
                 runner_model, self.storage, backend_name, config.forward_processes, backend
@@ -242,10 +261,13 @@ class LLMEngine:
         return self.outputs.output(alive[0])
 
     def close(self) -> None:
-        """Stop the engine's forward workers, if it has any (`EngineConfig.forward_processes`);
-        an engine without them has nothing to release. Also on leaving a `with` block."""
+        """Stop the engine's forward workers or tensor-parallel ranks, if it has any
+        (`EngineConfig.forward_processes`, `tensor_parallel_size`); an engine without them has
+        nothing to release. Also on leaving a `with` block."""
         if self.runner.workers is not None:
             self.runner.workers.close()
+        if self.parallel is not None:
+            self.parallel.close()
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -258,8 +280,10 @@ class LLMEngine:
         "KV cache: 2048 blocks of 16 = 32768 tokens (96.0 MiB of K/V) in float32;
         max_model_len 512"."""
         dtype = str(self.config.dtype).removeprefix("torch.")
+        ranks = self.config.tensor_parallel_size
+        split = f", split by K/V heads over {ranks} ranks" if ranks > 1 else ""
         return (
-            f"KV cache: {self.cache.describe()} in {dtype}; "
+            f"KV cache: {self.cache.describe()} in {dtype}{split}; "
             f"max_model_len {self.config.max_model_len}"
         )
 
@@ -467,7 +491,9 @@ class LLM:
         folder = model if isinstance(model, (str, Path)) else None
         default_params = default_sampling_params(folder, generation_config)
         if folder is not None:  # a shipped model's name, or a Hugging Face folder
-            model, dtype = load_model(folder, dtype), "auto"  # the engine's own
+            # with tensor parallelism each rank reads its own shard: here, only the shapes
+            whole = config.get("tensor_parallel_size", 1) == 1
+            model, dtype = load_model(folder, dtype, weights=whole), "auto"  # the engine's own
         auto = dtype == "auto"
         config["dtype"] = next(model.parameters()).dtype if auto else resolve_dtype(dtype)
         config.update(
@@ -560,8 +586,36 @@ class EngineStats:
 
 def uses_cuda_graphs(config: EngineConfig, device: str) -> bool:
     """Whether an engine's decode steps replay CUDA graphs: on a CUDA device, unless
-    `enforce_eager` (or forward workers, which run on a CPU only)."""
-    return device == "cuda" and not config.enforce_eager and config.forward_processes == 1
+    `enforce_eager` (or forward workers, which run on a CPU only, or tensor parallelism, whose
+    collectives are not captured)."""
+    return (
+        device == "cuda"
+        and not config.enforce_eager
+        and config.forward_processes == 1
+        and config.tensor_parallel_size == 1
+    )
+
+
+def start_ranks(
+    model: Transformer, config: EngineConfig, backend_name: str, device: str
+) -> TensorParallelGroup:
+    """The tensor-parallel ranks of an engine (`config.tensor_parallel_size` > 1), each with its
+    shard of `model` -- sliced from its weights, or read from its checkpoint folder when it has
+    none (`load_model(..., weights=False)`) -- and a K/V pool of `config.num_blocks` blocks for
+    its heads. Torch's threads are shared out between the ranks on a CPU."""
+    world = config.tensor_parallel_size
+    settings = RankSettings(
+        world=world,
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        cache_dtype=config.dtype,
+        device=device,
+        backend=backend_name,
+        fuse=config.fuse_projections,
+        threads=max(1, torch.get_num_threads() // world),
+        timeout_s=config.distributed_timeout_s,
+    )
+    return TensorParallelGroup(WeightsSource.of(model), settings)
 
 
 def check_vocabulary(model_config: ModelConfig, tokenizer: Tokenizer) -> None:

@@ -21,6 +21,7 @@ elsewhere), and `sampling_defaults` the sampling settings its generation_config.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import asdict
 from pathlib import Path
@@ -30,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minivllm.model.families import model_class
+from minivllm.model.parallel import Shard, Slice, build_shard, shard_slices, zero_padding
 from minivllm.model.transformer import ModelConfig, RopeScaling, Transformer
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # src/minivllm/weights
@@ -370,14 +372,24 @@ def _by_file(files: dict[str, Path], names) -> dict[Path, list[str]]:
     return grouped
 
 
-def load_model(folder: str | Path = "target", dtype: str | torch.dtype = "auto") -> Transformer:
+def load_model(
+    folder: str | Path = "target",
+    dtype: str | torch.dtype = "auto",
+    shard: Shard | None = None,
+    weights: bool = True,
+) -> Transformer:
     """Load `folder` (a path, or the name of a shipped model: `"target"` or `"draft"`) in `dtype`
     (`"auto"`: the checkpoint's own).
 
     Everything is checked first, from config.json and the safetensors headers. The model is then
     built with no memory behind it (torch's meta device), given uninitialised memory in `dtype`
     once, and filled tensor by tensor from the files (`_read_into`), each converted as it is
-    copied: a checkpoint is never held twice."""
+    copied: a checkpoint is never held twice.
+
+    `shard`: only tensor-parallel rank `shard.rank`'s part (`model/parallel.py`), each split
+    tensor's slice read from the file and nothing else. `weights=False`: the checked model on the
+    meta device, no memory at all (a tensor-parallel engine's driver, whose ranks load their
+    shards). Either way the model remembers where it came from (`checkpoint_folder`)."""
     folder = model_folder(folder)
     hf = read_config(folder)
     source = folder / "config.json"
@@ -388,12 +400,19 @@ def load_model(folder: str | Path = "target", dtype: str | torch.dtype = "auto")
         model = model_class(config, dtype)(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     _check_tensors(expected, files, listing, config)
-    model = model.to(dtype).to_empty(device="cpu")
-    model.tie_weights()
+    if not weights:
+        model = model.to(dtype)
+    elif shard is None:
+        model = model.to(dtype).to_empty(device="cpu")
+        model.tie_weights()
+    else:
+        model = build_shard(config, dtype, shard)
+    slices = shard_slices(config, shard) if shard is not None else {}
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for path, names in _by_file(files, expected).items():
-            _read_into(path, {name: params[name] for name in names})
+        for path, names in _by_file(files, expected).items() if weights else ():
+            _read_into(path, {name: params[name] for name in names}, slices)
+    model.checkpoint_folder = folder
     return model.eval()
 
 
@@ -401,15 +420,21 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 CONVERT_CHUNK_BYTES = 16 << 20  # the buffer a tensor stored in another dtype passes through
 
 
-def _read_into(path: Path, params: dict[str, torch.Tensor]) -> None:
+def _read_into(
+    path: Path, params: dict[str, torch.Tensor], slices: dict[str, Slice] | None = None
+) -> None:
     """Each named tensor of the safetensors file `path`, read from the file straight into its
     parameter's memory; one stored in another dtype passes through a small buffer, a few rows at
-    a time, and is converted as it is copied.
+    a time, and is converted as it is copied. A tensor in `slices` (a tensor-parallel rank's
+    part) gets only its slice: rows are read from where they start; columns pass through the
+    buffer a few whole rows at a time and only theirs are kept -- the whole tensor is never
+    held.
 
     Plain reads, not the memory map that `safe_open` reads through: a mapped file's pages count in
     the process's resident memory for as long as the file is open, so a one-file checkpoint loaded
     through its map would peak at its model's size plus the file's -- twice the weights when the
     dtypes agree. Read this way, the weights' bytes are the only large allocation."""
+    slices = slices or {}
     with open(path, "rb") as f:
         (header_size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_size))
@@ -417,19 +442,46 @@ def _read_into(path: Path, params: dict[str, torch.Tensor]) -> None:
         for name, param in params.items():
             entry = header[name]  # _check_tensors has seen every name, shape and dtype
             stored = SAFETENSORS_DTYPES[entry["dtype"]]
-            f.seek(data_start + entry["data_offsets"][0])
-            target = param.data
-            if stored == target.dtype:
-                _read_exactly(f, target, path, name)
+            offset = data_start + entry["data_offsets"][0]
+            part = slices.get(name)
+            if part is None:
+                f.seek(offset)
+                _read_rows(f, param.data, stored, path, name)
                 continue
-            rows = target.reshape(-1, target.shape[-1]) if target.dim() > 1 else target[None]
-            row_bytes = rows.shape[1] * stored.itemsize
-            step = max(1, CONVERT_CHUNK_BYTES // row_bytes)
-            buffer = torch.empty((min(step, rows.shape[0]), rows.shape[1]), dtype=stored)
-            for start in range(0, rows.shape[0], step):
-                chunk = buffer[: min(step, rows.shape[0] - start)]
-                _read_exactly(f, chunk, path, name)
-                rows[start : start + len(chunk)].copy_(chunk)
+            shape = entry["shape"]
+            row_values = math.prod(shape[1:])
+            if part.dim == 0:
+                f.seek(offset + part.start * row_values * stored.itemsize)
+                _read_rows(f, param.data.narrow(0, 0, part.length), stored, path, name)
+            else:  # columns of a matrix: whole rows through the buffer
+                f.seek(offset)
+                _read_rows(f, param.data, stored, path, name, (shape[1], part.start))
+            zero_padding(param, part)
+
+
+def _read_rows(
+    f,
+    target: torch.Tensor,
+    stored: torch.dtype,
+    path: Path,
+    name: str,
+    columns: tuple[int, int] | None = None,
+) -> None:
+    """The next rows of `f` (values of dtype `stored`) into `target`, converted as they are
+    copied. `columns` = (width, first): the file's rows are `width` values long and `target`
+    takes its columns from `first` on."""
+    rows = target.reshape(-1, target.shape[-1]) if target.dim() > 1 else target[None]
+    width, first = columns or (rows.shape[1], 0)
+    if stored == target.dtype and columns is None:
+        _read_exactly(f, target, path, name)
+        return
+    row_bytes = width * stored.itemsize
+    step = max(1, CONVERT_CHUNK_BYTES // row_bytes)
+    buffer = torch.empty((min(step, rows.shape[0]), width), dtype=stored)
+    for start in range(0, rows.shape[0], step):
+        chunk = buffer[: min(step, rows.shape[0] - start)]
+        _read_exactly(f, chunk, path, name)
+        rows[start : start + len(chunk)].copy_(chunk[:, first : first + rows.shape[1]])
 
 
 def _read_exactly(f, tensor: torch.Tensor, path: Path, name: str) -> None:

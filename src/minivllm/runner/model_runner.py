@@ -39,6 +39,7 @@ from minivllm.runner.sampler import (
     undrawable_rows,
 )
 from minivllm.runner.speculative import ModelDrafter, NgramDrafter, Proposal, verify
+from minivllm.runner.tensor_parallel import TensorParallelGroup
 from minivllm.runner.workers import ForwardWorkers
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.sequence import Sequence
@@ -77,6 +78,9 @@ class ModelRunner:
         self.workers: ForwardWorkers | None = None
         # DecodeGraphs (runner/cuda_graph.py) when decode steps replay CUDA graphs
         self.graphs: DecodeGraphs | None = None
+        # TensorParallelGroup (runner/tensor_parallel.py) when the model is split over ranks
+        self.parallel: TensorParallelGroup | None = None
+        self._copies: list[tuple[int, int]] = []  # copy-on-write for the ranks' next step
 
     def execute(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> RunnerOutput:
         """Run the plan's chunks: draft (with speculation), one forward pass, sample or verify.
@@ -86,7 +90,10 @@ class ModelRunner:
         from its logits row, each with its own seed. A sequence that wants prompt logprobs gets
         the logits of every prompt token of its chunk."""
         for src, dst in self.manager.take_copies():  # copy-on-write of forked blocks, first
-            self.storage.copy_block(src, dst)
+            if self.parallel is not None:  # on every rank, with the next step's batch
+                self._copies.append((src, dst))
+            else:
+                self.storage.copy_block(src, dst)
         if not plan.chunks:  # a plan can be empty when all it did was end a too-big sequence
             return RunnerOutput({})
         sampling = [sequences[i] for i in plan.sampling_seq_ids]
@@ -176,6 +183,9 @@ class ModelRunner:
         that fits a captured size replays a CUDA graph, anything else runs eagerly."""
         if self.workers is not None:
             return self.workers.forward(batch, self.backend)
+        if self.parallel is not None:
+            copies, self._copies = self._copies, []
+            return self.parallel.forward(batch, copies)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return run_model(self.model, self.storage, batch, self.backend)

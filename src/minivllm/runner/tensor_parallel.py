@@ -1,0 +1,447 @@
+"""Tensor-parallel ranks: one model split across processes (`model/parallel.py`), driven by rank 0.
+
+The scheduler, the block manager and the sampler run once, in the engine's process, which is rank
+0. Every step, rank 0 sends the step's batch -- token ids, positions, slots, block tables: the
+`VarlenBatch` the model runner built, and the copy-on-write copies to make first -- to the other
+ranks in ONE broadcast (a pickled object: `torch.distributed.broadcast_object_list`), then every
+rank runs the same forward pass over its own heads and its own K/V pool, the ranks meeting in the
+layers' all-reduces, and the logits are gathered on rank 0. The block tables are the same on
+every rank: block b holds the same tokens' K/V everywhere, each rank its own heads of it.
+
+    rank 0 (the engine)                         rank r > 0 (`serve_rank`)
+    schedule, build the batch
+    broadcast (batch, copies)  ---------------> receive
+    forward over its shard                      forward over its shard
+      all-reduce x 2 per layer  <-------------->  all-reduce x 2 per layer
+    gather logits              <---------------  send its vocabulary's logits
+    sample, update, detokenize                  wait for the next step
+
+Launch. `TensorParallelGroup(source, settings)` spawns ranks 1 .. W-1 as processes on this machine
+(the spawn start method; their rendezvous on 127.0.0.1 at a free port), each loading its own
+shard of the weights -- from the checkpoint folder, reading only its slices, or sliced from a
+model in this process's memory, shared with them -- and building its own K/V pool; gloo carries
+the collectives on a CPU, NCCL on GPUs (rank r on `cuda:r`), with the same code.
+
+The same ranks can come from `torchrun`, on one machine or several: every process then runs the
+same command, and the engine's constructor on a rank other than 0 becomes that rank's worker loop
+(`serve_rank`) and exits the process when rank 0 closes; rank 0 goes on as the engine. E.g.
+
+    torchrun --nproc-per-node 2 -m minivllm.cli generate "ROMEO:" --tensor-parallel-size 2
+    torchrun --nnodes 2 --node-rank N --nproc-per-node 8 --master-addr HOST --master-port 29500 \\
+        -m minivllm.cli serve --model DIR --tensor-parallel-size 16
+
+(`WORLD_SIZE` must equal the tensor-parallel size; torchrun sets `RANK`, `MASTER_ADDR` and
+`MASTER_PORT`, read through `init_method="env://"`).
+
+Failure. A rank that dies, or fails, or does not answer within `settings.timeout_s`, makes rank
+0's next collective fail; the step then raises `RuntimeError` naming the rank and its exit code,
+and the group is closed: every rank process is stopped (killed if it will not stop), none is left
+behind. A worker whose parent process is gone exits by itself (a watchdog thread), and ignores
+Ctrl-C, which the engine's process handles: `close()` (also on garbage collection and at exit)
+stops them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minivllm.attention.backend import get_backend, warm_up_backend
+from minivllm.attention.batch import VarlenBatch
+from minivllm.attention.storage import PagedKVStorage
+from minivllm.model.checkpoint import load_model
+from minivllm.model.fused import fuse_model
+from minivllm.model.parallel import Shard, local_config, shard_from_model
+from minivllm.model.transformer import Transformer
+from minivllm.runner.workers import _packed, _unpacked  # a batch as numpy arrays, and back
+
+_READY = "ready"
+LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"  # the loopback interface's name
+START_TIMEOUT_S = 180.0  # a rank imports torch and numba and loads its shard: slow on a busy CPU
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where a rank gets its shard: a checkpoint folder (each rank reads only its slices), or a
+    whole model in memory (shared with spawned ranks, each copies its slices)."""
+
+    folder: str | None = None
+    dtype: torch.dtype | None = None
+    model: Transformer | None = None
+
+    @classmethod
+    def of(cls, model: Transformer) -> WeightsSource:
+        """A model with weights is sliced as it is; one on the meta device (`load_model(...,
+        weights=False)`) is read from its checkpoint folder by each rank."""
+        param = next(model.parameters())
+        if param.device.type == "meta":
+            folder = getattr(model, "checkpoint_folder", None)
+            if folder is None:
+                raise ValueError("a model on the meta device needs its checkpoint_folder")
+            return cls(folder=str(folder), dtype=param.dtype)
+        return cls(model=model)
+
+    def load(self, shard: Shard, device: str) -> Transformer:
+        if self.model is not None:
+            return shard_from_model(self.model, shard).to(device)
+        return load_model(Path(self.folder), self.dtype, shard=shard).to(device)
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """What every rank builds: its K/V pool, its attention backend, its threads."""
+
+    world: int
+    num_blocks: int
+    block_size: int
+    cache_dtype: torch.dtype
+    device: str  # "cpu" or "cuda" (rank r on cuda:r)
+    backend: str  # the attention backend's registered name
+    fuse: bool = True  # q/k/v and gate/up as one matmul each (model/fused.py)
+    threads: int = 1  # torch threads per rank on a CPU
+    timeout_s: float = 300.0  # a collective that waits longer fails the step
+
+
+@dataclass
+class RankState:
+    """One rank's part of the engine: its model shard, its K/V pool, its attention backend."""
+
+    model: Transformer
+    storage: PagedKVStorage
+    backend: object
+    device: torch.device
+    rank: int
+
+    @classmethod
+    def build(cls, source: WeightsSource, settings: RankSettings, rank: int) -> RankState:
+        device = torch.device(f"cuda:{rank}" if settings.device == "cuda" else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        shard = Shard(rank, settings.world)
+        model = source.load(shard, str(device))
+        if settings.fuse:
+            model = fuse_model(model, in_place=True)
+        storage = PagedKVStorage(
+            local_config(model.config, shard),
+            settings.num_blocks,
+            settings.block_size,
+            settings.cache_dtype,
+            device,
+        )
+        backend = get_backend(settings.backend)
+        warm_up_backend(backend, threads=settings.threads)
+        return cls(model, storage, backend, device, rank)
+
+    def step(self, batch: VarlenBatch, copies: list[tuple[int, int]]) -> torch.Tensor | None:
+        """Copy-on-write first, then this rank's forward pass over the whole batch: on rank 0 the
+        logits of the batch's sampling rows, `[S, vocab]`, on the CPU (`run_model`'s contract);
+        None on the other ranks."""
+        for src, dst in copies:
+            self.storage.copy_block(src, dst)
+        batch = replace(batch, slots_checked=True).to(self.device)  # rank 0 checked them
+        head = self.model.lm_head
+        with torch.inference_mode():
+            head.rows = batch.logits_indices
+            try:
+                attention = self.backend(self.storage, batch)
+                logits = self.model(batch.input_ids, batch.positions, attention)
+            finally:
+                head.rows = None
+        return logits.to("cpu", torch.float32, copy=True) if self.rank == 0 else None
+
+
+def _backend_name(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _init_group(settings: RankSettings, rank: int, init_method: str) -> None:
+    """Join the default process group. Ranks meeting on 127.0.0.1 talk over the loopback
+    interface (gloo would otherwise pick the interface the host name resolves to, which a machine
+    without a network may not have), unless GLOO_SOCKET_IFNAME says otherwise."""
+    loopback = init_method.startswith("tcp://127.0.0.1:") and "GLOO_SOCKET_IFNAME" not in os.environ
+    if loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
+    try:
+        dist.init_process_group(
+            _backend_name(settings.device),
+            init_method=init_method,
+            rank=rank,
+            world_size=settings.world,
+            timeout=datetime.timedelta(seconds=settings.timeout_s),
+        )
+    finally:
+        if loopback:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def _broadcast(message):
+    """Rank 0's message to every rank (None on the others' side until it arrives)."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit this process when its parent is gone (a spawned rank must never outlive the engine:
+    SIGKILL on the engine closes nothing)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="minivllm-parent-watch", daemon=True).start()
+
+
+def serve_rank(
+    rank: int,
+    settings: RankSettings,
+    source: WeightsSource,
+    init_method: str = "env://",
+    conn: Connection | None = None,
+    parent: int | None = None,
+) -> None:
+    """A rank's life, ranks 1 .. W-1 (the worker entry point; `torchrun` reaches it through the
+    engine's constructor): load its shard, join the group, then run every step rank 0 broadcasts
+    until it broadcasts None. `conn` (spawned ranks) tells rank 0 it is ready, or why it failed."""
+    if parent is not None:
+        _watch_parent(parent)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    torch.set_num_threads(settings.threads)
+    try:
+        state = RankState.build(source, settings, rank)
+    except Exception:
+        if conn is not None:
+            conn.send(("error", traceback.format_exc()))
+        raise
+    if conn is not None:
+        conn.send((_READY, None))
+    _init_group(settings, rank, init_method)
+    try:
+        while (message := _broadcast(None)) is not None:
+            fields, copies = message
+            state.step(_unpacked(fields), copies)
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def launched_by_torchrun(world: int) -> int | None:
+    """This process's rank when `torchrun` started `world` ranks (RANK and WORLD_SIZE set), else
+    None; a WORLD_SIZE other than `world` is an error."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise ValueError(
+            f"torchrun started {os.environ['WORLD_SIZE']} processes but tensor_parallel_size is "
+            f"{world}: give --nproc-per-node x --nnodes = the tensor-parallel size"
+        )
+    return int(os.environ["RANK"])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _child_environment(threads: int):
+    """Spawned ranks see `threads` threads for OpenMP, MKL and numba (read by each library as it
+    loads)."""
+    values = dict.fromkeys(
+        ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"), str(threads)
+    )
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+class _Processes:
+    """The spawned ranks and their pipes, apart from the group object, for its finalizer."""
+
+    def __init__(self) -> None:
+        self.workers: list = []
+        self.conns: list[Connection] = []
+        self.group_started = False
+        self.healthy = True
+
+    def stop(self) -> None:
+        """Tell the ranks to stop (when they are waiting for a step), leave the group, and make
+        sure every process has ended: joined, else terminated, else killed."""
+        if self.group_started:
+            if self.healthy:
+                with contextlib.suppress(Exception):
+                    _broadcast(None)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            self.group_started = False
+        for worker in self.workers:
+            worker.join(timeout=5 if self.healthy else 0.5)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=2)
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=2)
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+        self.healthy = False
+
+
+class TensorParallelGroup:
+    """Rank 0 of a tensor-parallel engine: the other ranks' processes, this rank's shard and K/V
+    pool (`model`, `storage`), and `forward(batch)` with `run_model`'s contract."""
+
+    def __init__(self, source: WeightsSource, settings: RankSettings) -> None:
+        if settings.world < 2:
+            raise ValueError(f"a tensor-parallel group needs 2 ranks or more, got {settings.world}")
+        self.settings = settings
+        self.broadcast_s = 0.0  # time spent sending batches (rank 0's side), for the benchmark
+        self._procs = _Processes()
+        self._finalizer = weakref.finalize(self, self._procs.stop)
+        rank = launched_by_torchrun(settings.world)
+        if rank is not None and rank != 0:  # torchrun: this process is a worker, not the engine
+            serve_rank(rank, settings, source)
+            raise SystemExit(0)
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is already initialised in this process: one tensor-parallel "
+                "engine per process (close the other first)"
+            )
+        try:
+            if rank is None:
+                init_method = self._spawn(source, settings)
+            else:
+                init_method = "env://"
+            self.state = RankState.build(source, settings, 0)
+            self._wait_ready()
+            _init_group(settings, 0, init_method)
+            self._procs.group_started = True
+        except BaseException:
+            self._procs.healthy = False  # nobody waits for a step: stop the ranks at once
+            self.close()
+            raise
+
+    def _spawn(self, source: WeightsSource, settings: RankSettings) -> str:
+        if source.model is not None:  # shared, not pickled: the ranks map its memory
+            source.model.share_memory()
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        context = mp.get_context("spawn")
+        with _child_environment(settings.threads):
+            for rank in range(1, settings.world):
+                mine, theirs = context.Pipe()
+                worker = context.Process(
+                    target=serve_rank,
+                    args=(rank, settings, source, init_method, theirs, os.getpid()),
+                    name=f"minivllm-tp-rank-{rank}",
+                    daemon=True,
+                )
+                worker.start()
+                theirs.close()
+                self._procs.workers.append(worker)
+                self._procs.conns.append(mine)
+        return init_method
+
+    def _wait_ready(self) -> None:
+        """Every spawned rank has loaded its shard (or the start fails, saying which and why)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for index, (worker, conn) in enumerate(zip(self._procs.workers, self._procs.conns)):
+            while not conn.poll(0.2):
+                if not worker.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel rank {index + 1} died while starting "
+                        f"(exit code {worker.exitcode})"
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {index + 1} did not start in {START_TIMEOUT_S:.0f} s"
+                    )
+            try:
+                kind, detail = conn.recv()
+            except (EOFError, OSError):
+                kind, detail = "error", f"exit code {worker.exitcode}"
+            if kind != _READY:
+                raise RuntimeError(f"tensor-parallel rank {index + 1} failed to start: {detail}")
+
+    @property
+    def model(self) -> Transformer:
+        return self.state.model
+
+    @property
+    def storage(self) -> PagedKVStorage:
+        return self.state.storage
+
+    @property
+    def pids(self) -> list[int]:
+        """The spawned ranks' process ids (none under torchrun)."""
+        return [worker.pid for worker in self._procs.workers]
+
+    @property
+    def alive(self) -> bool:
+        return self._procs.healthy and all(w.is_alive() for w in self._procs.workers)
+
+    def forward(self, batch: VarlenBatch, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """One step on every rank: the batch (and the block copies to make first) broadcast once,
+        then this rank's forward; the logits of the batch's sampling rows, `[S, vocab]`."""
+        if not self._procs.healthy:
+            raise RuntimeError("the tensor-parallel ranks were closed (or one failed before)")
+        self.state.storage.check_slots(batch.slot_mapping)  # a bad batch never reaches the ranks
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.settings.threads)
+        try:
+            started = time.perf_counter()
+            _broadcast((_packed(batch), list(copies)))
+            self.broadcast_s += time.perf_counter() - started
+            return self.state.step(batch, list(copies))
+        except RuntimeError as error:  # a collective failed: a rank died or timed out
+            raise self._failed(error) from error
+        except BaseException:  # Ctrl-C mid-step: the ranks are out of step, stop them all
+            self._procs.healthy = False
+            self.close()
+            raise
+        finally:
+            torch.set_num_threads(threads)
+
+    def _failed(self, error: RuntimeError) -> RuntimeError:
+        self._procs.healthy = False
+        time.sleep(0.2)  # let a dying rank's exit code settle
+        dead = [
+            f"rank {i + 1} (exit code {w.exitcode})"
+            for i, w in enumerate(self._procs.workers)
+            if not w.is_alive()
+        ]
+        self.close()
+        why = f"{', '.join(dead)} died" if dead else f"a rank failed or timed out ({error})"
+        return RuntimeError(
+            f"tensor parallelism failed: {why}; the engine's ranks are stopped, build a new "
+            "engine to go on"
+        )
+
+    def close(self) -> None:
+        """Stop every rank (idempotent; also on garbage collection and at exit)."""
+        self._finalizer()
