@@ -13,8 +13,9 @@ each round in a fresh process (so its peak RSS is its own):
 
 Beside it, 24 seeded streams of 120 tokens (the big request starts 1 s after them). What is
 reported: the streams' inter-token gaps (median, p99, max), the big answer's size and time, and the
-process's peak RSS. The server's output budget (`--max-output-units`) would refuse the issue's
-request, so it is raised here: this measures the writer, not the budget.
+process's peak RSS. The server's output budget (`--max-output-units`) and its cap on sequences
+per request (`--max-seqs-per-request`) would refuse the issue's request, so both are raised here:
+this measures the writer, not the limits.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ def one_round(mode: str, prompts: int, n: int, logprobs: int) -> dict:
     ]
     prompt = [65 + i % 26 for i in range(PROMPT_TOKENS)]
     big = {"prompt": [prompt] * prompts, "n": n, "logprobs": logprobs, "echo": True}
-    limits = ServerLimits(max_output_units=10**12)
+    limits = ServerLimits(max_output_units=10**12, max_seqs_per_request=prompts * n)
     with ServerThread(LLMEngine(load_model("target")), limits=limits) as server:
         run = asyncio.run(streams_beside(server.base_url, streams, big, big_after=1.0))
+    if run.big_status != 200:
+        raise RuntimeError(f"the big request was answered {run.big_status}")
     gaps = sorted(run.gaps)
     return {
         "mode": mode,

@@ -469,7 +469,10 @@ forked = LLMEngine(target, EngineConfig(num_blocks=48, block_size=16))
 forked.add_request(speeches[3][:120], SamplingParams(n=4, max_tokens=40, temperature=0.9, seed=5))
 for _ in range(3):
     forked.step()
-fig, (pool_ax, table_ax) = plt.subplots(1, 2, figsize=(9, 3.4), width_ratios=[1, 1.2])
+# the page's width to the cells: the pool (8 columns) and the tables, each as wide as its cells
+widest = max(len(table.blocks) for table in forked.manager.tables.values())
+layout = {"width_ratios": [8.1, widest + 1.6], "wspace": 0.05, "left": 0.01, "right": 0.99}
+fig, (pool_ax, table_ax) = plt.subplots(1, 2, figsize=(7.5, 3.2), gridspec_kw=layout)
 centres = draw_block_pool(pool_ax, forked.manager, columns=8)
 draw_block_tables(table_ax, forked.manager, pool_ax, centres)
 plt.show()
@@ -610,7 +613,7 @@ print(
 
 # %% mystnb={"figure": {"caption": "32 streaming clients through the server. Top: each row a request over engine steps (hatched: prefill, solid: decode); bottom: how many requests were running at each step.", "name": "fig-08-server-gantt"}}
 # NBVAL_IGNORE_OUTPUT
-fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), height_ratios=[3, 1], sharex=True)
+fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 6), height_ratios=[3, 1], sharex=True)
 first_step = trace[0].step - 1
 shifted = [type(r).from_dict({**r.to_dict(), "step": r.step - first_step}) for r in trace]
 draw_gantt(
@@ -638,7 +641,7 @@ plt.show()
 # NBVAL_IGNORE_OUTPUT
 ttft = np.array([r.ttft for r in results]) * 1e3
 itl = np.concatenate([r.itls for r in results]) * 1e3
-fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3))
+fig, (left, right) = plt.subplots(1, 2, figsize=(7.5, 3))
 left.hist(ttft, bins=20, color="#ff7f0e")
 left.set_xlabel("time to first token (ms)")
 right.hist(itl, bins=40, color="#2ca02c")
@@ -660,8 +663,9 @@ print(
 # (`responses.json_in_pieces`), yielding the loop between choices; and it refuses, before any work,
 # an answer that could pass its output budget (prompts × n × (echoed prompt + max_tokens) ×
 # (logprobs + 1), `minivllm serve --max-output-units`) with a 400 saying what to lower.
-# `streams_beside` runs 24 streaming clients and, half a second in, the big request; below it runs
-# twice, the second time with the old one-go writer put back:
+# `streams_beside` runs 24 streaming clients, each streaming again as soon as its answer ends, and,
+# half a second in, the big request, until it is answered; below it runs twice, the second time
+# with the old one-go writer put back:
 
 # %%
 show(responses.whole_response)
@@ -688,10 +692,10 @@ for name, run in isolation.items():
 
 # %% mystnb={"figure": {"caption": "24 streams beside one 15 MB answer: each dot a token reaching its client (a row per stream); shaded, the big request from sent to read. Left: the answer written a choice at a time; right: encoded in one go, as before. Wall clock on the machine that built this page.", "name": "fig-08-isolation"}}
 # NBVAL_IGNORE_OUTPUT
-fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.4), sharey=True)
 for ax, (name, run) in zip(axes, isolation.items()):
-    start = min(stream.sent for stream in run.streams)
-    for row, stream in enumerate(run.streams):
+    start = min(client[0].sent for client in run.streams)
+    for row, stream in ((row, s) for row, client in enumerate(run.streams) for s in client):
         ax.plot(
             [t - start for t in stream.chunk_times],
             [row] * len(stream.chunk_times),
@@ -703,14 +707,16 @@ for ax, (name, run) in zip(axes, isolation.items()):
     ax.set_title(f"answer {name}: longest wait {run.max_gap:.2f} s")
     ax.set_xlabel("seconds since the streams started")
 axes[0].set_ylabel("stream")
-axes[0].legend(loc="upper right")
+fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", frameon=False)
+fig.tight_layout(rect=(0, 0, 1, 0.93))
 plt.show()
 
 # %% [markdown]
-# Both times the big answer arrives whole and every stream finishes; what changes is how long the
-# streams stop. `tests/test_server_isolation.py` holds the server to it — no gap over 0.5 s — and
-# `benchmarks/server_isolation.py` measures the full-size request (125 MB), alternating
-# the two writers.
+# Both times the big answer arrives whole and every stream gets its tokens; what changes is how
+# long the streams stop while the answer is written (the white gap on the right). The stall grows
+# with the answer: `benchmarks/server_isolation.py` measures the full-size request
+# (125 MB), alternating the two writers, and `tests/test_server_isolation.py` holds the server to
+# no wait over 0.5 s beside the biggest answer its default limits allow.
 
 # %% [markdown]
 # ## Measure: what the server costs

@@ -102,17 +102,19 @@ async def run_clients(
 @dataclass
 class Isolation:
     """Streams served beside one big non-streamed request: what the streams' clients saw, and what
-    the big request's client got."""
+    the big request's client got. `streams[i]` holds client i's streams, one after another."""
 
-    streams: list[StreamedCompletion]
+    streams: list[list[StreamedCompletion]]
     big_status: int | None = None  # None: no big request was sent
     big_bytes: int = 0
     big_seconds: float = 0.0
 
     @property
     def gaps(self) -> list[float]:
-        """Every inter-token gap of every stream."""
-        return [gap for stream in self.streams for gap in stream.itls]
+        """Every inter-token gap of every stream (not the time to first token: a stream sent
+        while the big request holds every seat waits for one, which is the scheduler's doing, not
+        a stall)."""
+        return [gap for client in self.streams for stream in client for gap in stream.itls]
 
     @property
     def max_gap(self) -> float:
@@ -126,20 +128,33 @@ async def streams_beside(
     big_after: float = 0.5,
     timeout: float = 600,
 ) -> Isolation:
-    """One streaming client per body in `stream_bodies`, all at once; `big_after` seconds later (the
-    streams are flowing) one more client posts `big_body` to `/completions`, not streamed, and reads
-    its whole answer. Does the big answer stall the streams?"""
+    """One streaming client per body in `stream_bodies`, all at once, each streaming its body
+    again and again until the big request is answered (once, without one); `big_after` seconds in
+    (the streams are flowing) one more client posts `big_body` to `/completions`, not streamed,
+    and reads its whole answer. Does the big answer stall the streams?"""
     limits = httpx.Limits(max_connections=len(stream_bodies) + 1)
+    answered = asyncio.Event()
+    if big_body is None:
+        answered.set()
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def big() -> tuple[int, int, float]:
             await asyncio.sleep(big_after)
             started = time.perf_counter()
-            response = await client.post(f"{base_url}/completions", json=big_body)
+            try:
+                response = await client.post(f"{base_url}/completions", json=big_body)
+            finally:
+                answered.set()
             return response.status_code, len(response.content), time.perf_counter() - started
 
-        streams = [stream_completion(client, base_url, body) for body in stream_bodies]
+        async def streaming_client(body: dict) -> list[StreamedCompletion]:
+            streams = [await stream_completion(client, base_url, body)]
+            while not answered.is_set():
+                streams.append(await stream_completion(client, base_url, body))
+            return streams
+
+        clients = [streaming_client(body) for body in stream_bodies]
         if big_body is None:
-            return Isolation(list(await asyncio.gather(*streams)))
-        *results, (status, size, seconds) = await asyncio.gather(*streams, big())
+            return Isolation(list(await asyncio.gather(*clients)))
+        *results, (status, size, seconds) = await asyncio.gather(*clients, big())
         return Isolation(results, status, size, seconds)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -357,6 +358,12 @@ async def json_in_pieces(
     head, tail = encode_json({**body, "choices": marker}).split(encode_json(marker), 1)
     yield head + b"["
     for i, answer in enumerate(answers):
-        yield (b"," if i else b"") + encode_json(pieces.whole(i, answer))
-        await asyncio.sleep(0)  # the streams of other clients go out here
+        started = time.perf_counter()
+        choice = encode_json(pieces.whole(i, answer))
+        yield (b"," if i else b"") + choice
+        # Then as long again with the GIL free. Yielding to the loop alone is not enough: the
+        # engine thread takes the GIL back once per torch op, and a loop thread that computes
+        # without pause hands it over only every 5 ms (sys.getswitchinterval), so a step of a few
+        # hundred ops would stretch to a second and every stream would stop meanwhile.
+        await asyncio.sleep(time.perf_counter() - started)
     yield b"]" + tail
