@@ -18,6 +18,7 @@ import pytest
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLM, LLMEngine
+from minivllm.engine.processing import EngineRequest
 from minivllm.model.checkpoint import load_model
 from minivllm.model.hf_tokenizer import load_tokenizer
 from minivllm.sched.sequence import SamplingParams
@@ -49,9 +50,12 @@ def served(chat_checkpoint):
     given = []
     add_request = engine.add_request
 
-    def recording(prompt, params=None, request_id=None):
-        given.append((list(prompt), params))
-        return add_request(prompt, params, request_id)
+    def recording(prompt, params=None, request_id=None, group=None):
+        if isinstance(prompt, EngineRequest):  # what the server hands over: checked once
+            given.append((list(prompt.prompt_ids), prompt.params))
+        else:
+            given.append((list(prompt), params))
+        return add_request(prompt, params, request_id, group)
 
     engine.add_request = recording
     with ServerThread(engine, model_name="tiny-qwen3") as server:

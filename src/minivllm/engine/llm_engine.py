@@ -61,7 +61,12 @@ from minivllm.runner.cuda_graph import DecodeGraphs
 from minivllm.runner.model_runner import ModelRunner, RunnerOutput
 from minivllm.runner.sampler import derive_seed
 from minivllm.runner.speculative import SpeculativeConfig, make_drafter
-from minivllm.runner.tensor_parallel import RankSettings, TensorParallelGroup, WeightsSource
+from minivllm.runner.tensor_parallel import (
+    QueuedCopies,
+    RankSettings,
+    TensorParallelGroup,
+    WeightsSource,
+)
 from minivllm.runner.workers import ForwardWorkers
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.scheduler import Scheduler, SchedulerConfig
@@ -155,7 +160,9 @@ class LLMEngine:
             runner_model = self.parallel.model
         else:
             runner_model = fuse_model(model, own_model) if config.fuse_projections else model
-        self.runner = ModelRunner(runner_model, self.storage, self.manager, backend, self.drafter)
+        # with tensor parallelism the runner's block copies go to every rank with the next step
+        runner_storage = QueuedCopies(self.parallel) if parallel else self.storage
+        self.runner = ModelRunner(runner_model, runner_storage, self.manager, backend, self.drafter)
         self.runner.parallel = self.parallel
         if config.forward_processes > 1:  # ForwardWorkers refuses a cache off the CPU
             self.runner.workers = ForwardWorkers(
@@ -492,8 +499,11 @@ class LLM:
         default_params = default_sampling_params(folder, generation_config)
         if folder is not None:  # a shipped model's name, or a Hugging Face folder
             # with tensor parallelism each rank reads its own shard: here, only the shapes
-            whole = config.get("tensor_parallel_size", 1) == 1
-            model, dtype = load_model(folder, dtype, weights=whole), "auto"  # the engine's own
+            if config.get("tensor_parallel_size", 1) == 1:
+                model = load_model(folder, dtype)
+            else:
+                model = load_model(folder, dtype, weights=False)
+            dtype = "auto"  # the engine's own
         auto = dtype == "auto"
         config["dtype"] = next(model.parameters()).dtype if auto else resolve_dtype(dtype)
         config.update(

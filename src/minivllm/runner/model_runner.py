@@ -80,7 +80,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # TensorParallelGroup (runner/tensor_parallel.py) when the model is split over ranks
         self.parallel: TensorParallelGroup | None = None
-        self._copies: list[tuple[int, int]] = []  # copy-on-write for the ranks' next step
 
     def execute(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> RunnerOutput:
         """Run the plan's chunks: draft (with speculation), one forward pass, sample or verify.
@@ -90,10 +89,7 @@ class ModelRunner:
         from its logits row, each with its own seed. A sequence that wants prompt logprobs gets
         the logits of every prompt token of its chunk."""
         for src, dst in self.manager.take_copies():  # copy-on-write of forked blocks, first
-            if self.parallel is not None:  # on every rank, with the next step's batch
-                self._copies.append((src, dst))
-            else:
-                self.storage.copy_block(src, dst)
+            self.storage.copy_block(src, dst)
         if not plan.chunks:  # a plan can be empty when all it did was end a too-big sequence
             return RunnerOutput({})
         sampling = [sequences[i] for i in plan.sampling_seq_ids]
@@ -183,9 +179,8 @@ class ModelRunner:
         that fits a captured size replays a CUDA graph, anything else runs eagerly."""
         if self.workers is not None:
             return self.workers.forward(batch, self.backend)
-        if self.parallel is not None:
-            copies, self._copies = self._copies, []
-            return self.parallel.forward(batch, copies)
+        if self.parallel is not None:  # every rank makes the queued block copies, then its pass
+            return self.parallel.forward(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return run_model(self.model, self.storage, batch, self.backend)

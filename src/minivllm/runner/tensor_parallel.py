@@ -313,6 +313,21 @@ class _Processes:
         self.healthy = False
 
 
+class QueuedCopies:
+    """Rank 0's K/V storage as the model runner sees it: a block copy (copy-on-write) is queued and
+    travels to every rank with the next step's batch, so all ranks copy their share of the block;
+    everything else is this rank's own storage."""
+
+    def __init__(self, group: TensorParallelGroup) -> None:
+        self._group = group
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self._group.pending_copies.append((src, dst))
+
+    def __getattr__(self, name: str):
+        return getattr(self._group.storage, name)
+
+
 class TensorParallelGroup:
     """Rank 0 of a tensor-parallel engine: the other ranks' processes, this rank's shard and K/V
     pool (`model`, `storage`), and `forward(batch)` with `run_model`'s contract."""
@@ -322,6 +337,8 @@ class TensorParallelGroup:
             raise ValueError(f"a tensor-parallel group needs 2 ranks or more, got {settings.world}")
         self.settings = settings
         self.broadcast_s = 0.0  # time spent sending batches (rank 0's side), for the benchmark
+        # copy-on-write copies the runner asked for, made on every rank before the next step
+        self.pending_copies: list[tuple[int, int]] = []
         self._procs = _Processes()
         self._finalizer = weakref.finalize(self, self._procs.stop)
         rank = launched_by_torchrun(settings.world)
@@ -405,9 +422,14 @@ class TensorParallelGroup:
     def alive(self) -> bool:
         return self._procs.healthy and all(w.is_alive() for w in self._procs.workers)
 
-    def forward(self, batch: VarlenBatch, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
-        """One step on every rank: the batch (and the block copies to make first) broadcast once,
-        then this rank's forward; the logits of the batch's sampling rows, `[S, vocab]`."""
+    def forward(
+        self, batch: VarlenBatch, copies: list[tuple[int, int]] | None = None
+    ) -> torch.Tensor:
+        """One step on every rank: the batch (and the block copies to make first: `copies`, else
+        those `queued_storage` collected) broadcast once, then this rank's forward; the logits of
+        the batch's sampling rows, `[S, vocab]`."""
+        if copies is None:
+            copies, self.pending_copies = self.pending_copies, []
         if not self._procs.healthy:
             raise RuntimeError("the tensor-parallel ranks were closed (or one failed before)")
         self.state.storage.check_slots(batch.slot_mapping)  # a bad batch never reaches the ranks
