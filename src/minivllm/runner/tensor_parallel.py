@@ -68,7 +68,9 @@ from minivllm.model.checkpoint import load_model
 from minivllm.model.fused import fuse_model
 from minivllm.model.parallel import Shard, local_config, shard_from_model
 from minivllm.model.transformer import Transformer
-from minivllm.runner.workers import _packed, _unpacked  # a batch as numpy arrays, and back
+
+# a batch as numpy arrays, and back; the thread counts spawned processes start with
+from minivllm.runner.workers import _packed, _unpacked, children_threads
 
 _READY = "ready"
 LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"  # the loopback interface's name
@@ -261,25 +263,6 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@contextlib.contextmanager
-def _child_environment(threads: int):
-    """Spawned ranks see `threads` threads for OpenMP, MKL and numba (read by each library as it
-    loads)."""
-    values = dict.fromkeys(
-        ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"), str(threads)
-    )
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
-
-
 class _Processes:
     """The spawned ranks and their pipes, apart from the group object, for its finalizer."""
 
@@ -369,7 +352,7 @@ class TensorParallelGroup:
             source.model.share_memory()
         init_method = f"tcp://127.0.0.1:{free_port()}"
         context = mp.get_context("spawn")
-        with _child_environment(settings.threads):
+        with children_threads(settings.threads):
             for rank in range(1, settings.world):
                 mine, theirs = context.Pipe()
                 worker = context.Process(

@@ -146,12 +146,13 @@ def warn_if_threads_spin() -> bool:
 
 
 @contextlib.contextmanager
-def _one_thread_children():
-    """Processes started inside inherit an environment of one thread for OpenMP, MKL and numba:
-    a worker never starts a thread pool it would not use (read by each library as it loads)."""
+def children_threads(threads: int = 1):
+    """Processes started inside inherit an environment of `threads` threads for OpenMP, MKL and
+    numba (read by each library as it loads): a forward worker gets one, and never starts a thread
+    pool it would not use."""
     names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
     saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(dict.fromkeys(names, "1"))
+    os.environ.update(dict.fromkeys(names, str(threads)))
     try:
         yield
     finally:
@@ -208,7 +209,7 @@ class ForwardWorkers:
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._workers = []
-        with _one_thread_children():
+        with children_threads():
             for index in range(processes - 1):
                 mine, theirs = context.Pipe()
                 worker = context.Process(
