@@ -200,11 +200,6 @@ class SamplingParams:
             or self.bad_words
         )
 
-    def token_ids(self) -> set[int]:
-        """Every token id the params name, for a check against the vocabulary."""
-        ids = set(self.stop_token_ids) | {t for t, _ in self.logit_bias}
-        return ids | set(self.allowed_token_ids or ())
-
 
 def _all(values, check) -> bool:
     return isinstance(values, tuple) and all(check(v) for v in values)
