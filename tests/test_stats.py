@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minivllm.book.stats import chi_square, within
+from minivllm.book.stats import chi_square, speed_change, within
 
 
 def counts_with_statistic(statistic: float, cells: int) -> tuple[np.ndarray, np.ndarray]:
@@ -67,3 +67,24 @@ def test_within_prints_the_tolerance_not_the_error() -> None:
 def test_within_fails_above_the_tolerance(error: float) -> None:
     with pytest.raises(AssertionError, match="above the tolerance"):
         within(error, 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "said"),
+    [
+        (1.25, "1.25x (25% faster than plain)"),
+        (0.6, "0.60x (40% slower than plain)"),
+        (0.8, "0.80x (20% slower than plain)"),
+        (1.001, "1.00x (the same speed as plain)"),
+        (7.82, "7.82x (7.8 times as fast as plain)"),
+    ],
+)
+def test_speed_change_says_faster_or_slower_by_the_sign(ratio: float, said: str) -> None:
+    assert speed_change(ratio, than="plain") == said
+    assert ("slower" in speed_change(ratio)) == (ratio < 0.995)
+
+
+@pytest.mark.parametrize("ratio", [0.0, -1.0, float("nan")])
+def test_speed_change_refuses_a_ratio_that_is_not_a_speed(ratio: float) -> None:
+    with pytest.raises(ValueError):
+        speed_change(ratio)

@@ -61,3 +61,21 @@ def within(error: float, tolerance: float) -> str:
         raise AssertionError(f"error {error:.2e} is above the tolerance {tolerance:.0e}")
     mantissa, exponent = f"{tolerance:e}".split("e")
     return f"within {mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def speed_change(ratio: float, than: str = "") -> str:
+    """A speed ratio (new rate / old rate, or old time / new time) said by its sign: "1.25x (25%
+    faster than plain)", "0.60x (40% slower than plain)", "7.82x (7.8 times as fast as plain)", or
+    "1.00x (the same speed as plain)" when the change rounds to 0 %. A summary line printing "0.80x
+    faster" contradicts its own number; this one cannot. `than` names what the ratio is measured
+    against ("plain")."""
+    ratio = float(ratio)
+    if not ratio > 0:  # NaN too
+        raise ValueError(f"a speed ratio must be positive, not {ratio}")
+    change = abs(ratio - 1)
+    if round(change, 2) == 0:
+        return f"{ratio:.2f}x (the same speed{' as ' + than if than else ''})"
+    if ratio >= 2:  # "682% faster" is hard to read: say how many times as fast
+        return f"{ratio:.2f}x ({ratio:.1f} times as fast{' as ' + than if than else ''})"
+    word = "faster" if ratio > 1 else "slower"
+    return f"{ratio:.2f}x ({change:.0%} {word}{' than ' + than if than else ''})"
