@@ -75,6 +75,8 @@ starts = rng.integers(0, len(text) - 200, size=16)
 prompts = [text[s : s + int(n)] for s, n in zip(starts, rng.integers(16, 80, size=16))]
 lengths = [int(n) for n in rng.integers(8, 121, size=16)]
 params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+prompt_tokens = [len(tokenizer.encode(p, add_bos=True)) for p in prompts]
+print(f"prompts of {min(prompt_tokens)}-{max(prompt_tokens)} tokens (with the BOS)")
 print("tokens wanted per request:", lengths)
 
 manager = BlockManager(num_blocks=64, block_size=16)
@@ -117,9 +119,8 @@ def slot_use(trace, slots):
 
 static, static_out = run(prompts, params, max_num_seqs=4, batching=StaticBatching())
 assert [o.token_ids for o in static_out] == one_at_a_time  # batching changes no token
-print(
-    f"static batching: {len(static.trace)} steps, {slot_use(static.trace, 4):.0%} of the 4 batch places busy"
-)
+busy_share = slot_use(static.trace, 4)
+print(f"static batching: {len(static.trace)} steps, {busy_share:.0%} of the 4 batch places busy")
 
 # %% [markdown]
 # The rest of the batch did nothing. Each row below is one batch place; each colour a request.
@@ -229,8 +230,9 @@ while toy.has_unfinished():
     )
     finished = toy.update(plan, {s: ord("a") for s in plan.sampling_seq_ids})
     print(
-        f"step {plan.step}: {plan.num_batched_tokens} tokens  {chunks:44s} admitted {list(plan.admitted)}"
-        f"  finished {[s.seq_id for s in finished]}  free blocks {manager.num_free}"
+        f"step {plan.step}: {plan.num_batched_tokens} tokens  {chunks:44s} "
+        f"admitted {list(plan.admitted)}  finished {[s.seq_id for s in finished]}  "
+        f"free blocks {manager.num_free}"
     )
 
 # %% [markdown]
@@ -416,9 +418,10 @@ draw_gantt(axes[0], static.trace, f"static batching: {len(static.trace)} steps")
 draw_gantt(axes[1], continuous.trace, f"continuous batching: {len(continuous.trace)} steps")
 plt.tight_layout()
 plt.show()
+saved_steps = len(static.trace) - len(continuous.trace)
 print(
     f"same tokens; static {len(static.trace)} steps, continuous {len(continuous.trace)} steps "
-    f"({len(static.trace) / len(continuous.trace):.2f}x fewer)"
+    f"({abs(saved_steps) / len(static.trace):.0%} {'fewer' if saved_steps >= 0 else 'more'})"
 )
 
 # %% [markdown]
@@ -588,7 +591,8 @@ for concurrency, (steps, tokens, _) in results.items():
 # NBVAL_IGNORE_OUTPUT
 for concurrency, (steps, tokens, seconds) in results.items():
     print(
-        f"concurrency {concurrency:2d}: {tokens / seconds:7.0f} tokens/s, {1000 * seconds / steps:5.1f} ms per step"
+        f"concurrency {concurrency:2d}: {tokens / seconds:7.0f} tokens/s, "
+        f"{1000 * seconds / steps:5.1f} ms per step"
     )
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.plot(list(results), [t / s for _, t, s in results.values()], "o-", color=sequence_color(0))
@@ -649,8 +653,9 @@ plt.show()
 #    decodes not slow down?
 #
 #    *Hint:* Each step the scheduler gives the budget to the running decodes first, one token each;
-#    prefills get what is left, in chunks. Count how many steps the chapter's 17-81-token prompts
-#    need to prefill when up to four decodes come first.
+#    prefills get what is left, in chunks. Count how many steps the chapter's prompts (their
+#    lengths are printed where the workload is built, at the top) need to prefill when up to four
+#    decodes come first.
 
 # %% [markdown]
 # ## Summary
