@@ -228,3 +228,51 @@ def test_a_stepper_is_page_wide_with_a_slider_step_and_tick_per_frame() -> None:
     assert page.count("<option") == 10  # one tick per frame
     assert page.count("<button") == 2  # one frame back, one forward
     assert "(frame <span>5</span> of 10)" in page
+
+
+def forked_pool(samples: int = 4) -> BlockManager:
+    """Chapter 08's parallel sampling: one prompt's blocks shared by every sample, each sample
+    with a block of its own."""
+    manager = BlockManager(num_blocks=48, block_size=16)
+    manager.allocate(0, 7 * 16)
+    for child in range(1, samples):
+        manager.fork(0, child)
+    for seq_id in range(samples):
+        manager.append(seq_id, 1)  # the first token past the prompt: a block of its own
+    return manager
+
+
+def share_labels_outside_their_cells(ax) -> list[str]:
+    """The share-count labels ("0\\n×4") of a drawn pool whose box -- the white plate that lifts
+    them off the hatching -- spills out of their cell."""
+    renderer = ax.figure.canvas.get_renderer()
+    ax.figure.canvas.draw()
+    cells = {(round(p.get_x(), 2), round(p.get_y(), 2)): p for p in ax.patches}
+    spilled = []
+    for text in ax.texts:
+        if "×" not in text.get_text():
+            continue
+        x, y = text.get_position()
+        cell = cells[(round(x - 0.46, 2), round(y - 0.46, 2))].get_window_extent(renderer)
+        label = text.get_bbox_patch().get_window_extent(renderer)
+        if not (cell.x0 - 1 <= label.x0 and label.x1 <= cell.x1 + 1):
+            spilled.append(text.get_text())
+        if not (cell.y0 - 1 <= label.y0 and label.y1 <= cell.y1 + 1):
+            spilled.append(text.get_text())
+    return spilled
+
+
+def test_chapter_08s_share_counts_fit_their_cells_at_a_readable_size() -> None:
+    """Chapter 08 draws the pool above the tables, each the page's width: every "×4" sits inside
+    its cell at 9 pt or more. Side by side, as the chapter drew them before, they did not."""
+    fig, (pool_ax, table_ax) = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 5.4), layout="constrained")
+    draw_block_pool(pool_ax, forked_pool(), columns=12)
+    draw_block_tables(table_ax, forked_pool())
+    block_legend(fig, tables=True, loc="outside lower center")
+    assert small_text(fig) == []
+    assert share_labels_outside_their_cells(pool_ax) == []
+    layout = {"width_ratios": [8.1, 9.6], "wspace": 0.05, "left": 0.01, "right": 0.99}
+    fig, (pool_ax, table_ax) = plt.subplots(1, 2, figsize=(PAGE_WIDTH, 3.2), gridspec_kw=layout)
+    centres = draw_block_pool(pool_ax, forked_pool(), columns=8)
+    draw_block_tables(table_ax, forked_pool(), pool_ax, centres)
+    assert share_labels_outside_their_cells(pool_ax)
