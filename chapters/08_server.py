@@ -32,6 +32,7 @@ import json
 import random
 import threading
 import time
+from textwrap import shorten
 
 import anthropic
 import httpx
@@ -42,8 +43,14 @@ import torch
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.book import show, use_book_style
-from minivllm.book.figures.blocks import block_owners, draw_block_pool, draw_block_tables
+from minivllm.book.figures.blocks import (
+    block_legend,
+    block_owners,
+    draw_block_pool,
+    draw_block_tables,
+)
 from minivllm.book.figures.timelines import draw_gantt
+from minivllm.book.stats import speed_change
 from minivllm.engine import processing
 from minivllm.model.checkpoint import load_model
 from minivllm.runner.sampler import derive_seed
@@ -270,9 +277,8 @@ for chunk in chunks[-1:]:
     print("data:", json.dumps(masked(chunk), ensure_ascii=False))
 print(lines[-1])
 streamed = "".join(chunk["choices"][0]["text"] for chunk in chunks)
-print(
-    f"{len(chunks)} chunks, all with the same id: {len({c['id'] for c in chunks}) == 1}; text {streamed!r}"
-)
+one_id = len({c["id"] for c in chunks}) == 1
+print(f"{len(chunks)} chunks, all with the same id: {one_id}; text {streamed!r}")
 assert streamed == response.json()["choices"][0]["text"]
 
 # %% [markdown]
@@ -288,8 +294,8 @@ whole = client.chat.completions.create(
     model="target", messages=messages, temperature=0.8, seed=3, max_tokens=120
 )
 print(
-    f"{whole.object}, finish_reason={whole.choices[0].finish_reason!r}, usage: {whole.usage.prompt_tokens} "
-    f"prompt + {whole.usage.completion_tokens} completion tokens"
+    f"{whole.object}, finish_reason={whole.choices[0].finish_reason!r}, "
+    f"usage: {whole.usage.prompt_tokens} prompt + {whole.usage.completion_tokens} completion tokens"
 )
 print(f"JULIET:\n{whole.choices[0].message.content}")
 
@@ -298,8 +304,9 @@ chunks = list(
         model="target", messages=messages, temperature=0.8, seed=3, max_tokens=120, stream=True
     )
 )
+first_delta = chunks[0].choices[0].delta.model_dump(exclude_none=True)
 print(
-    f"\n{len(chunks)} chunks: first delta {chunks[0].choices[0].delta.model_dump(exclude_none=True)}, "
+    f"\n{len(chunks)} chunks: first delta {first_delta}, "
     f"last finish_reason {chunks[-1].choices[0].finish_reason!r}"
 )
 assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
@@ -373,7 +380,8 @@ for name, body in bad_requests.items():
     else:
         reply = httpx.post(f"{server.url}/v1/completions", json=body)
     error = reply.json()["error"]
-    print(f"{name:>27}: {reply.status_code} {error['type']}: {error['message'][:100]}")
+    shown = shorten(error["message"], 100, placeholder="…")  # cut at a word, marked
+    print(f"{name:>27}: {reply.status_code} {error['type']}: {shown}")
 assert server.engine.blocks_in_use() == blocks_before
 
 # %% [markdown]
@@ -399,9 +407,8 @@ with httpx.stream("POST", f"{server.url}/v1/completions", json=request) as event
 deadline = time.monotonic() + 10
 while server.engine.blocks_in_use() and time.monotonic() < deadline:
     time.sleep(0.01)
-print(
-    f"blocks in use while streaming: {during > 0}; after the client left: {server.engine.blocks_in_use()}"
-)
+left = server.engine.blocks_in_use()
+print(f"blocks in use while streaming: {during > 0}; after the client left: {left}")
 aborted = [
     line
     for line in httpx.get(f"{server.url}/metrics").text.splitlines()
@@ -423,7 +430,7 @@ print(aborted[0])
 # %%
 killer = {"model": "target", "prompt": "x", "max_tokens": 4, "top_k": 2**63}
 reply = httpx.post(f"{server.url}/v1/completions", json=killer)
-print(reply.status_code, reply.json()["error"]["message"][:90])
+print(reply.status_code, shorten(reply.json()["error"]["message"], 90, placeholder="…"))
 after = httpx.post(
     f"{server.url}/v1/completions",
     json={"model": "target", "prompt": "ROMEO:\n", "max_tokens": 8, "temperature": 0},
@@ -436,7 +443,7 @@ huge = httpx.post(
     content=b'{"model": "target", "prompt": "' + b"O" * 2_000_000 + b'"}',
     headers={"content-type": "application/json"},
 )
-print(huge.status_code, huge.json()["error"]["message"][:90])
+print(huge.status_code, shorten(huge.json()["error"]["message"], 90, placeholder="…"))
 
 # %% [markdown]
 # And if the engine thread itself fails — a bug, not a request — the server says so instead of
@@ -464,17 +471,17 @@ for choice in poem.choices:
 # Inside the engine, two steps after the prompt was prefilled: the pool and the four samples' block
 # tables. Hatched blocks are shared, labelled with how many tables hold them.
 
-# %% tags=["hide-input"] mystnb={"figure": {"caption": "One request with four samples, two steps after its prompt was prefilled: the block pool (left) and the four samples' block tables (right), with arrows to the physical blocks; hatched blocks are shared, labelled with how many tables hold them.", "name": "fig-08-forked-samples"}}
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "One request with four samples, two steps after its prompt was prefilled: the block pool (top) and the four samples' block tables (bottom), each table cell naming the physical block it maps to; hatched blocks are shared, labelled with how many tables hold them (×4).", "name": "fig-08-forked-samples"}}
 forked = LLMEngine(target, EngineConfig(num_blocks=48, block_size=16))
 forked.add_request(speeches[3][:120], SamplingParams(n=4, max_tokens=40, temperature=0.9, seed=5))
 for _ in range(3):
     forked.step()
-# the page's width to the cells: the pool (8 columns) and the tables, each as wide as its cells
-widest = max(len(table.blocks) for table in forked.manager.tables.values())
-layout = {"width_ratios": [8.1, widest + 1.6], "wspace": 0.05, "left": 0.01, "right": 0.99}
-fig, (pool_ax, table_ax) = plt.subplots(1, 2, figsize=(7.5, 3.2), gridspec_kw=layout)
-centres = draw_block_pool(pool_ax, forked.manager, columns=8)
-draw_block_tables(table_ax, forked.manager, pool_ax, centres)
+# The pool above the tables, each the page's width, so a shared cell has room for its "×4" at a
+# readable size; each table cell names its physical block, so no arrows need cross the tables.
+fig, (pool_ax, table_ax) = plt.subplots(2, 1, figsize=(7.5, 5.4), layout="constrained")
+draw_block_pool(pool_ax, forked.manager, columns=12)
+draw_block_tables(table_ax, forked.manager)
+block_legend(fig, tables=True, loc="outside lower center")
 plt.show()
 shared = sum(1 for block, owners in block_owners(forked.manager).items() if len(owners) > 1)
 print(f"{len(forked.manager.tables)} samples, {shared} blocks shared by all of them")
@@ -533,7 +540,10 @@ message = anthropic_client.messages.create(
     max_tokens=60,
     extra_body={"temperature": 0},  # the 2.x client takes sampling fields through extra_body
 )
-print(message.type, message.role, message.stop_reason, message.usage.input_tokens)
+print(
+    f"type {message.type}, role {message.role}, stop_reason {message.stop_reason}, "
+    f"input_tokens {message.usage.input_tokens}"
+)
 greedy_openai = client.chat.completions.create(
     model="target",
     messages=[{"role": "system", "content": chat[0].content}, *turns],
@@ -736,8 +746,9 @@ LLMEngine(target).generate(
 offline_s = time.perf_counter() - started
 tokens = sum(len(o.token_ids) for o in offline)
 print(
-    f"{tokens} tokens: server {tokens / seconds:.0f} tok/s, offline engine {tokens / offline_s:.0f} tok/s "
-    f"-> the server keeps {offline_s / seconds:.0%}"
+    f"{tokens} tokens: server {tokens / seconds:.0f} tok/s, "
+    f"offline engine {tokens / offline_s:.0f} tok/s -> the server runs at "
+    f"{speed_change(offline_s / seconds, than='the offline engine')}"
 )
 
 # %% [markdown]
