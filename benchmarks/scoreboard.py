@@ -352,7 +352,12 @@ def vllm_row() -> dict | None:
             ),
         },
         "load_average": peer.get("load_average"),
-        "machine": {k: peer["machine"].get(k) for k in ("cpus", "torch", "vllm", "platform")},
+        # When and at which commit vllm_peer.py ran (its record has no date before it wrote one):
+        # the scoreboard page shows it under the table, since that run is not this one.
+        "date": peer.get("date"),
+        "machine": {
+            k: peer["machine"].get(k) for k in ("cpus", "torch", "vllm", "platform", "source")
+        },
     }
 
 

@@ -18,20 +18,23 @@
 # decoding, the same model, two CPU threads — so each row differs from the one before it by its
 # chapter's idea alone, and the greedy tokens can be compared row by row.
 #
-# The numbers come from `benchmarks/scoreboard.py`, which writes
-# `benchmarks/results/scoreboard.json`; the cells below only read that record. Run the script
-# again and re-execute this page to see your own machine's scoreboard.
+# The numbers are **not** measured when this page is built: the whole workload takes minutes.
+# `benchmarks/scoreboard.py` measures them and writes `benchmarks/results/scoreboard.json`; the
+# cells below read that record, and say the date and the minivllm commit each table was recorded
+# at, so a reader knows which code the numbers belong to. Run the script again (`make bench`) and
+# re-execute this page to see your own machine's scoreboard.
 
-# %%
+# %% tags=["hide-input"]
 import json
-from html import escape
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from IPython.display import HTML, display
+from IPython.display import display
 
 import minivllm
 from minivllm.book import sequence_color, use_book_style
+from minivllm.book.stats import speed_change
+from minivllm.book.tables import Table
 
 use_book_style()
 ROOT = Path(minivllm.__file__).resolve().parents[2]  # the repository (an editable install)
@@ -44,11 +47,23 @@ print(
     f"tokens ({workload['output_tokens'][0]}-{workload['output_tokens'][1]} each), "
     f"{workload['sampling']}"
 )
+
+
+def recorded_at(source: dict, date: str | None) -> str:
+    """When and at which commit a record was measured, as the record itself says."""
+    commit = (source or {}).get("commit")
+    edited = " with uncommitted changes to src/" if (source or {}).get("src_modified") else ""
+    return f"recorded at minivllm commit {commit[:12] if commit else 'unknown'}{edited}, " + (
+        f"on {date}" if date else "date not recorded"
+    )
+
+
+scoreboard_recorded = recorded_at(machine["source"], record["date"])
 print(
-    f"recorded {record['date']} on {machine['platform']}, {machine['cpus']} CPUs, "
+    f"{scoreboard_recorded}; {machine['platform']}, {machine['cpus']} CPUs, "
     f"torch {machine['torch']} with {machine['torch_threads']} threads "
     f"(OMP_WAIT_POLICY {machine.get('OMP_WAIT_POLICY') or 'unset'}), "
-    f"minivllm commit {(machine['source']['commit'] or 'unknown')[:12]}"
+    f"{record['seconds_in_all']:.0f} s to measure"
 )
 print(
     f"load average (1, 5, 15 min): {machine['load_average_at_start']} at the start, "
@@ -65,22 +80,7 @@ print(
 # column says whether the row's greedy tokens are the naive row's, request for request.
 
 
-# %%
-def html_table(header: list[str], body: list[list[str]], right: set[int]) -> HTML:
-    """A plain HTML table (the book's theme styles it); the columns in `right` align right."""
-
-    def cells(tag: str, values: list[str]) -> str:
-        return "".join(
-            f'<{tag} style="text-align: {"right" if i in right else "left"}">{escape(v)}</{tag}>'
-            for i, v in enumerate(values)
-        )
-
-    rows_html = "".join(f"<tr>{cells('td', row)}</tr>" for row in body)
-    return HTML(
-        f"<table><thead><tr>{cells('th', header)}</tr></thead><tbody>{rows_html}</tbody></table>"
-    )
-
-
+# %% tags=["hide-input"]
 def mib(n: int) -> str:
     return f"{n / 2**20:.2f}" if n else "—"
 
@@ -111,7 +111,7 @@ body = [
     ]
     for row in rows
 ]
-display(html_table(header, body, right={2, 3, 4, 5}))
+display(Table(header, body, right={2, 3, 4, 5}, caption=scoreboard_recorded))
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "Output tokens per second of each layer on the same seeded workload (log scale, the median of the alternating runs; the thin line spans the slowest to the fastest run). Each bar is one chapter's idea added to the bar above it.", "name": "fig-scoreboard"}}
 fig, ax = plt.subplots(figsize=(7.5, 3.8))
@@ -131,12 +131,12 @@ ax.set_xlabel("output tokens per second (log scale)")
 plt.show()
 
 # %% [markdown]
-# ## Why each layer is faster
+# ## What each layer changes
 #
 # Each row against the one before it (the CPU kernel against continuous batching on the torch
-# backend, since the speculative row is a branch beside it):
+# backend, since the speculative row is a branch beside it), faster or slower by the ratio's sign:
 
-# %%
+# %% tags=["hide-input"]
 by_key = {row["key"]: row for row in rows}
 previous = {
     "kv_cache": "naive",
@@ -146,9 +146,15 @@ previous = {
     "numba": "continuous",
     "http": "numba",
 }
-for key, before in previous.items():
-    ratio = by_key[key]["tokens_per_s_median"] / by_key[before]["tokens_per_s_median"]
-    print(f"{by_key[key]['layer']:<28} {ratio:5.2f}× {by_key[before]['layer']}")
+steps = [
+    [
+        by_key[key]["layer"],
+        by_key[before]["layer"],
+        speed_change(by_key[key]["tokens_per_s_median"] / by_key[before]["tokens_per_s_median"]),
+    ]
+    for key, before in previous.items()
+]
+display(Table(["layer", "against", "throughput ratio"], steps, caption=scoreboard_recorded))
 
 # %% [markdown]
 # - **Naive generation** ({doc}`chapters/00_model`) is the baseline: every new token re-runs the
@@ -169,8 +175,9 @@ for key, before in previous.items():
 # - **Speculative decoding** ({doc}`chapters/06_speculative`) lets the draft model propose a few
 #   tokens and the target verify them in one pass, trading spare compute for fewer target passes.
 #   At one request on a CPU that spare compute exists; with a whole batch already in every pass it
-#   mostly does not, and the verify's extra tokens and the draft passes cost about what they save —
-#   compare chapter 06's batch-1 measurement. The draft model's own cache adds to the memory.
+#   mostly does not, and the verify's extra tokens and the draft passes cost something whatever
+#   they save: the ratio above says, by its sign, which side won in this record — compare chapter
+#   06's batch-1 and batch-16 measurements. The draft model's own cache adds to the memory.
 # - **The CPU paged-attention kernel** ({doc}`chapters/07_cuda_paged_attention`) attends over the
 #   paged cache in place: each K/V row is read once per group of query heads, with no gathered copy
 #   of the history and no padding, its arithmetic on 8-lane vectors written by hand, the next
@@ -193,7 +200,7 @@ for key, before in previous.items():
 # Its row is shown with minivllm's row from that same record, so the ratio compares two systems on
 # one workload; neither number compares with the rows above.
 
-# %%
+# %% tags=["hide-input"]
 peer = record["vllm_peer"]
 if peer is None:
     print("no vLLM run recorded (benchmarks/results/vllm_peer.json is absent)")
@@ -205,7 +212,7 @@ else:
         [
             peer["minivllm"]["system"],
             f"{peer['minivllm']['tokens_per_s_median']:,.1f}",
-            f"{peer['minivllm_over_vllm_median']:.2f}",
+            speed_change(peer["minivllm_over_vllm_median"], than="vLLM"),
             f"{agreement['identical']} of {agreement['requests']}",
         ],
     ]
@@ -215,16 +222,18 @@ else:
             [
                 split["system"],
                 f"{split['tokens_per_s_median']:,.1f}",
-                f"{split['over_vllm_median']:.2f}",
+                speed_change(split["over_vllm_median"], than="vLLM"),
                 f"{split['greedy_agreement']['identical']} of "
                 f"{split['greedy_agreement']['requests']}",
             ]
         )
+    peer_recorded = recorded_at(peer["machine"].get("source"), peer.get("date"))
     display(
-        html_table(
+        Table(
             ["system (its own workload)", "tokens/s", "minivllm / vLLM", "tokens identical"],
             peer_rows,
             right={1, 2},
+            caption=f"{peer_recorded} (benchmarks/vllm_peer.py)",
         )
     )
     print(
