@@ -392,13 +392,14 @@ draw_speculative_round(
     final_kind,
 )
 before_ax, after_ax = bottom.subplots(2, 1)  # one above the other: a table is a long row
-draw_block_tables(before_ax, tables_before)
+widest = len(tables_before.tables[seq_id].blocks)  # both tables' cells the same size, lined up
+draw_block_tables(before_ax, tables_before, width=widest)
 before_ax.set_title(
     f"before the verify: {tables_before.num_tokens(seq_id)} slots "
     f"({plan.chunks[0].num_lookahead} reserved for drafts)",
     fontsize=10,
 )
-draw_block_tables(after_ax, engine.manager)
+draw_block_tables(after_ax, engine.manager, width=widest)
 after_ax.set_title(f"after the rollback: {engine.manager.num_tokens(seq_id)} slots", fontsize=10)
 plt.show()
 

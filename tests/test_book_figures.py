@@ -276,3 +276,22 @@ def test_chapter_08s_share_counts_fit_their_cells_at_a_readable_size() -> None:
     centres = draw_block_pool(pool_ax, forked_pool(), columns=8)
     draw_block_tables(table_ax, forked_pool(), pool_ax, centres)
     assert share_labels_outside_their_cells(pool_ax)
+
+
+def test_tables_drawn_with_one_width_share_their_cells() -> None:
+    """Chapter 06 draws a block table before the verify and after the rollback, one above the
+    other: with the same `width` their cells are the same size and line up."""
+    before = BlockManager(num_blocks=32, block_size=4)
+    before.allocate(0, 46)  # 12 blocks, the drafts' slots reserved
+    after = BlockManager(num_blocks=32, block_size=4)
+    after.allocate(0, 43)  # 11 blocks after the rollback
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 2.4))
+    draw_block_tables(top, before, width=12)
+    draw_block_tables(bottom, after, width=12)
+    assert top.get_xlim() == bottom.get_xlim()
+    sizes = {text.get_fontsize() for ax in (top, bottom) for text in ax.texts}
+    assert len(sizes) == 1 and small_text(fig) == []
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 2.4))
+    draw_block_tables(top, before)
+    draw_block_tables(bottom, after)  # each as wide as its own table: the cells differ
+    assert top.get_xlim() != bottom.get_xlim()

@@ -92,11 +92,14 @@ def draw_block_tables(
     manager: BlockManager,
     pool_ax: Axes | None = None,
     pool_centres: dict[int, tuple] | None = None,
+    width: int = 1,
 ) -> None:
     """One row per sequence: its logical blocks, each labelled with the physical block it maps to.
-    With `pool_ax`, an arrow runs from every logical block to its physical block."""
+    With `pool_ax`, an arrow runs from every logical block to its physical block. The drawing is at
+    least `width` logical blocks wide: two tables drawn one above the other with the same `width`
+    get the same cells, lined up, so what one has more of shows as a gap in the other."""
     seq_ids = sorted(manager.tables)
-    width = max((len(manager.tables[s].blocks) for s in seq_ids), default=1)
+    width = max([width, *(len(manager.tables[s].blocks) for s in seq_ids)])
     ax.set_xlim(-1.6, max(width, 1))
     ax.set_ylim(-0.1, max(len(seq_ids), 1))
     ax.set_aspect("equal")
