@@ -94,7 +94,7 @@ header = [
     "layer",
     "chapter",
     "tokens/s",
-    "speed-up over naive",
+    "throughput / naive",
     "KV reserved (MiB)",
     "KV peak used (MiB)",
     "tokens identical",
