@@ -16,7 +16,7 @@
 #   units across ranks (processes), two all-reduces a layer, rank 0 scheduling and sampling for
 #   all; then the hand-off to vLLM.
 # - **Needs:** chapters 03 and 04 (the paged cache, the engine step), chapter 07 (the CPU kernel,
-#   threads and processes), chapter 10 (real configs, the K/V arithmetic).
+#   its threads and their wait policy), chapter 10 (real configs, the K/V arithmetic).
 # - **Runs in:** under a minute on a 2-core laptop CPU, start to end.
 # :::
 #
@@ -161,10 +161,10 @@ for name, c in real.items():
 #
 # ## The engine's first way to use more processes: whole sequences
 #
-# Chapter 07 left the engine with one more mechanism, built for the 2-core machine this book was
-# written on. What is a second core worth the usual way — each matmul and each kernel call split
-# between two threads? A decode step of 32 requests, on one thread and on two, alternating (the
-# second engine, started here too, comes in below):
+# The engine already has one way to use more processes, `runner/workers.py`, built for the 2-core
+# machine this book was written on. First, what is a second core worth the usual way — each
+# matmul and each kernel call split between two threads? A decode step of 32 requests, on one
+# thread and on two, alternating (the second engine, started here too, comes in below):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -633,6 +633,17 @@ for pair, agreement in peer["greedy_agreement"].items():
 #
 #    *Hint:* A ring all-reduce *is* a reduce-scatter followed by an all-gather: $2(W-1)/W$ of the
 #    tensor per rank either way.
+# 5. *(Explore, no test.)* After each pass, `engine.runner.workers.part_seconds` holds each
+#    forward worker's time for its part. Step a `decode_engine(target, "numba",
+#    forward_processes=2)` and collect them: are the parts even? Then add four requests with
+#    300-token prompts to it, so that prefill chunks join the decodes, and collect them again. The
+#    cut weighs a token's matmuls as `engine.runner.workers.per_token` keys: which value evens the
+#    parts of the mixed steps on your machine, and what does it say about how fast the attention
+#    kernel does a multiply-add compared with a matmul?
+#
+#    *Hint:* Compare the medians of the first part's time over the second's, per kind of step. A
+#    chunk is never cut, so a step with one long chunk cannot be even whatever the weight: look at
+#    steps with several.
 
 # %% [markdown]
 # The hints for ch11.1, the chapter's core, are folded: open one at a time.
