@@ -123,10 +123,10 @@ for name, c in real.items():
 
 # %% [markdown]
 # Two walls. The step is bound by **bytes**, not arithmetic: reading the weights and the cache
-# takes many times longer than the multiply-adds, so a second device that reads half of each
-# halves the step. And **capacity**: 70 B parameters in bfloat16 do not fit one 80 GiB device at
-# all, and on the 8 B model the weights leave the cache only part of the memory. Split every layer
-# over $W$ devices and each holds $1/W$ of the weights and $1/W$ of every token's K/V (its own K/V
+# takes many times longer than the multiply-adds, so a second device that reads half of each halves
+# the step. And **capacity**: 70 B parameters in bfloat16 do not fit one 80 GiB device at all, and
+# on the 8 B model the weights take their share before the cache gets any. Split every layer over
+# $W$ devices and each holds $1/W$ of the weights and $1/W$ of every token's K/V (its own K/V
 # heads) — until there are fewer K/V heads than devices, when each head is held by the devices
 # whose query heads read it. The bytes each rank holds, from `shard_slices` (which slice of each
 # checkpoint tensor a rank holds, the function every rank loads its weights with), and the tokens
@@ -206,8 +206,9 @@ show(balanced_bounds)
 # The parts run in **processes**, not threads: a part is a few hundred small torch calls, and each
 # call holds Python's interpreter lock while it is dispatched, so two threads would take turns at
 # it. `ForwardWorkers` spawns the workers when the engine starts
-# (`EngineConfig(forward_processes=2)`) and moves the weights and the K/V pool into **shared memory**, so every process reads and writes
-# the same blocks; each step sends a worker only its part's metadata and gets back its logits:
+# (`EngineConfig(forward_processes=2)`) and moves the weights and the K/V pool into **shared
+# memory**, so every process reads and writes the same blocks; each step sends a worker only its
+# part's metadata and gets back its logits:
 
 # %%
 show(ForwardWorkers.forward)
@@ -483,9 +484,9 @@ print(
 print(f"communication: {sends / NVLINK / (reads / H100['bandwidth']):.0%} of the memory time")
 
 # %% [markdown]
-# Tens of megabytes sent against gigabytes read: on NVLink the all-reduces cost a small share of
-# a step whose weights and cache each rank reads an eighth of. That is why tensor parallelism is
-# the default inside a GPU server — and why, between servers, where the links are an order of magnitude
+# Tens of megabytes sent against gigabytes read: on NVLink the all-reduces cost a small share of a
+# step whose weights and cache each rank reads an eighth of. That is why tensor parallelism is the
+# default inside a GPU server — and why, between servers, where the links are an order of magnitude
 # slower, engines switch to pipeline parallelism (layers, not heads, per machine).
 
 # %% [markdown]
@@ -577,7 +578,7 @@ for pair, agreement in peer["greedy_agreement"].items():
 # # on a Ray cluster (`ray start --head` on one, `ray start --address HEAD:6379` on the other)
 # vllm serve DIR --tensor-parallel-size 8 --pipeline-parallel-size 2
 #
-# # or the ranks started by torchrun on every node, as minivllm's own ranks can be:
+# # minivllm's own ranks across two machines: torchrun on each, the same command
 # torchrun --nnodes 2 --node-rank R --nproc-per-node 8 --master-addr HEAD --master-port 29500 \
 #     -m minivllm.cli serve --model DIR --tensor-parallel-size 16
 # ```
