@@ -29,7 +29,8 @@ component:
   `F.linear` call, named by its weight's shape), attention (the backend's call per layer: the
   K/V cache write and the attention), norms, RoPE (with minivllm's cos/sin tables), SiLU*mul,
   residual adds, the embedding, other ops (views, splits, the logits rows' copy), and "forward:
-  Python and gaps", the forward's own time between all of those.
+  Python and gaps", the forward's own time between all of those. vLLM adds the residual inside
+  its norm (`fused_add_rms_norm`): its "norms" hold its residual adds, which read 0.
 
 vLLM runs in its own virtualenv (`--vllm-python`, as benchmarks/vllm_peer.py drives it), eager
 (`enforce_eager`, so its modules can be wrapped; its default compiles the forward with inductor,
@@ -228,6 +229,33 @@ def profile_steps(step, n: int) -> list[dict[str, float]]:
     return attribute(prof.events())[1:]
 
 
+def max_tokens_for(prompts: list[list[int]], warmup: int, steps: int) -> int:
+    """Enough output tokens that no request ends before the last profiled step: the first
+    requests' prompts are done (and decode) while the prefill chunks of the others still run."""
+    prefill_steps = -(-sum(map(len, prompts)) // MAX_NUM_BATCHED_TOKENS) + 1
+    return prefill_steps + warmup + 2 * steps + 1 + 8
+
+
+def to_decode(step, ids: list, warmup: int) -> dict:
+    """Step until every request has its first token, then `warmup` more steps: from here on each
+    step decodes one token of every request. Returns each request's output tokens so far."""
+    generated: dict = {}
+    while len(generated) < len(ids) or warmup > 0:
+        if len(generated) == len(ids):
+            warmup -= 1
+        for output in step():
+            if output.outputs[0].token_ids:
+                generated[output.request_id] = len(output.outputs[0].token_ids)
+    return generated
+
+
+def context_tokens(prompts: list[list[int]], generated: dict, ids: list, steps: int) -> float:
+    """The cached tokens all requests attend, summed, at the middle profiled step: prompt and
+    output so far, then the timed steps, the profiler's first step and half the profiled ones."""
+    later = steps + 1 + (steps - 1) / 2
+    return sum(len(p) + generated[i] + later for p, i in zip(prompts, ids))
+
+
 def wall_steps(step, n: int) -> list[float]:
     """Milliseconds of each of `n` calls of `step`, nothing wrapped, no profiler."""
     times = []
@@ -265,25 +293,22 @@ def vllm_worker(spec_path: Path) -> None:
     results = {}
     for batch in spec["batches"]:
         prompts = spec["prompts"][str(batch)]
-        total = 1 + spec["warmup"] + 2 * spec["steps"] + 6  # never runs out while timed
+        total = max_tokens_for(prompts, spec["warmup"], spec["steps"])
         params = SamplingParams(
             temperature=0.0, max_tokens=total, ignore_eos=True, detokenize=False
         )
         ids = [f"{batch}-{i}" for i in range(len(prompts))]
         for request_id, prompt in zip(ids, prompts):
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        have: set[str] = set()
-        while len(have) < len(ids):  # prefill chunks until every request has its first token
-            have.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
-        for _ in range(spec["warmup"]):
-            engine.step()
+        generated = to_decode(engine.step, ids, spec["warmup"])
+        context = context_tokens(prompts, generated, ids, spec["steps"])
         wall = wall_steps(engine.step, spec["steps"])
         with wrapped(patches):
             profiled = profile_steps(engine.step, spec["steps"])
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
-        results[str(batch)] = {"wall_ms": wall, "profiled": profiled}
+        results[str(batch)] = {"wall_ms": wall, "profiled": profiled, "context_sum": context}
     vconfig = engine.vllm_config
     out = {
         "vllm": vllm.__version__,
@@ -393,14 +418,11 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
             dtype=next(model.parameters()).dtype,
         )
         engine = LLMEngine(model, config)
-        total = 1 + warmup + 2 * steps + 6
+        total = max_tokens_for(prompts, warmup, steps)
         params = SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True)
         ids = [engine.add_request(p, params) for p in prompts]
-        have: set[int] = set()
-        while len(have) < len(ids):
-            have.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
-        for _ in range(warmup):
-            engine.step()
+        generated = to_decode(engine.step, ids, warmup)
+        context = context_tokens(prompts, generated, ids, steps)
         wall = wall_steps(engine.step, steps)
         runner = engine.runner
 
@@ -442,7 +464,7 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
             profiled = profile_steps(engine.step, steps)
         for i in ids:
             engine.abort(i)
-        results[key] = {"wall_ms": wall, "profiled": profiled}
+        results[key] = {"wall_ms": wall, "profiled": profiled, "context_sum": context}
     return results
 
 
@@ -496,8 +518,8 @@ def measure_machine(config: dict, batches: list[int]) -> dict:
     copy_s, add_s = stream_seconds(n)
     # the target model's weights (14 MB) and K/V may stay in the caches between steps: a copy
     # of 2 Mi elements (8 MiB each way) says how fast they are read from there
-    m = 2 * 2**20
-    small_a, small_c = torch.rand(m), torch.empty(m)
+    cached = 2 * 2**20
+    small_a, small_c = torch.rand(cached), torch.empty(cached)
     cache_copy_s = best_seconds(lambda: [small_c.copy_(small_a) for _ in range(10)], 5) / 10
     size = 2048
     x, w = torch.rand(size, size), torch.rand(size, size)
@@ -515,12 +537,20 @@ def measure_machine(config: dict, batches: list[int]) -> dict:
         "copy_GBps": round(2 * 4 * n / copy_s / 1e9, 2),
         "add_GBps": round(3 * 4 * n / add_s / 1e9, 2),
         "bandwidth_GBps": round(max(2 * 4 * n / copy_s, 3 * 4 * n / add_s) / 1e9, 2),
-        "cache_copy_GBps": round(2 * 4 * m / cache_copy_s / 1e9, 2),
+        "cache_copy_GBps": round(2 * 4 * cached / cache_copy_s / 1e9, 2),
         "gemm_2048_GFLOPs": round(2 * size**3 / gemm_s / 1e9, 2),
         "small_m_gemm_GFLOPs": {
             "shape": f"[M, {d}] x [{d}, {2 * ff}] (the gate/up projection), M = batch",
             **small,
         },
+    }
+
+
+def best_limits(a: dict, b: dict) -> dict:
+    """Each limit's higher reading of two measurements (nested dicts likewise)."""
+    return {
+        k: best_limits(v, b[k]) if isinstance(v, dict) else max(v, b[k]) if v != b[k] else v
+        for k, v in a.items()
     }
 
 
@@ -595,6 +625,7 @@ def table(engine: str, batch: int, record: dict, limits: dict, config: dict, con
             "roofline_ms": round(roof_total, 5),
             "ratio": round(profiled / roof_total, 1),
             "roofline_ms_at_cache_bandwidth": round(roof_cache, 5),
+            "context_tokens_per_sequence": round(context_sum / batch, 1),
         }
     )
     rows.append(
@@ -742,8 +773,8 @@ def main() -> int:
         f"{args.threads} threads; load average {load_before}",
         flush=True,
     )
-    limits = measure_machine(config, args.batches)
-    print(f"machine limits: {limits}", flush=True)
+    limits_start = measure_machine(config, args.batches)
+    print(f"machine limits at the start: {limits_start}", flush=True)
 
     spec = {
         "model": str(TARGET),
@@ -778,18 +809,26 @@ def main() -> int:
             )
             print(f"  round {round_ + 1}: {engine}: {runs[-1]}", flush=True)
             for b, r in results.items():
-                pooled = records[engine].setdefault(b, {"wall_ms": [], "profiled": []})
+                pooled = records[engine].setdefault(
+                    b, {"wall_ms": [], "profiled": [], "context_sum": []}
+                )
                 pooled["wall_ms"] += r["wall_ms"]
                 pooled["profiled"] += r["profiled"]
+                pooled["context_sum"].append(r["context_sum"])
+
+    # measured again at the end: the machine is shared, a limit is the best either run saw
+    limits_end = measure_machine(config, args.batches)
+    print(f"machine limits at the end: {limits_end}", flush=True)
+    limits = best_limits(limits_start, limits_end)
+    print(f"machine limits used (the better of the two): {limits}", flush=True)
 
     tables: dict[str, dict[str, list[dict]]] = {}
     for b in map(str, args.batches):
-        # the cached tokens each sequence attends at a profiled step: the prompt, its first token,
-        # the warm-up and timed steps, half the profiled ones (their middle) and the new token
-        steps_before = 1 + args.warmup + args.steps + (args.steps - 1) / 2
-        context_sum = sum(len(p) + steps_before for p in prompts[b])
         tables[b] = {}
         for engine in engines:
+            # the tokens its requests attend at a profiled step (an engine's prefill chunks may
+            # give the first requests a few more tokens than the other's did)
+            context_sum = statistics.median(records[engine][b]["context_sum"])
             rows = table(engine, int(b), records[engine][b], limits, config, context_sum)
             tables[b][engine] = rows
             print_table(
@@ -817,7 +856,7 @@ def main() -> int:
                     load_average_before=load_before,
                     vllm=vllm_meta or None,
                 ),
-                "limits": limits,
+                "limits": {"used": limits, "start": limits_start, "end": limits_end},
                 "workload": {
                     "model": str(TARGET.relative_to(ROOT)),
                     "dtype": "float32",
