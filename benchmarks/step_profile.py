@@ -650,6 +650,19 @@ def print_table(title: str, rows: list[dict]) -> None:
         print(f"| {r['component']:<26} | {r['measured_ms']:>11.3f} | {roof:>11} | {ratio:>8} |")
 
 
+# vLLM adds the residual inside its norm: the two engines compare on their sum
+MERGED = "norms + residual adds"
+COMPARED = [MERGED if c == "norms" else c for c in COMPONENTS if c != "residual adds"]
+
+
+def compared(rows: list[dict]) -> dict[str, float]:
+    """An engine's measured ms by component, norms and residual adds as one."""
+    ms = {r["component"]: r["measured_ms"] for r in rows}
+    if ms:
+        ms[MERGED] = ms.pop("norms") + ms.pop("residual adds")
+    return ms
+
+
 def findings(tables: dict[str, dict[str, list[dict]]]) -> list[str]:
     """What the tables say, in sentences built from their numbers."""
     lines = []
@@ -662,6 +675,10 @@ def findings(tables: dict[str, dict[str, list[dict]]]) -> list[str]:
             )[:3]
             far = sorted((r for r in parts if r["ratio"]), key=lambda r: r["ratio"], reverse=True)
             host = sum(r["measured_ms"] for r in parts if r["component"] in HOST)
+            fixed = host + sum(
+                r["measured_ms"] for r in parts if r["component"] == "forward: Python and gaps"
+            )
+            wall = next(r for r in rows if r["component"] == "step (wall, no profiler)")
             lines.append(
                 f"batch {batch}, {engine}: profiled step {total['measured_ms']:.2f} ms against a "
                 f"roofline of {total['roofline_ms']:.3f} ms ({total['ratio']:.0f}x); most time "
@@ -670,23 +687,27 @@ def findings(tables: dict[str, dict[str, list[dict]]]) -> list[str]:
                     f"{r['component']} {r['measured_ms'] - (r['roofline_ms'] or 0):.2f} ms"
                     for r in excess
                 )
-                + f"; host work {host:.2f} ms ({100 * host / total['measured_ms']:.0f}%); "
+                + f"; host work {host:.2f} ms ({100 * host / total['measured_ms']:.0f}%), and "
+                f"with the forward's Python {fixed:.2f} ms "
+                f"({100 * fixed / total['measured_ms']:.0f}%); "
                 "farthest from its roofline: "
                 + ", ".join(f"{r['component']} {r['ratio']:.0f}x" for r in far[:3])
+                + f"; unprofiled, the step takes {wall['measured_ms']:.2f} ms "
+                f"({wall['ratio']:.1f}x its roofline)"
             )
         peers = [e for e in engines if e.startswith("vllm")]
         if "minivllm" not in engines:
             peers = []
-        mine = {r["component"]: r["measured_ms"] for r in engines.get("minivllm", [])}
+        mine = compared(engines.get("minivllm", []))
         for peer in peers:
-            theirs = {r["component"]: r["measured_ms"] for r in engines[peer]}
+            theirs = compared(engines[peer])
             faster = sorted(
-                (c for c in COMPONENTS if theirs[c] < mine[c]),
+                (c for c in mine if c in COMPARED and theirs[c] < mine[c]),
                 key=lambda c: mine[c] - theirs[c],
                 reverse=True,
             )
             slower = sorted(
-                (c for c in COMPONENTS if theirs[c] > mine[c]),
+                (c for c in mine if c in COMPARED and theirs[c] > mine[c]),
                 key=lambda c: theirs[c] - mine[c],
                 reverse=True,
             )
@@ -709,6 +730,39 @@ def findings(tables: dict[str, dict[str, list[dict]]]) -> list[str]:
                 )
             )
     return lines
+
+
+def load_note(runs: list[dict], limits: dict, cpus: int) -> str:
+    """How busy the machine was while the engines ran (1-minute load averages), and how far apart
+    the two readings of its limits were: on a shared machine, context for every number above."""
+    loads = [float(r[k].split()[0]) for r in runs for k in ("load_before", "load_after")]
+    start, end = limits["start"], limits["end"]
+    spread = ", ".join(
+        f"{k} {start[k]:.1f} / {end[k]:.1f}"
+        for k in ("bandwidth_GBps", "cache_copy_GBps", "gemm_2048_GFLOPs")
+    )
+    busy = max(loads) > cpus
+    return (
+        f"load average (1 min) {min(loads):.1f}-{max(loads):.1f} on {cpus} CPUs while the engines "
+        f"ran{': oversubscribed, so these times hold contention as well as work' if busy else ''};"
+        f" the limits read at the start / end: {spread}"
+    )
+
+
+def report(path: Path) -> int:
+    """The tables of a results file printed again, and what they say recomputed into it."""
+    data = json.loads(path.read_text())
+    for batch, engines in data["tables"].items():
+        for engine, rows in engines.items():
+            print_table(f"batch {batch}, {engine}", rows)
+    cpus = data["machine"]["cpus"]
+    data["what_the_table_says"] = [load_note(data["runs"], data["limits"], cpus)]
+    data["what_the_table_says"] += findings(data["tables"])
+    print("\nwhat the table says:")
+    for line in data["what_the_table_says"]:
+        print(f"  {line}")
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return 0
 
 
 def lscpu_record() -> dict:
@@ -745,12 +799,19 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=THREADS)
     parser.add_argument("--vllm-timeout", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="measure nothing: print the tables of --out again and recompute what they say",
+    )
     parser.add_argument("--worker", choices=["vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "vllm":
         vllm_worker(args.spec)
         return 0
+    if args.report:
+        return report(args.out)
     # minivllm came in with vllm_peer's _common, before torch: its OMP_WAIT_POLICY holds
     import torch
     from _common import machine_record, make_workload
@@ -836,7 +897,8 @@ def main() -> int:
                 f"steps; context {context_sum / int(b):.0f} tokens per sequence on average)",
                 rows,
             )
-    said = findings(tables)
+    said = [load_note(runs, {"start": limits_start, "end": limits_end}, os.cpu_count() or 1)]
+    said += findings(tables)
     print("\nwhat the table says:")
     for line in said:
         print(f"  {line}")
