@@ -1,8 +1,9 @@
 """Where one decode step's time goes: minivllm and vLLM's CPU build, component by component, each
 against this machine's roofline (issue 32, item 1).
 
-    python benchmarks/step_profile.py [--batches 1 16 64] [--steps 8] [--rounds 2]
-    [--engines minivllm vllm] [--vllm-python PATH] [--threads 2] [--out PATH]
+    python benchmarks/step_profile.py [--batches 1 16 64] [--steps 8] [--warmup 3] [--rounds 2]
+    [--engines vllm vllm-passive minivllm] [--vllm-python PATH] [--threads 2] [--out PATH]
+    python benchmarks/step_profile.py --report    # the tables of --out again, what they say
 
 The shipped target model (src/minivllm/weights/target, float32), the same requests in both engines:
 `--batch` prompts of `make_workload(batch, seed)` (16-200-byte slices of the validation text, as
@@ -37,17 +38,22 @@ vLLM runs in its own virtualenv (`--vllm-python`, as benchmarks/vllm_peer.py dri
 whose fused kernels no longer map onto modules) and with its engine core in the calling process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so one profiler sees the whole step; by default the engine
 core is a process of its own and the front end's output processing overlaps its next step). Its
-own profiling scopes are on (`VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`). The engines alternate --
-vLLM's process, then minivllm, for `--rounds` rounds -- and each component's number is the median
-over every profiled step of every round.
+own profiling scopes are on (`VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`). Two vLLM runs by default:
+`vllm` as it ships (libgomp's idle OpenMP threads spin before they sleep) and `vllm-passive`
+(`OMP_WAIT_POLICY=PASSIVE`, minivllm's setting): on a machine with more runnable threads than
+cores a spinning thread can hold the core the thread it waits for needs. The engines alternate --
+vLLM's processes, then minivllm, for `--rounds` rounds -- and each component's number is the
+median over every profiled step of every round.
 
 The roofline: the script measures this machine's stream bandwidth (a large float32 copy and add,
 GB/s of bytes read and written) and matmul FLOP/s (a large float32 GEMM; and the small-M GEMMs of
 this model at each batch size, reported beside it), then gives each component the bytes it must
 move and the FLOPs it must do, from the shapes, and the time neither limit allows it to beat:
-max(bytes / bandwidth, FLOPs / peak). Host components move a few hundred bytes of metadata: their
-floor is essentially zero, so their ratio is not given. Writes benchmarks/results/step_profile.json
-with the machine (CPU model and flags, load before and after, torch, threads), the tables and
+max(bytes / bandwidth, FLOPs / peak), with each limit the best of its readings (at the start
+and after every round: the machine is shared). Host components move a few hundred bytes of
+metadata: their floor is essentially zero, so their ratio is not given. Writes
+benchmarks/results/step_profile.json with the machine (CPU model and flags, load before and after,
+torch, threads), the limits' readings, the tables and
 "what the table says", computed from them.
 """
 
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -836,6 +843,7 @@ def main() -> int:
     )
     limits_start = measure_machine(config, args.batches)
     print(f"machine limits at the start: {limits_start}", flush=True)
+    readings = [limits_start]
 
     spec = {
         "model": str(TARGET),
@@ -876,12 +884,13 @@ def main() -> int:
                 pooled["wall_ms"] += r["wall_ms"]
                 pooled["profiled"] += r["profiled"]
                 pooled["context_sum"].append(r["context_sum"])
+        # measured again after every round: the machine is shared, a limit is the best seen
+        readings.append(measure_machine(config, args.batches))
+        print(f"machine limits after round {round_ + 1}: {readings[-1]}", flush=True)
 
-    # measured again at the end: the machine is shared, a limit is the best either run saw
-    limits_end = measure_machine(config, args.batches)
-    print(f"machine limits at the end: {limits_end}", flush=True)
-    limits = best_limits(limits_start, limits_end)
-    print(f"machine limits used (the better of the two): {limits}", flush=True)
+    limits_end = readings[-1]
+    limits = functools.reduce(best_limits, readings)
+    print(f"machine limits used (the best of {len(readings)} readings): {limits}", flush=True)
 
     tables: dict[str, dict[str, list[dict]]] = {}
     for b in map(str, args.batches):
@@ -918,7 +927,12 @@ def main() -> int:
                     load_average_before=load_before,
                     vllm=vllm_meta or None,
                 ),
-                "limits": {"used": limits, "start": limits_start, "end": limits_end},
+                "limits": {
+                    "used": limits,
+                    "start": limits_start,
+                    "end": limits_end,
+                    "readings": readings,
+                },
                 "workload": {
                     "model": str(TARGET.relative_to(ROOT)),
                     "dtype": "float32",
