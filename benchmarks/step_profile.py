@@ -9,9 +9,9 @@ The shipped target model (src/minivllm/weights/target, float32), the same reques
 `--batch` prompts of `make_workload(batch, seed)` (16-200-byte slices of the validation text, as
 token ids), greedy, `ignore_eos`. Each engine takes them in, steps until every one has its first
 token (the prefill chunks, not timed), runs `--warmup` decode steps, then times `--steps` decode
-steps with the wall clock alone (no hooks, no profiler: the step as it runs), then `--steps` more
-under torch.profiler, each step with every sequence decoding one token. So both engines profile
-steps at the same context lengths.
+steps with the wall clock alone (no hooks, no profiler: the step as it runs) and `--steps` more
+under torch.profiler, in two alternating halves, each step with every sequence decoding one token.
+So both engines profile steps at the same context lengths.
 
 The profile attributes each step's time to components by the ranges around them (the profiler's
 `record_function`, entered by wrappers this script puts around the engines' functions and modules
@@ -236,11 +236,24 @@ def profile_steps(step, n: int) -> list[dict[str, float]]:
     return attribute(prof.events())[1:]
 
 
+def timed_and_profiled(step, n: int, patches: list) -> tuple[list[float], list[dict]]:
+    """`n` steps timed by the wall clock and `n` profiled, in two alternating halves (wall,
+    profiled, wall, profiled), so that a burst of load on the shared machine falls on both."""
+    wall: list[float] = []
+    profiled: list[dict[str, float]] = []
+    for half in (n - n // 2, n // 2):
+        if half:
+            wall += wall_steps(step, half)
+            with wrapped(patches):
+                profiled += profile_steps(step, half)
+    return wall, profiled
+
+
 def max_tokens_for(prompts: list[list[int]], warmup: int, steps: int) -> int:
     """Enough output tokens that no request ends before the last profiled step: the first
     requests' prompts are done (and decode) while the prefill chunks of the others still run."""
     prefill_steps = -(-sum(map(len, prompts)) // MAX_NUM_BATCHED_TOKENS) + 1
-    return prefill_steps + warmup + 2 * steps + 1 + 8
+    return prefill_steps + warmup + 2 * steps + 2 + 8  # + the profiler's first step, twice
 
 
 def to_decode(step, ids: list, warmup: int) -> dict:
@@ -257,9 +270,10 @@ def to_decode(step, ids: list, warmup: int) -> dict:
 
 
 def context_tokens(prompts: list[list[int]], generated: dict, ids: list, steps: int) -> float:
-    """The cached tokens all requests attend, summed, at the middle profiled step: prompt and
-    output so far, then the timed steps, the profiler's first step and half the profiled ones."""
-    later = steps + 1 + (steps - 1) / 2
+    """The cached tokens all requests attend, summed, at the middle of the timed and profiled
+    steps (`timed_and_profiled`: 2 `steps` and the profiler's first step of each half): prompt and
+    output so far, then half of those steps."""
+    later = (2 * steps + 2) / 2
     return sum(len(p) + generated[i] + later for p, i in zip(prompts, ids))
 
 
@@ -309,9 +323,7 @@ def vllm_worker(spec_path: Path) -> None:
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
         generated = to_decode(engine.step, ids, spec["warmup"])
         context = context_tokens(prompts, generated, ids, spec["steps"])
-        wall = wall_steps(engine.step, spec["steps"])
-        with wrapped(patches):
-            profiled = profile_steps(engine.step, spec["steps"])
+        wall, profiled = timed_and_profiled(engine.step, spec["steps"], patches)
         engine.abort_request(ids)
         while engine.has_unfinished_requests():
             engine.step()
@@ -430,7 +442,6 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
         ids = [engine.add_request(p, params) for p in prompts]
         generated = to_decode(engine.step, ids, warmup)
         context = context_tokens(prompts, generated, ids, steps)
-        wall = wall_steps(engine.step, steps)
         runner = engine.runner
 
         def linear(function):
@@ -467,8 +478,7 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
             (fused, "apply_rope", ranged("RoPE")),
             (transformer, "rope_cos_sin", ranged("RoPE")),
         ]
-        with wrapped(patches):
-            profiled = profile_steps(engine.step, steps)
+        wall, profiled = timed_and_profiled(engine.step, steps, patches)
         for i in ids:
             engine.abort(i)
         results[key] = {"wall_ms": wall, "profiled": profiled, "context_sum": context}
