@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 
 from minivllm.book import use_book_style  # noqa: E402
 from minivllm.book.figures.blocks import block_legend, draw_block_pool, draw_block_tables  # noqa: E402
+from minivllm.book.figures.parallel import draw_rank_layout  # noqa: E402
 from minivllm.book.figures.preemption import draw_step_pool  # noqa: E402
 from minivllm.book.figures.readable import (  # noqa: E402
     PAGE_WIDTH,
@@ -146,6 +147,19 @@ def draw_preemption_step():
     return fig
 
 
+def draw_ranks():
+    """Chapter 11's layout: 8 query heads over 2 K/V heads at TP 2 and (replicated) TP 4."""
+    from minivllm.model.transformer import ModelConfig
+
+    config = ModelConfig(n_heads=8, n_kv_heads=2)
+    fig, (two, four) = plt.subplots(
+        2, 1, figsize=(PAGE_WIDTH, 4.2), gridspec_kw={"height_ratios": [3.6, 5.6]}
+    )
+    draw_rank_layout(two, config, 2, shared_pool(), "tensor parallel 2")
+    draw_rank_layout(four, config, 4, shared_pool(), "tensor parallel 4")
+    return fig
+
+
 FIGURES = [
     draw_pool_and_tables,
     draw_flat,
@@ -153,6 +167,7 @@ FIGURES = [
     draw_timelines,
     draw_speculation,
     draw_preemption_step,
+    draw_ranks,
 ]
 
 

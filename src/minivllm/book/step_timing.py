@@ -61,10 +61,12 @@ def decode_engine(
     prompt_chars: tuple[int, int] = (16, 320),
     seed: int = 0,
     forward_processes: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> LLMEngine:
     """An engine with `num_seqs` greedy requests (prompts of `prompt_chars` characters of the
     validation text, lengths and offsets seeded), stepped until all are decoding. With
-    `forward_processes` > 1 its passes are split between processes: `close()` it when done."""
+    `forward_processes` > 1 its passes are split between processes, with `tensor_parallel_size`
+    > 1 its layers between ranks: `close()` it when done."""
     text = shipped_validation_text()
     rng = np.random.default_rng(seed)
     lengths = rng.integers(prompt_chars[0], prompt_chars[1] + 1, num_seqs)
@@ -77,6 +79,7 @@ def decode_engine(
             attention_backend=attention_backend,
             scheduler=SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=512),
             forward_processes=forward_processes,
+            tensor_parallel_size=tensor_parallel_size,
         ),
     )
     tokenizer = ByteTokenizer()

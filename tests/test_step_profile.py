@@ -1,0 +1,62 @@
+"""benchmarks/step_profile.py's minivllm half, kept working: one profiled decode step at batch 1
+is attributed to every component of the table, the parts add up to the step, the roofline floors
+come from the shapes, and the profiling wrappers are gone afterwards. (The benchmark itself, with
+vLLM, is not a test: minutes.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from _common import make_workload  # noqa: E402
+from step_profile import (  # noqa: E402
+    COMPONENTS,
+    MATMULS,
+    TARGET,
+    floors,
+    hf_config,
+    minivllm_run,
+    table,
+)
+
+from minivllm.model import fused, transformer  # noqa: E402
+from minivllm.model.checkpoint import load_model  # noqa: E402
+from minivllm.model.fused import fuse_model  # noqa: E402
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_one_profiled_step_is_attributed_to_every_component() -> None:
+    model = fuse_model(load_model(TARGET, "float32"), in_place=True)
+    originals = (F.linear, transformer.RMSNorm.forward, fused.apply_rope)
+    prompts = {"1": [r.prompt_ids for r in make_workload(1, 0)]}
+    record = minivllm_run(model, prompts, warmup=0, steps=1)["1"]
+    assert (F.linear, transformer.RMSNorm.forward, fused.apply_rope) == originals
+    assert len(record["wall_ms"]) == 1 and len(record["profiled"]) == 1
+    step = record["profiled"][0]
+    unknown = set(step) - set(COMPONENTS) - {"step (profiled)"}
+    assert not unknown, f"time given to no component of the table: {unknown}"
+    for component in [*MATMULS, "attention", "norms", "RoPE", "schedule", "batch build"]:
+        assert step.get(component, 0.0) > 0.0, component
+    parts = sum(v for k, v in step.items() if k in COMPONENTS)
+    assert parts == pytest.approx(step["step (profiled)"], rel=0.02)
+
+    config = hf_config(model)
+    limits = {"bandwidth_GBps": 10.0, "cache_copy_GBps": 50.0, "gemm_2048_GFLOPs": 100.0}
+    rows = {r["component"]: r for r in table("minivllm", 1, record, limits, config, 100.0)}
+    # q/k/v at batch 1 is a read of its weights: 6 layers x 384 x 256 floats, bandwidth-bound
+    qkv_bytes = 6 * 4 * (384 * 256 + 256 + 384)
+    assert rows["qkv matmul"]["roofline_ms"] == pytest.approx(qkv_bytes / 10e9 * 1e3, rel=1e-3)
+    assert rows["schedule"]["roofline_ms"] is None  # host work: no floor worth the name
+    assert floors(config, 64, 64 * 100.0)["gate/up matmul"][1] == 6 * 2 * 64 * 256 * 1024
+    torch.testing.assert_close(
+        rows["step (profiled)"]["roofline_ms"],
+        sum(r["roofline_ms"] or 0.0 for k, r in rows.items() if k in COMPONENTS),
+        rtol=1e-3,
+        atol=1e-4,
+    )
