@@ -238,7 +238,7 @@ def run(
 def grade(project: Path, report: Path, plugins: bool = True, extra: list[str] = ()) -> dict:
     env = {}
     if (project / "src" / f"{student.PROBE_MODULE}.py").is_file():
-        # A probe line is Python: on a GPU numba would compile chapter 07's kernels and refuse it;
+        # A probe line is Python: on a GPU numba would compile chapter 08's kernels and refuse it;
         # the simulator runs them as Python (the tests' tensors are on the CPU either way).
         env["NUMBA_ENABLE_CUDASIM"] = "1"
     done = run(

@@ -1,4 +1,4 @@
-"""Paged attention as a native CPU kernel, compiled by numba (chapter 07, part 1).
+"""Paged attention as a native CPU kernel, compiled by numba (chapter 07).
 
 The torch reference (`torch_backend.py`) gathers every sequence's keys and values through its block
 table into a padded copy, every layer, every step, and then attends over the copy. This kernel reads

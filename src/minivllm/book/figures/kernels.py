@@ -1,4 +1,4 @@
-"""Figures of chapter 07's CUDA kernel: the launch hierarchy (grid -> thread block -> warp ->
+"""Figures of chapters 07 and 08's kernels: the launch hierarchy (grid -> thread block -> warp ->
 lanes), and which warp read which slot of the paged cache in a recorded simulator run.
 """
 
@@ -9,7 +9,7 @@ from matplotlib.patches import Rectangle
 
 from minivllm.book import FREE_COLOR, sequence_color
 
-# -- chapter 07: the CUDA kernel -------------------------------------------------------------------
+# -- chapter 08: the CUDA kernel -------------------------------------------------------------------
 WARP_COLORS = (
     "#66c2a5",
     "#fc8d62",

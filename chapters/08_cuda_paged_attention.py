@@ -703,7 +703,7 @@ print(
 # Our kernel maps attention onto that hierarchy: one thread block per (sequence, query head); inside
 # it, warps take the context's tokens in turn; inside a warp, the lanes split a key row's head_dim.
 
-# %% tags=["hide-input"] mystnb={"figure": {"caption": "The kernel's launch as the GPU sees it: a grid of thread blocks, one per sequence and query head; a block's warps, taking the context's tokens in turn; and a warp's 32 lanes, splitting a key row's head_dim between them.", "name": "fig-07-execution-model"}}
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The kernel's launch as the GPU sees it: a grid of thread blocks, one per sequence and query head; a block's warps, taking the context's tokens in turn; and a warp's 32 lanes, splitting a key row's head_dim between them.", "name": "fig-08-execution-model"}}
 fig, ax = plt.subplots(figsize=(10, 3.4))
 draw_execution_model(
     ax, num_seqs=4, num_heads=config.n_heads, threads=128, head_dim=config.head_dim
@@ -715,7 +715,7 @@ plt.show()
 #
 # **The address.** Where does token `position` of a sequence live? Its block table names the
 # physical block, and the position within the block is the slot — chapter 03's arithmetic, now a
-# *device function* every thread calls (exercise ch07.1):
+# *device function* every thread calls (exercise ch08.1):
 
 # %%
 show(cache_slot)
@@ -838,7 +838,7 @@ print(
     f"{len(key_reads)} key reads = 40 tokens x {config.head_dim} elements; {len(value_reads)} value reads"
 )
 
-# %% tags=["hide-input"] mystnb={"figure": {"caption": "The key cache as one thread block reads it: one row per physical block, one cell per slot. A slot that was read is coloured by the warp that read it and numbered with that warp's round; slots of other sequences' blocks stay blank.", "name": "fig-07-cache-reads"}}
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "The key cache as one thread block reads it: one row per physical block, one cell per slot. A slot that was read is coloured by the warp that read it and numbered with that warp's round; slots of other sequences' blocks stay blank.", "name": "fig-08-cache-reads"}}
 fig, ax = plt.subplots(figsize=(7.5, 4))
 draw_cache_reads(
     ax, reads_by_thread(key_reads), trace.block_table, block_size=16, num_blocks=trace.num_blocks
@@ -885,7 +885,7 @@ print(
 #
 # $$o = \frac{\sum_p \ell_p e^{m_p - m}\, o_p}{\sum_p \ell_p e^{m_p - m}}$$
 #
-# (exercise ch07.2). A partition past the end of a short sequence's context writes $m = -\infty$,
+# (exercise ch08.2). A partition past the end of a short sequence's context writes $m = -\infty$,
 # $\ell = 0$ and weighs nothing.
 
 # %%
@@ -982,7 +982,7 @@ show(occupancy)
 # memory each launcher asks for. For a Llama-3-8B layer (32 query heads over 8 K/V heads) at head
 # dim 128, batch 1 and 64:
 
-# %% tags=["hide-input"] mystnb={"figure": {"caption": "Modelled warp occupancy of the three kernel versions against context length, for a Llama-3-8B layer at batch 1 (left) and batch 64 (right), with the same assumed registers per thread for all three.", "name": "fig-07-occupancy"}}
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Modelled warp occupancy of the three kernel versions against context length, for a Llama-3-8B layer at batch 1 (left) and batch 64 (right), with the same assumed registers per thread for all three.", "name": "fig-08-occupancy"}}
 ASSUMED_REGISTERS, THREADS = 64, 128
 llama = {"heads": 32, "kv_heads": 8, "head_dim": 128}
 
@@ -1287,7 +1287,7 @@ show(tiled_decode_kernel, lines=(240, 267))
 # it yet. The same record, drawn as a roofline — time per call against the bytes it must read, the
 # measured copy bandwidth as the line a read can at best reach:
 
-# %% tags=["hide-input"] mystnb={"figure": {"caption": "Decode attention on a recorded GPU run: device time per call against the K/V bytes the call reads, at the benchmark's three shapes (log scales). The grey line is the time at the copy bandwidth measured in the same run; a version's distance above it is its lost bandwidth.", "name": "fig-07-roofline"}}
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Decode attention on a recorded GPU run: device time per call against the K/V bytes the call reads, at the benchmark's three shapes (log scales). The grey line is the time at the copy bandwidth measured in the same run; a version's distance above it is its lost bandwidth.", "name": "fig-08-roofline"}}
 ROOFLINE = {
     "v1": "#d62728",
     "v2": "#2ca02c",
@@ -1377,10 +1377,10 @@ if engine_run:
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
 # `src/minivllm/attention/cuda/kernels.py`; run one exercise's tests with
-# `pytest tests --exercise ch07.1`.
+# `pytest tests --exercise ch08.1`.
 # They run in the simulator, so no GPU is needed.
 #
-# 1. **ch07.1 — the block-table address.** In `cache_slot`, return `(block, offset)`: the physical
+# 1. **ch08.1 — the block-table address.** In `cache_slot`, return `(block, offset)`: the physical
 #    block that holds token `position`, read from the sequence's {term}`block table` row `table`,
 #    and the offset of the token within that block. The tests run the whole v1 kernel, which calls
 #    it for every token, against a float64 reference.
@@ -1388,7 +1388,7 @@ if engine_run:
 #    *Hint:* It is `BlockManager.slot_mapping`'s arithmetic (chapter 03) stopped one step early: the
 #    logical block index picks the table entry and the remainder is the offset. Return the two; do
 #    not fold them into one slot.
-# 2. **ch07.2 — the {term}`log-sum-exp merge`.** In `merge_partitions`, for each element `d` the
+# 2. **ch08.2 — the {term}`log-sum-exp merge`.** In `merge_partitions`, for each element `d` the
 #    loop gives your thread, write `out[seq, head, d]`: the partitions' normalised outputs
 #    `partial_out[seq, head, p, d]` averaged with weights $\ell_p e^{m_p - m}$, where $\ell_p$ is
 #    `exp_sums[seq, head, p]`, $m_p$ is `max_logits[seq, head, p]` and $m$ their maximum (already
