@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minivllm.book.stats import chi_square, within
+from minivllm.book.stats import chi_square, speedup, within
 
 
 def counts_with_statistic(statistic: float, cells: int) -> tuple[np.ndarray, np.ndarray]:
@@ -67,3 +67,11 @@ def test_within_prints_the_tolerance_not_the_error() -> None:
 def test_within_fails_above_the_tolerance(error: float) -> None:
     with pytest.raises(AssertionError, match="above the tolerance"):
         within(error, 1e-5)
+
+
+def test_speedup_says_faster_or_slower_by_the_sign() -> None:
+    assert speedup(2.0, 1.0) == "2.00x faster"
+    assert speedup(1.0, 1.25) == "1.25x slower"  # never "0.80x faster"
+    assert speedup(1.0, 1.0) == "1.00x faster"
+    with pytest.raises(ValueError, match="positive"):
+        speedup(0.0, 1.0)

@@ -61,3 +61,13 @@ def within(error: float, tolerance: float) -> str:
         raise AssertionError(f"error {error:.2e} is above the tolerance {tolerance:.0e}")
     mantissa, exponent = f"{tolerance:e}".split("e")
     return f"within {mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def speedup(before: float, after: float) -> str:
+    """A timing change as a chapter prints it, said by its sign: "1.32x faster" when `after` (a
+    time) is shorter than `before`, "1.25x slower" when it is longer, never "0.80x faster"."""
+    if not (before > 0 and after > 0):
+        raise ValueError(f"times must be positive, not {before!r} and {after!r}")
+    if after <= before:
+        return f"{before / after:.2f}x faster"
+    return f"{after / before:.2f}x slower"
