@@ -171,7 +171,7 @@ for key, before in previous.items():
 #   At one request on a CPU that spare compute exists; with a whole batch already in every pass it
 #   mostly does not, and the verify's extra tokens and the draft passes cost about what they save —
 #   compare chapter 06's batch-1 measurement. The draft model's own cache adds to the memory.
-# - **The CPU paged-attention kernel** ({doc}`chapters/08_cuda_paged_attention`) attends over the
+# - **The CPU paged-attention kernel** ({doc}`chapters/07_cpu_kernel`) attends over the
 #   paged cache in place: each K/V row is read once per group of query heads, with no gathered copy
 #   of the history and no padding, its arithmetic on 8-lane vectors written by hand, the next
 #   block prefetched, and the work dealt to both cores by cost. Same blocks, same memory; less time
