@@ -41,7 +41,7 @@ import minivllm
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.attention import backend as attention_backend
 from minivllm.attention.backend import AttentionBackend, resolve_backend_name
-from minivllm.attention.cuda.backend import CudaPagedAttention, KernelDecodeAttention
+from minivllm.attention.cuda.backend import KernelDecodeAttention
 from minivllm.attention.cuda.grouped import (
     default_lanes_per_token,
     grouped_decode_kernel,
@@ -166,9 +166,8 @@ print(
 #
 # ## Build: the same algorithm in CUDA's execution model
 #
-# The CUDA kernel below computes the same thing — every K/V row read once, in place, through the
-# block table, softmax in float32 — but a GPU runs thousands of threads, not two, so the work is cut
-# much finer, and the threads of one unit cooperate. First the machine.
+# The kernels compute what chapter 07's does — every K/V row read once, in place, through the block
+# table, softmax in float32. First the machine.
 #
 # ### The GPU in one figure
 #
@@ -249,23 +248,23 @@ show(attend_range)
 show(paged_attention_v1)
 
 # %%
-show(paged_attention, lines=(1, 33))
+launcher = source(paged_attention).splitlines()
+v1_path = (  # from the defaults to v1's launch and return
+    next(n for n, line in enumerate(launcher, 1) if "scale = head_dim**-0.5" in line),
+    next(n for n, line in enumerate(launcher, 1) if line.strip() == "return out"),
+)
+show(paged_attention, lines=v1_path)
 
 # %% [markdown]
 # ### Check: the kernel against a plain softmax
 #
-# Fresh random inputs (never zeros — a kernel that reads the wrong slot of a zero cache still looks
-# right), physical blocks in shuffled order, an output **poisoned with NaN** before the launch so an
-# element the kernel forgets to write cannot pass. The target model's head_dim and block size, and
-# its grouped-query attention in small: 2 query heads on 1 K/V head (the model has 8 on 2; the
-# simulator pays for every head). The contexts include one token, one ending mid-block and one on a
-# block boundary.
-
-# %%
-show(kernel_check.random_inputs)
-
-# %% [markdown]
-# The reference gathers each sequence's K/V through its table and runs the model's own softmax
+# As for chapter 07's kernel (`book/kernel_check.py`): fresh random inputs (never zeros — a kernel
+# that reads the wrong slot of a zero cache still looks right) from `random_inputs`, physical
+# blocks in shuffled order with spare blocks nobody owns, an output **poisoned with NaN** before
+# the launch so an element the kernel forgets to write cannot pass. The target model's head_dim
+# and block size, and its grouped-query attention in small: 2 query heads on 1 K/V head (the model
+# has 8 on 2; the simulator pays for every head). The contexts include one token, one ending
+# mid-block and one on a block boundary. The reference gathers each sequence's K/V through its table and runs the model's own softmax
 # attention; `kernel_error` launches the kernel into a poisoned output and compares:
 
 # %%
@@ -307,9 +306,10 @@ for name, (dtype, tolerance) in checks.items():
 # of 40 tokens, its three blocks scattered over a pool of eight, one head, 64 threads (two warps),
 # and the kernel launched by hand — grid, threads per block, stream, shared-memory bytes.
 # `in_simulator` runs it where the simulator is on: in this process without a GPU, in a child
-# process with one (a real GPU's reads happen in hardware, out of Python's sight).
+# process with one (a real GPU's reads happen in hardware, out of Python's sight). `trace_v1` is
+# folded below; open it to see a launch written out by hand.
 
-# %%
+# %% tags=["hide-output"]
 show(trace_v1)
 
 # %%
@@ -320,7 +320,7 @@ print(
 )
 
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "The key cache as one thread block reads it: one row per physical block, one cell per slot. A slot that was read is coloured by the warp that read it and numbered with that warp's round; slots of other sequences' blocks stay blank.", "name": "fig-08-cache-reads"}}
-fig, ax = plt.subplots(figsize=(7.5, 4))
+fig, ax = plt.subplots(figsize=(7.5, 3.4))
 draw_cache_reads(
     ax, reads_by_thread(key_reads), trace.block_table, block_size=16, num_blocks=trace.num_blocks
 )
@@ -416,9 +416,18 @@ for partition in (16, 24):
 # of {cite}`milakov2018online`, the heart of FlashAttention {cite}`dao2022flashattention` and of
 # vLLM's paged-attention kernels. On a GPU it is what keeps a thread block's memory independent of
 # the context: v1 keeps a score per token in shared memory, v3 keeps three numbers per query.
+#
+# Here is v3's pass (`grouped_decode_kernel` compiles the kernel for one shape; before the pass it
+# stages the partition's table entries in shared memory and loads its lanes' queries, after it the
+# teams' states are merged by the same log-sum-exp rule as v2's partitions):
 
 # %%
-show(grouped_decode_kernel)
+v3_lines = source(grouped_decode_kernel).splitlines()
+one_pass = (  # from the pass's comment to the last update of the running max
+    next(n for n, line in enumerate(v3_lines, 1) if "# One pass: each round" in line),
+    next(n for n, line in enumerate(v3_lines, 1) if line.strip() == "run_max[g] = new_max"),
+)
+show(grouped_decode_kernel, lines=one_pass)
 
 # %% [markdown]
 # The same check as v1 and v2, on a GQA batch (8 query heads sharing 2 K/V heads), whole and split
@@ -452,9 +461,9 @@ print(f"v3 reads the block table {len(table_reads)} times: once per entry, into 
 # warp slots. An SM holds as many blocks at once as its warp slots, registers, shared memory and
 # block slots all allow (`attention/cuda/occupancy.py`, the arithmetic of NVIDIA's occupancy
 # calculator); a grid then takes ⌈blocks / (SMs · blocks per SM)⌉ waves, and a last, partial wave
-# leaves slots empty.
+# leaves slots empty. (The function is folded below.)
 
-# %%
+# %% tags=["hide-output"]
 show(occupancy)
 
 # %% [markdown]
@@ -545,13 +554,11 @@ print({device: resolve_backend_name("auto", device) for device in ("cpu", "cuda"
 # The backend copies nothing of the reference. `TorchPagedAttention` takes its decode piece as a
 # parameter, so `CudaPagedAttention` is the reference with `KernelDecodeAttention` where
 # `DecodeAttention` was: the K/V write and the {term}`prefill` chunks (`PrefillAttention`) stay the
-# reference's — the kernel is a decode kernel, one query per sequence.
+# reference's — the kernel is a decode kernel, one query per sequence (`attention/cuda/backend.py`;
+# the decode piece is folded below).
 
-# %%
+# %% tags=["hide-output"]
 show(KernelDecodeAttention)
-
-# %%
-show(CudaPagedAttention)
 
 # %% [markdown]
 # The real model, greedy, both backends. The prompt's prefill runs on torch either way; the decode
@@ -773,7 +780,7 @@ ROOFLINE = {
     "SDPA (pre-gathered)": "#000000",
 }
 if kernels:
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
     reads = np.array(sorted(r["kv_bytes"] for r in kernels["rows"]), dtype=float)
     copy_rate = kernels["copy_bandwidth_bytes_per_second"]
     ax.plot(reads, reads / copy_rate * 1e6, color="0.6", lw=3, label="copy bandwidth")
@@ -888,9 +895,8 @@ if engine_run:
 #    looks the block up once; use `kernel_trace.recorded` on the block table to count the reads
 #    before and after.
 #
-#    *Hint:* Deal *blocks* to the warps round-robin instead of tokens and loop over the offsets
-#    inside; the range may start or end mid-block. Keep every warp running the same number of
-#    rounds, as `attend_range` does, so the shuffles stay uniform.
+#    *Hint:* Deal *blocks* to the warps round-robin and loop over the offsets inside (the range may
+#    start or end mid-block); keep every warp running the same number of rounds.
 
 # %% [markdown]
 # ## Summary

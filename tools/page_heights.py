@@ -72,9 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1280, help="window width in pixels")
     parser.add_argument("--limit", type=int, default=25_000, help="the most a chapter may be")
     args = parser.parse_args(argv)
-    pages = args.pages or [
+    args.html = args.html.resolve()
+    pages = [page.resolve() for page in args.pages] or [
         *sorted((args.html / "chapters").glob("[0-9][0-9]_*.html")),
-        *sorted(p for p in args.html.glob("*.html") if p.stem not in ("genindex", "search")),
+        # index.html only redirects to the intro
+        *sorted(
+            p for p in args.html.glob("*.html") if p.stem not in ("genindex", "search", "index")
+        ),
     ]
     if not pages:
         raise SystemExit(f"no pages under {args.html}: build the book first")
