@@ -473,11 +473,11 @@ from minivllm.model.checkpoint import load_model
 from minivllm.training.corpus import shipped_validation_text
 torch.set_num_threads(2)
 text = shipped_validation_text()
-prompts = [text[300 * i : 300 * i + 40 + 5 * i] for i in range(16)]
+prompts = [text[300 * i : 300 * i + 40 + 5 * i] for i in range(8)]
 engine = LLMEngine(load_model(), EngineConfig(attention_backend="numba"))
 engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
 wall, cpu = time.perf_counter(), time.process_time()
-outs = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
 print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu,
                   [list(o.token_ids) for o in outs]]))
 """
@@ -502,8 +502,8 @@ for _ in range(2):
 for name, runs in policy_runs.items():
     print(
         f"{name:>14}: wall {statistics.median(r[0] for r in runs):5.2f} s, CPU "
-        f"{statistics.median(r[1] for r in runs):5.2f} s (medians of {len(runs)}; 16 requests x "
-        f"48 tokens); load average {os.getloadavg()[0]:.1f}"
+        f"{statistics.median(r[1] for r in runs):5.2f} s (medians of {len(runs)}; 8 requests x "
+        f"32 tokens); load average {os.getloadavg()[0]:.1f}"
     )
 tokens = [r[2] for runs in policy_runs.values() for r in runs]
 print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
