@@ -11,7 +11,7 @@ a random-initialised Hugging Face Qwen3 checkpoint of that real shape (`real_mod
 `transformers`' `from_pretrained`. Systems:
 
 * minivllm `LLMEngine(device="cuda")` with the `torch` attention backend (gather through the block
-  table, then SDPA), the `cuda` backend (chapter 07's numba-cuda v3 kernel) and `cuda-v4` (its
+  table, then SDPA), the `cuda` backend (chapter 08's numba-cuda v3 kernel) and `cuda-v4` (its
   tiled v4), each run eagerly
   (`enforce_eager=True`) and with its decode steps replayed as CUDA graphs (runner/cuda_graph.py:
   captured at engine start, the capture time and the memory its pool took are reported);

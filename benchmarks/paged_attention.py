@@ -1,5 +1,5 @@
 """Decode paged attention: the numba-cuda kernels against torch, in achieved memory bandwidth
-(chapter 07).
+(chapter 08).
 
     python benchmarks/paged_attention.py [--shapes 1x4096 64x1024 64x4096] [--repeats 50]
         [--only v3] [--no-write]

@@ -1,5 +1,5 @@
 """Parallel sampling: peak KV-cache blocks of n forked samples against n independent requests
-(issue 18, chapter 08).
+(issue 18, chapter 09).
 
     python benchmarks/parallel_sampling.py [--n 2 4 8] [--prompt-tokens 32 128 384]
     [--max-tokens 64] [--seed 0]

@@ -149,7 +149,7 @@ DEFAULT_DIR = Path(tempfile.gettempdir()) / "minivllm-real-model"
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
     """A byte-level BPE (GPT-2's and Qwen's kind: every string encodes, and a multi-byte character
     may span tokens) trained with `tokenizers` on the shipped validation plays, by the book's own
-    builder (chapter 09's)."""
+    builder (chapter 10's)."""
     from minivllm.book.tiny_checkpoint import train_bpe_tokenizer
     from minivllm.training.corpus import shipped_validation_text
 

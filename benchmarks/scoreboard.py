@@ -108,7 +108,7 @@ ROWS = [
     ("continuous", "continuous batching", "04", "every request in one batched forward per step"),
     ("speculative", "speculative decoding", "06", f"draft model proposes k = {SPEC_K}, one verify"),
     ("numba", "CPU paged-attention kernel", "07", "numba kernel reads the paged cache in place"),
-    ("http", "served over HTTP", "08", "OpenAI API, one streaming client per request"),
+    ("http", "served over HTTP", "09", "OpenAI API, one streaming client per request"),
 ]
 
 

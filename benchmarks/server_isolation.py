@@ -1,5 +1,5 @@
 """Isolation: do 24 streams keep flowing while the server answers one huge non-streamed request?
-(chapter 08; issue 30, item 2)
+(chapter 09; issue 30, item 2)
 
     python benchmarks/server_isolation.py [--prompts 32] [--n 16] [--logprobs 20] [--rounds 3]
                                           [--out PATH]

@@ -1,5 +1,5 @@
 """Serving: the OpenAI-compatible server under 1-64 concurrent streaming clients, against the
-offline engine (chapter 08).
+offline engine (chapter 09).
 
     python benchmarks/serving.py [--concurrency 1 8 32 64] [--requests-per-client 2]
                                  [--min-requests 16] [--output-tokens 32 96] [--threads 1]

@@ -178,12 +178,12 @@ display(Table(["layer", "against", "throughput ratio"], steps, caption=scoreboar
 #   mostly does not, and the verify's extra tokens and the draft passes cost something whatever
 #   they save: the ratio above says, by its sign, which side won in this record — compare chapter
 #   06's batch-1 and batch-16 measurements. The draft model's own cache adds to the memory.
-# - **The CPU paged-attention kernel** ({doc}`chapters/07_cuda_paged_attention`) attends over the
+# - **The CPU paged-attention kernel** ({doc}`chapters/07_cpu_kernel`) attends over the
 #   paged cache in place: each K/V row is read once per group of query heads, with no gathered copy
 #   of the history and no padding, its arithmetic on 8-lane vectors written by hand, the next
 #   block prefetched, and the work dealt to both cores by cost. Same blocks, same memory; less time
 #   in attention.
-# - **Served over HTTP** ({doc}`chapters/08_server`) is that engine behind the OpenAI API, every
+# - **Served over HTTP** ({doc}`chapters/09_server`) is that engine behind the OpenAI API, every
 #   request a streaming client. It is not meant to be faster: what it adds is the work of the
 #   server — HTTP, a JSON chunk per token, an event loop sharing the interpreter with the engine
 #   thread — and the row shows what that costs of the engine's throughput. On a busy machine

@@ -290,9 +290,9 @@ print("num_decodes ", batch.num_decodes, "          logits_indices", batch.logit
 # one `[decodes, kv_heads, group, context]` call, and `PrefillAttention`, the prefill chunks padded
 # to the longest chunk — so a long prompt never pads every decode to its length. Backends are
 # registered by name and `EngineConfig(attention_backend=...)` picks one; its default, "auto", takes
-# the {term}`kernel <kernel (CUDA)>` registered for the device. Chapter 07 writes those kernels,
-# which read the cache in place — a CPU one and a CUDA one — and checks that they give the
-# reference's tokens, token for token.
+# the {term}`kernel <kernel (CUDA)>` registered for the device. Chapters 07 and 08
+# write those kernels, which read the cache in place — a CPU one and a CUDA one — and check that
+# they give the reference's tokens, token for token.
 
 # %%
 show(TorchPagedAttention.__call__)
@@ -452,7 +452,7 @@ plt.show()
 # Every step left a `StepRecord`: who was admitted, who decoded, who prefilled how many tokens, who
 # finished and why, who is running and waiting, how many blocks are used. The figures above were
 # drawn from nothing else (chapter 05's timelines will be too). Records export as JSON lines and
-# read back, so a trace saved from a run, or from chapter 08's server, can be plotted later:
+# read back, so a trace saved from a run, or from chapter 09's server, can be plotted later:
 
 # %%
 import tempfile

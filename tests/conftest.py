@@ -140,7 +140,7 @@ BPE_CORPUS = (
 
 def train_bpe(special_tokens: list[str], vocab_size: int = 400):
     """A tiny byte-level BPE tokenizer (GPT-2's, Llama 3's and Qwen's kind) trained on
-    `BPE_CORPUS` by the package's builder (chapter 09 trains its own with it), its special tokens
+    `BPE_CORPUS` by the package's builder (chapter 10 trains its own with it), its special tokens
     first in the vocabulary."""
     from minivllm.book.tiny_checkpoint import train_bpe_tokenizer
 

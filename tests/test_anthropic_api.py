@@ -1,4 +1,4 @@
-"""Chapter 08: the Anthropic Messages API, a second view of the same engine.
+"""Chapter 09: the Anthropic Messages API, a second view of the same engine.
 
 The official `anthropic` client, unchanged but for its base_url, gets the engine's answer to the
 same play OpenAI's chat endpoint renders; a streamed message is Anthropic's exact event sequence

@@ -1,4 +1,4 @@
-"""Chapter 08's AsyncEngine, without HTTP: one engine thread, an inbox of functions, per-request
+"""Chapter 09's AsyncEngine, without HTTP: one engine thread, an inbox of functions, per-request
 queues.
 
 Streams carry exactly the offline engine's text, in whole characters; a bad request is refused at

@@ -20,6 +20,11 @@ import pytest  # noqa: E402
 
 from minivllm.book import use_book_style  # noqa: E402
 from minivllm.book.figures.blocks import block_legend, draw_block_pool, draw_block_tables  # noqa: E402
+from minivllm.book.figures.kernels import (  # noqa: E402
+    draw_cache_reads,
+    draw_execution_model,
+    draw_work_plan,
+)
 from minivllm.book.figures.parallel import draw_rank_layout  # noqa: E402
 from minivllm.book.figures.preemption import draw_step_pool  # noqa: E402
 from minivllm.book.figures.readable import (  # noqa: E402
@@ -160,7 +165,40 @@ def draw_ranks():
     return fig
 
 
+def draw_kernel_launch():
+    """Chapter 08's launch hierarchy, at the target model's shapes."""
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.4))
+    draw_execution_model(ax, num_seqs=4, num_heads=8, threads=128, head_dim=32)
+    return fig
+
+
+def draw_kernel_reads():
+    """Chapter 08's cache reads: 40 tokens in blocks 5, 2, 7 of 8, two warps taking turns."""
+    table, reads = [5, 2, 7], {}
+    for token in range(40):
+        warp = token % 2
+        block, slot = table[token // 16], token % 16
+        rows = reads.setdefault(((0, 0, 0), 32 * warp), [])
+        rows += [(block, slot, 0, element) for element in range(32)]
+    fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 4))
+    draw_cache_reads(ax, reads, table, block_size=16, num_blocks=8)
+    return fig
+
+
+def draw_cpu_work_plan():
+    """Chapter 07's work plan: decodes and two prefill tiles dealt to two threads."""
+    work = np.array([[seq, 0, 1, 0] for seq in range(12)] + [[12, 0, 16, 0], [13, 0, 16, 0]])
+    cost = np.array([200.0] * 12 + [1600.0, 1600.0])
+    fig, axes = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 3.6), sharex=True)
+    draw_work_plan(axes[0], work, np.array([0, 7, 14]), cost, "an even count of units per thread")
+    draw_work_plan(axes[1], work, np.array([0, 8, 14]), cost, "plan_work: dealt by cost")
+    return fig
+
+
 FIGURES = [
+    draw_kernel_launch,
+    draw_kernel_reads,
+    draw_cpu_work_plan,
     draw_pool_and_tables,
     draw_flat,
     draw_probs,

@@ -1,4 +1,4 @@
-"""Chapter 08: no connection can starve the others (issue 30, item 4).
+"""Chapter 09: no connection can starve the others (issue 30, item 4).
 
 A socket that never sends a whole request is closed after `read_timeout`; past `max_connections`
 a request is answered 503 and its connection closed; a client that reads nothing of its response is

@@ -198,7 +198,7 @@ def test_the_captured_forward_reads_nothing_back_on_the_torch_backend(tiny, monk
     "below runs the kernel backend with real graphs)",
 )
 def test_the_kernel_backend_runs_the_padded_step_in_the_simulator(tiny, monkeypatch) -> None:
-    """Chapter 07's kernel (numba's simulator here) at the graph's fixed width, with padding rows
+    """Chapter 08's kernel (numba's simulator here) at the graph's fixed width, with padding rows
     of context 1 on the sink block and one partition, as a capture would size it."""
     pytest.importorskip("numba")
     model = Transformer(replace(tiny.config, n_layers=1))  # the simulator is slow: one layer

@@ -1,4 +1,4 @@
-"""The numba-cuda paged-attention kernels (chapter 07) against a float64 reference.
+"""The numba-cuda paged-attention kernels (chapter 08) against a float64 reference.
 
 On a CPU the kernels run in numba's CUDA simulator -- the same source, every CUDA thread a Python
 thread -- so these shapes are small: v3 is checked on a set of cases in which every block size
@@ -61,7 +61,7 @@ def test_the_simulator_runs_when_there_is_no_gpu() -> None:
     assert SIMULATOR != GPU
 
 
-@pytest.mark.exercise("ch07.1")
+@pytest.mark.exercise("ch08.1")
 @pytest.mark.parametrize(
     "shape, block_size, lens, threads",
     [
@@ -79,7 +79,7 @@ def test_v1_matches_the_reference(shape, block_size, lens, threads) -> None:
     )
 
 
-@pytest.mark.exercise("ch07.1")
+@pytest.mark.exercise("ch08.1")
 def test_v1_in_float16() -> None:
     assert (
         relative_error(make_case((2, 1, 16), 4, [10], torch.float16, seed=3))
@@ -87,10 +87,10 @@ def test_v1_in_float16() -> None:
     )
 
 
-@pytest.mark.exercise("ch07.2")
+@pytest.mark.exercise("ch08.2")
 def test_the_merge_weights_each_partition_by_its_log_sum_exp() -> None:
-    """`merge_partitions` alone, on partitions computed here in float64 (so ch07.2 is graded
-    without v2's attention, ch07.1's code): 2 sequences x 3 heads, partitions of 4 scores; the
+    """`merge_partitions` alone, on partitions computed here in float64 (so ch08.2 is graded
+    without v2's attention, ch08.1's code): 2 sequences x 3 heads, partitions of 4 scores; the
     second sequence has 5 tokens, so its last partition is empty, with NaN where its output would
     be -- an empty partition must weigh nothing."""
     generator = torch.Generator().manual_seed(7)
@@ -119,8 +119,8 @@ def test_the_merge_weights_each_partition_by_its_log_sum_exp() -> None:
     assert error <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.exercise("ch07.1")
-@pytest.mark.exercise("ch07.2")
+@pytest.mark.exercise("ch08.1")
+@pytest.mark.exercise("ch08.2")
 def test_v2_merges_partitions_including_empty_ones() -> None:
     # Partitions of 4 tokens: the 9-token sequence has 3, the 2-token one 1 real and 2 empty.
     case = make_case((4, 1, 16), 4, [9, 2], torch.float32, seed=5)

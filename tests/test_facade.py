@@ -1,4 +1,4 @@
-"""Chapter 08's astrai-style facade, `InferenceEngine`: an adapter over the server's AsyncEngine.
+"""Chapter 09's astrai-style facade, `InferenceEngine`: an adapter over the server's AsyncEngine.
 
 `generate` gives the offline engine's text for one prompt or a list, from several threads at once;
 `stream=True` gives the same text in pieces; `generate_async` the same on the caller's event loop,

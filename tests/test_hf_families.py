@@ -292,7 +292,7 @@ def test_both_spellings_of_rope_settings_are_read() -> None:
     assert configs[0].rope_scaling.original_max_position_embeddings == 16
 
 
-@pytest.mark.exercise("ch09.2")
+@pytest.mark.exercise("ch10.2")
 def test_llama3_frequencies_are_transformers_own() -> None:
     """Llama 3.1 8B's RoPE settings: the same inverse frequencies, bit for bit."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

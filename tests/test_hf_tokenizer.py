@@ -1,7 +1,7 @@
 """A checkpoint's own tokenizer (`HFTokenizer`) and text in the engine with it.
 
 The tokenizer is trained offline with `tokenizers` (conftest's `train_bpe`, through
-`minivllm.book.tiny_checkpoint`, the builder chapter 09 uses too): a tiny byte-level BPE with
+`minivllm.book.tiny_checkpoint`, the builder chapter 10 uses too): a tiny byte-level BPE with
 Llama-3-like special tokens, saved as tokenizer.json + tokenizer_config.json
 (+ generation_config.json) in a temporary folder. Its merges split multi-byte characters across
 tokens (a token may end inside `日`), which is what the incremental detokenizer must get right.
@@ -134,7 +134,7 @@ def stream(detokenizer, ids: list[int]) -> list[str]:
     return [*pieces, detokenizer.flush()]
 
 
-@pytest.mark.exercise("ch09.1")
+@pytest.mark.exercise("ch10.1")
 def test_a_token_can_split_a_character(llama) -> None:
     """The trained merges end some tokens inside a multi-byte character: decoded alone they show
     U+FFFD, streamed they never do."""
@@ -144,7 +144,7 @@ def test_a_token_can_split_a_character(llama) -> None:
     assert "".join(pieces) == "日本語のテキスト🎉" and not any("\ufffd" in p for p in pieces)
 
 
-@pytest.mark.exercise("ch09.1")
+@pytest.mark.exercise("ch10.1")
 def test_the_window_worked_by_hand() -> None:
     """Two toy decoders, no tokenizer files. One id per UTF-8 byte: a character comes out with its
     last byte, never before. And a decoder that drops the space a text starts with (as
@@ -161,7 +161,7 @@ def test_the_window_worked_by_hand() -> None:
     assert (spaced.prefix_offset, spaced.read_offset) == (2, 3)
 
 
-@pytest.mark.exercise("ch09.1")
+@pytest.mark.exercise("ch10.1")
 @pytest.mark.parametrize("text", TEXTS)
 def test_streamed_text_is_the_decoded_text(llama, text: str) -> None:
     ids = llama.encode(text, add_bos=True) + [llama.eos_id]
@@ -170,7 +170,7 @@ def test_streamed_text_is_the_decoded_text(llama, text: str) -> None:
     assert not any("\ufffd" in p for p in pieces)
 
 
-@pytest.mark.exercise("ch09.1")
+@pytest.mark.exercise("ch10.1")
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_any_ids_stream_to_their_decoded_text(llama, data) -> None:

@@ -1,4 +1,4 @@
-"""Chapter 08: no request can hurt the server or anyone else on it.
+"""Chapter 09: no request can hurt the server or anyone else on it.
 
 Each hostile request -- wrong types, out-of-range and huge numbers, NaN, bad encodings, truncated or
 deeply nested JSON, the wrong content type, bodies and lists past the limits, unknown fields --

@@ -1,4 +1,4 @@
-"""kernel_trace: recording which simulated CUDA thread read which element (chapter 07's figure).
+"""kernel_trace: recording which simulated CUDA thread read which element (chapter 08's figure).
 
 One small launch of the v1 kernel, recorded, is checked against what the kernel's code says it does:
 every cached element of the sequence read exactly once per phase, nothing outside its blocks, warps

@@ -1,4 +1,4 @@
-"""Chapter 08's metrics: hand-written Prometheus text that a Prometheus parser reads back
+"""Chapter 09's metrics: hand-written Prometheus text that a Prometheus parser reads back
 exactly."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Chapter 08's wire format, with no server and no model: request checking with bounds, vLLM's
+"""Chapter 09's wire format, with no server and no model: request checking with bounds, vLLM's
 fields mapped onto the engine's SamplingParams, unsupported and unknown fields refused (never
-ignored), the chat rendered as a play (ch08.2), response bodies and both logprobs shapes like
-OpenAI's, and the SSE formatter (ch08.1)."""
+ignored), the chat rendered as a play (ch09.2), response bodies and both logprobs shapes like
+OpenAI's, and the SSE formatter (ch09.1)."""
 
 from __future__ import annotations
 
@@ -33,17 +33,17 @@ from minivllm.serving.openai_protocol import (
     usage,
 )
 
-# -- sse_event (ch08.1) ----------------------------------------------------------------------------
+# -- sse_event (ch09.1) ----------------------------------------------------------------------------
 
 
-@pytest.mark.exercise("ch08.1")
+@pytest.mark.exercise("ch09.1")
 def test_an_event_is_one_data_line_and_a_blank_line() -> None:
     event = sse_event({"text": "Hi", "n": 1})
     assert event == 'data: {"text":"Hi","n":1}\n\n'
     assert sse_event(DONE) == "data: [DONE]\n\n"
 
 
-@pytest.mark.exercise("ch08.1")
+@pytest.mark.exercise("ch09.1")
 def test_newlines_are_escaped_and_non_ascii_kept() -> None:
     payload = {"choices": [{"text": "O Romeo,\n\nwherefore — ❤"}], "usage": None}
     event = sse_event(payload)
@@ -52,7 +52,7 @@ def test_newlines_are_escaped_and_non_ascii_kept() -> None:
     assert json.loads(event[len("data: ") :]) == payload
 
 
-@pytest.mark.exercise("ch08.1")
+@pytest.mark.exercise("ch09.1")
 def test_events_concatenate_into_a_parseable_stream() -> None:
     chunks = [{"i": i, "text": t} for i, t in enumerate(["a", "\n", "data: x"])]
     stream = "".join(sse_event(c) for c in chunks) + sse_event(DONE)
@@ -61,14 +61,14 @@ def test_events_concatenate_into_a_parseable_stream() -> None:
     assert [json.loads(e.removeprefix("data: ")) for e in events[:-1]] == chunks
 
 
-# -- render_chat (ch08.2) --------------------------------------------------------------------------
+# -- render_chat (ch09.2) --------------------------------------------------------------------------
 
 
 def msg(role: str, content: str, name: str | None = None) -> ChatMessage:
     return ChatMessage(role=role, content=content, name=name)
 
 
-@pytest.mark.exercise("ch08.2")
+@pytest.mark.exercise("ch09.2")
 def test_a_chat_is_a_scene_of_a_play() -> None:
     chat = [msg("user", "What say you?"), msg("assistant", "I say nothing."), msg("user", "Speak!")]
     assert render_chat(chat) == (
@@ -76,7 +76,7 @@ def test_a_chat_is_a_scene_of_a_play() -> None:
     )
 
 
-@pytest.mark.exercise("ch08.2")
+@pytest.mark.exercise("ch09.2")
 def test_names_are_speakers_and_the_last_named_assistant_answers() -> None:
     chat = [
         msg("system", "Elsinore. A platform before the castle."),
@@ -91,7 +91,7 @@ def test_names_are_speakers_and_the_last_named_assistant_answers() -> None:
     )
 
 
-@pytest.mark.exercise("ch08.2")
+@pytest.mark.exercise("ch09.2")
 def test_blank_lines_inside_a_message_cannot_end_its_speech() -> None:
     chat = [
         msg("user", "  First line.\n\n\nSecond line.\n \nThird.\n\n"),

@@ -29,7 +29,7 @@ CHECKS = [
         "from minivllm.model.transformer import CausalAttention, attention_reference\n",
     ),
     (
-        "07_cuda_paged_attention",
+        "07_cpu_kernel",
         'print(f"decodes, {path}: max relative error {within(cpu_error, 1e-5)}")',
         "import numpy as np\n"
         "import torch\n"

@@ -1,5 +1,5 @@
-"""Chapter 09's pieces: the real configs shipped with the package, the tiny-checkpoint builder
-(`minivllm.book.tiny_checkpoint`), and Llama 3's RoPE scaling worked by hand (exercise ch09.2)."""
+"""Chapter 10's pieces: the real configs shipped with the package, the tiny-checkpoint builder
+(`minivllm.book.tiny_checkpoint`), and Llama 3's RoPE scaling worked by hand (exercise ch10.2)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_token_bytes_reads_the_byte_level_alphabet(tiny) -> None:
         assert b"".join(token_bytes(piece) for piece in pieces) == text.encode()
 
 
-@pytest.mark.exercise("ch09.2")
+@pytest.mark.exercise("ch10.2")
 def test_llama3_scaling_worked_by_hand() -> None:
     """head_dim 16, theta 10000: the pairs' wavelengths are 2 pi 10000^(i/8), about 6, 20, 63,
     199 and up. Trained on 64 positions with low 1 and high 4: pair 0 (under 64 / 4) is kept,

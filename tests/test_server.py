@@ -1,4 +1,4 @@
-"""Chapter 08: the OpenAI-compatible server, end to end over loopback.
+"""Chapter 09: the OpenAI-compatible server, end to end over loopback.
 
 The official `openai` client works unchanged (completion and chat, streamed and not, and a streamed
 answer is the non-streamed one); what vLLM's users send works as the offline engine does it (n

@@ -1,4 +1,4 @@
-"""Chapter 08's server on a real chat checkpoint: the conversation laid out by the model's template.
+"""Chapter 09's server on a real chat checkpoint: the conversation laid out by the model's template.
 
 A tiny random Qwen3 checkpoint with a BPE tokenizer and a ChatML template (conftest's
 `chat_checkpoint`). `/v1/chat/completions`, `/v1/messages` (its `system` the first message) and

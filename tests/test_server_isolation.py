@@ -1,4 +1,4 @@
-"""Chapter 08: one big answer does not stall anyone else's stream (issue 30, item 2).
+"""Chapter 09: one big answer does not stall anyone else's stream (issue 30, item 2).
 
 A non-streamed answer of many prompts, `n` samples each, echoed, with logprobs, is tens of MB of
 JSON. Built and encoded in one go on the event loop it froze every other client's stream for

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minivllm.book.stats import chi_square, speed_change, within
+from minivllm.book.stats import chi_square, speed_change, speedup, within
 
 
 def counts_with_statistic(statistic: float, cells: int) -> tuple[np.ndarray, np.ndarray]:
@@ -88,3 +88,10 @@ def test_speed_change_says_faster_or_slower_by_the_sign(ratio: float, said: str)
 def test_speed_change_refuses_a_ratio_that_is_not_a_speed(ratio: float) -> None:
     with pytest.raises(ValueError):
         speed_change(ratio)
+
+def test_speedup_says_faster_or_slower_by_the_sign() -> None:
+    assert speedup(2.0, 1.0) == "2.00x faster"
+    assert speedup(1.0, 1.25) == "1.25x slower"  # never "0.80x faster"
+    assert speedup(1.0, 1.0) == "1.00x faster"
+    with pytest.raises(ValueError, match="positive"):
+        speedup(0.0, 1.0)

@@ -238,7 +238,7 @@ def run(
 def grade(project: Path, report: Path, plugins: bool = True, extra: list[str] = ()) -> dict:
     env = {}
     if (project / "src" / f"{student.PROBE_MODULE}.py").is_file():
-        # A probe line is Python: on a GPU numba would compile chapter 07's kernels and refuse it;
+        # A probe line is Python: on a GPU numba would compile chapter 08's kernels and refuse it;
         # the simulator runs them as Python (the tests' tensors are on the CPU either way).
         env["NUMBA_ENABLE_CUDASIM"] = "1"
     done = run(
@@ -545,8 +545,20 @@ def test_the_committed_dependency_map_is_current(exercises: list, reports: Repor
     )
     chapters = sorted(path.stem for path in (ROOT / "chapters").glob("[0-9][0-9]_*.py"))
     assert committed["chapters_run"] == chapters, f"run {committed['regenerate']}"
+    # where each chapter's entries came from (a --chapters refresh keeps the others' commits)
+    assert sorted(committed["chapter_commits"]) == chapters
+    assert committed["commit"] in committed["chapter_commits"].values()
     for exercise, blocks in committed["blocks"].items():
         assert set(blocks["chapters"]) <= set(chapters), exercise
+
+
+def test_a_partial_refresh_keeps_the_other_chapters_entries() -> None:
+    """`--chapters` turns the committed chapter half around (chapter -> exercises entered) to keep
+    the chapters it does not run; turned back, it is the same map."""
+    entered = {"03_x": ["ch03.1"], "04_y": ["ch03.1", "ch04.2"], "05_z": []}
+    blocks = student.dependency_map({}, entered)
+    assert student.chapters_entered(blocks) == {"03_x": ["ch03.1"], "04_y": ["ch03.1", "ch04.2"]}
+    assert student.dependency_map({}, student.chapters_entered(blocks)) == blocks
 
 
 # -- each exercise assignable alone, from one grading of the probe copy ---------------------------

@@ -70,7 +70,7 @@ WHEEL_PINS = [
     "uvicorn==0.54.0",
     "typing-extensions==4.16.0",
     "opentelemetry-api==1.45.2",  # fastapi imports it
-    # chapter 08 calls the server with the official clients
+    # chapter 09 calls the server with the official clients
     "openai==3.57.0",
     "anthropic==2.14.0",
     "jiter==0.19.0",

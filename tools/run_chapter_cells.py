@@ -2,13 +2,13 @@
 *run* here? (`make gpu-check` uses it on GPU machines, which have no Jupyter; outputs are not
 compared with the committed notebooks, whose outputs are the CPU's.)
 
-    python tools/run_chapter_cells.py [--jobs N] chapters/07_cuda_paged_attention.py [...]
+    python tools/run_chapter_cells.py [--jobs N] chapters/08_cuda_paged_attention.py [...]
 
 A chapter is a jupytext py:percent file: cells start at `# %%` lines, markdown cells at
 `# %% [markdown]`. A code cell may `await` at the top level, as in Jupyter. Each chapter runs in a
 fresh subprocess (`--jobs` of them at a time), from its own folder, with matplotlib drawing
 off-screen; the exit status is the number of chapters that failed. Each cell that takes
-`SLOW_CELL_S` or more is reported as it ends (`07_cuda_paged_attention.py cell 39: 12.3 s`), so a
+`SLOW_CELL_S` or more is reported as it ends (`08_cuda_paged_attention.py cell 39: 12.3 s`), so a
 run stopped at a time limit still says where its time went.
 """
 

@@ -7,9 +7,10 @@
     python tools/student.py --grade [--exercises ch03.1,...] [--json F]
         run the exercise tests here (a student copy's assigned ones by default); one line per
         exercise: passed, failed (with its first failure) or blocked by another exercise's stub
-    python tools/student.py --deps [--exercises ...] [--refresh]
+    python tools/student.py --deps [--exercises ...] [--refresh [--chapters STEM ...]]
         which exercises block which chapters and which other exercises' tests (DEPS); --refresh
-        recomputes it in a probe copy: grades it and runs every chapter (many minutes)
+        recomputes it in a probe copy: grades it and runs every chapter (many minutes);
+        --chapters runs only those and keeps the others' entries from the committed map
 
 Solutions live in the package source between nbgrader-style markers, right after an EXERCISE
 comment:
@@ -685,11 +686,41 @@ def seed_kernel_cache(root: Path, project: Path, cache_dir: Path) -> bool:
     return True
 
 
-def refresh_dependency_map(root: Path, work: Path) -> dict:
+def chapters_entered(blocks: dict[str, dict]) -> dict[str, list[str]]:
+    """The chapter half of a map turned around: chapter -> the exercises its execution entered."""
+    entered: dict[str, set[str]] = {}
+    for exercise, blocked in blocks.items():
+        for chapter in blocked["chapters"]:
+            entered.setdefault(chapter, set()).add(exercise)
+    return {chapter: sorted(ids, key=_exercise_order) for chapter, ids in entered.items()}
+
+
+def refresh_dependency_map(
+    root: Path, work: Path, only: list[str] | None = None, previous: dict | None = None
+) -> dict:
     """Recompute the map in a probe copy under `work`: grade every exercise test there (in order,
     so a value one test memoizes for the next is counted the same way each time), then execute
-    each chapter with the probe logging what its kernel, and any process it starts, entered."""
+    each chapter with the probe logging what its kernel, and any process it starts, entered.
+    With `only` (chapter stems), execute just those and keep the other chapters' entries, and
+    the commit each was computed at, from `previous` (the committed map)."""
     probe, commit = work / "probe", _head_commit(root)  # what the copy is made from
+    present = sorted(path.stem for path in (root / "chapters").glob("[0-9][0-9]_*.py"))
+    kept: dict[str, list[str]] = {}
+    kept_commits: dict[str, str] = {}
+    if only is not None:
+        unknown = sorted(set(only) - set(present))
+        if unknown:
+            raise SystemExit(f"no such chapter: {', '.join(unknown)} (chapters: {present})")
+        previous = previous or {"blocks": {}, "chapters_run": [], "commit": "unknown"}
+        before = chapters_entered(previous["blocks"])
+        missing = sorted(set(present) - set(only) - set(previous["chapters_run"]))
+        if missing:
+            raise SystemExit(f"the committed map never ran {missing}: name them in --chapters too")
+        for chapter in set(present) - set(only):
+            kept[chapter] = before.get(chapter, [])
+            kept_commits[chapter] = previous.get("chapter_commits", {}).get(
+                chapter, previous["commit"]
+            )
     make_probe_copy(root, probe, everything=True)
     seed_kernel_cache(root, probe, work / "numba-cache")
     env = {
@@ -707,8 +738,10 @@ def refresh_dependency_map(root: Path, work: Path) -> dict:
     failed = [n for n, t in tests.items() if t["outcome"] not in ("passed", "skipped")]
     if failed or not tests:
         raise SystemExit(f"the probe copy did not pass its exercise tests: {failed or 'none ran'}")
-    chapters = {}
+    chapters = dict(kept)
     for chapter in sorted((probe / "chapters").glob("[0-9][0-9]_*.py")):
+        if chapter.stem in kept:
+            continue
         log = work / f"{chapter.stem}.log"
         log.write_text("", encoding="utf-8")
         print(f"executing {chapter.name} in the probe copy", flush=True)
@@ -721,8 +754,11 @@ def refresh_dependency_map(root: Path, work: Path) -> dict:
         chapters[chapter.stem] = sorted(set(log.read_text(encoding="utf-8").split()))
     return {
         "regenerate": "python tools/student.py --deps --refresh",
+        # the test half and every chapter executed in this run; a chapter kept from an earlier map
+        # (--chapters) says its own commit in chapter_commits
         "commit": commit,
         "chapters_run": sorted(chapters),
+        "chapter_commits": {c: kept_commits.get(c, commit) for c in sorted(chapters)},
         "blocks": dependency_map(tests, chapters),
     }
 
@@ -777,6 +813,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"with --deps: recompute {DEPS} in a probe copy (grades it, runs every chapter)",
     )
+    parser.add_argument(
+        "--chapters",
+        nargs="+",
+        metavar="STEM",
+        help="with --deps --refresh: execute only these chapters (e.g. 07_cpu_kernel) and keep "
+        f"the others' entries, with the commit each was computed at, from the committed {DEPS}",
+    )
     args, extra = parser.parse_known_args(argv)
     only = set(filter(None, args.exercises.split(","))) if args.exercises else None
     if args.grade:
@@ -790,14 +833,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.refresh:
             import tempfile
 
+            previous = load_dependency_map() if args.chapters else None
             with tempfile.TemporaryDirectory(prefix="minivllm-deps-") as work:
-                data = refresh_dependency_map(ROOT, Path(work))
+                data = refresh_dependency_map(ROOT, Path(work), args.chapters, previous)
             (ROOT / DEPS).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
             print(f"wrote {DEPS}")
         data = load_dependency_map()
         print(dependency_table(data["blocks"], sorted(only) if only else None))
         print(f"(computed at {data['commit']}; `{data['regenerate']}` recomputes it)")
+        older = {c: at for c, at in data.get("chapter_commits", {}).items() if at != data["commit"]}
+        for chapter, at in older.items():
+            print(f"  ({chapter}: its chapter entries computed at {at})")
         return 0
+    if args.chapters:
+        parser.error("--chapters goes with --deps --refresh")
     if args.dest is None or extra:
         parser.error("give DEST (and nothing else), --grade or --deps")
     if args.probe and (args.exercises or args.book):

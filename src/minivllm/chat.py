@@ -18,7 +18,7 @@ answer says how many prompt tokens were, with the time to the first token and th
   checkpoints plug in;
 * a model without one -- the shipped byte-level Shakespeare model has no template and has only ever
   read plays -- gets `PlayFormat`, the plain-text format the server's `/v1/chat/completions` uses
-  (`render_chat`, chapter 08): every speech is `SPEAKER:` on its own line, the speech, and a blank
+  (`render_chat`, chapter 09): every speech is `SPEAKER:` on its own line, the speech, and a blank
   line; you are ROMEO, the model JULIET, a system line the Chorus; the prompt ends with `JULIET:`
   and a newline, and the answer ends at the blank line that closes her speech (or at the end of
   the scene). Blank lines inside a speech would end it early, so they are folded into one.

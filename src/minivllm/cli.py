@@ -8,7 +8,7 @@
     minivllm chat --temperature 0.8 --max-tokens 128
 
 `generate` streams the continuation to stdout as the engine produces it; `serve` runs the
-OpenAI- and Anthropic-compatible HTTP server (chapter 08) until Ctrl-C; `chat` is a conversation in
+OpenAI- and Anthropic-compatible HTTP server (chapter 09) until Ctrl-C; `chat` is a conversation in
 the terminal (chat.py: the turn format, Ctrl-C, the commands). Each says on stderr, as it starts,
 what its K/V cache holds and the longest sequence it serves (`--kv-cache-memory`,
 `--max-model-len`; engine/config.py says how they are settled). Sampling settings a command is not

@@ -10,7 +10,7 @@ What plugs in here:
 
     "torch"  `TorchPagedAttention`, the reference (chapter 04): gathers and
              `scaled_dot_product_attention`, on any device torch runs on.
-    "cuda"   `CudaPagedAttention`, chapter 07's numba-cuda decode kernel (prefill chunks stay the
+    "cuda"   `CudaPagedAttention`, chapter 08's numba-cuda decode kernel (prefill chunks stay the
              reference's). Registered by module path: importing it switches numba's CUDA simulator
              on when there is no GPU, so it is imported only when first asked for.
     "cuda-v4" the same with the decodes on v4, the tiled kernel (fewer live values per thread);
@@ -167,7 +167,7 @@ register_backend(
     only_on="cpu",  # a CPU kernel over a cache in CPU memory
 )
 register_backend(
-    "cuda-v4",  # chapter 07's v4 (tiled): named explicitly only until a GPU run measures it
+    "cuda-v4",  # chapter 08's v4 (tiled): named explicitly only until a GPU run measures it
     "minivllm.attention.cuda.backend:CudaTiledPagedAttention",
     dtypes=(torch.float32, torch.float16),
 )

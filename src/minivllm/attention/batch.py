@@ -47,7 +47,7 @@ class VarlenBatch:
 
 def split_sequences(batch: VarlenBatch, bounds: list[int]) -> list[VarlenBatch]:
     """The batch cut between sequences: part i is sequences `bounds[i]:bounds[i + 1]` with their
-    tokens, slots, tables and the logits rows among their tokens, renumbered from 0 (chapter 07's
+    tokens, slots, tables and the logits rows among their tokens, renumbered from 0 (chapter 11's
     forward workers run one part each). The parts' logits, concatenated in order, are the whole
     batch's rows in their order: `logits_indices` rise through the batch. On the host."""
     rising = all(a < b for a, b in zip(bounds, bounds[1:]))

@@ -1,4 +1,4 @@
-"""Paged attention as a native CPU kernel, compiled by numba (chapter 07, part 1).
+"""Paged attention as a native CPU kernel, compiled by numba (chapter 07).
 
 The torch reference (`torch_backend.py`) gathers every sequence's keys and values through its block
 table into a padded copy, every layer, every step, and then attends over the copy. This kernel reads
@@ -12,7 +12,7 @@ them **in place**, block by block, through the block table, the way a GPU kernel
 * each query row attends the keys it sees -- the cached prefix and its chunk up to itself -- in
   two passes over its blocks: every score, then their softmax at once (float32), then the values
   weighted by it. A unit's scores fit a per-thread scratch (4 KiB per query vector at 1024 tokens),
-  so the CPU needs no online softmax; Part 2's GPU kernel, short of such memory, does;
+  so the CPU needs no online softmax; chapter 08's GPU kernel, short of such memory, does;
 * the dot products and the weighted sums are written with 8-lane vectors (`simd.py`): a query
   vector's dot products with eight keys are summed across their lanes together, by one `sum8x8`,
   not each on its own. Shapes the vector paths cannot take (head_dim not a multiple of 16, blocks

@@ -1,5 +1,5 @@
 """Eight-float vectors for numba kernels: a register type and the handful of operations the CPU
-attention kernel needs (chapter 07, part 1).
+attention kernel needs (chapter 07).
 
 numba's compiler, LLVM, vectorises a plain loop along contiguous memory, but a kernel cannot tell it
 *how*: a dot product along `head_dim` becomes SIMD multiply-adds and then, for every (key, query)

@@ -20,7 +20,7 @@ batch. Each layer writes the new K/V of ALL sequences through the slot mapping, 
 groups: `DecodeAttention`, the decodes as one `[num_decodes, kv_heads, group, context]` call, and
 `PrefillAttention`, the prefill chunks padded to the longest chunk. Splitting the groups keeps a
 400-token prefill from padding 60 one-token decodes to 400 queries each. The two groups are public
-pieces: chapter 07's CUDA backend keeps the prefill piece and puts its kernel in the decodes' place.
+pieces: chapter 08's CUDA backend keeps the prefill piece and puts its kernel in the decodes' place.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class TorchPagedAttention:
         decodes: Callable[[PagedKVStorage, VarlenBatch], DecodePiece] | None = None,
     ) -> None:
         """`decodes` builds the piece that attends the decode group (default `DecodeAttention`):
-        a decode kernel takes its place and keeps everything else (chapter 07's CUDA backend)."""
+        a decode kernel takes its place and keeps everything else (chapter 08's CUDA backend)."""
         self.storage, self.batch = storage, batch
         if not batch.slots_checked:  # once per pass, not once per layer
             storage.check_slots(batch.slot_mapping)

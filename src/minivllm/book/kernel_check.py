@@ -1,13 +1,13 @@
 """Checking a paged-attention kernel: inputs that can catch it out, and what it must compute
-(chapter 07).
+(chapters 07 and 08).
 
 A kernel that reads the wrong slot of a zero-filled cache, or of blocks laid out in order, can still
 give the right answer. So `random_inputs` fills everything with fresh random numbers and scatters
 each sequence's blocks over the pool in shuffled order, leaving spare blocks nobody owns;
 `kernel_error` poisons the output with NaN before the launch, so an element the kernel forgets to
 write cannot pass, and compares with `reference_attention`: gather each sequence's K/V through its
-block table, then the model's own plain softmax attention. The tests, chapter 07 and the benchmark
-all check the kernels here.
+block table, then the model's own plain softmax attention. The tests, chapters 07 and 08 and the
+benchmark all check the kernels here.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 In numba's CUDA simulator each CUDA thread is a Python thread and a kernel's arrays are numpy
 arrays, so a numpy array that notes its own reads sees exactly what the kernel touches: which thread
-block and which thread read which element, in each thread's own order. Chapter 07 draws these reads,
+block and which thread read which element, in each thread's own order. Chapter 08 draws these reads,
 in the manner of GPU-Puzzles, to show how the paged-attention kernel walks a sequence's block table.
 
 The simulator copies a numpy argument before a launch (it emulates a separate device memory), which

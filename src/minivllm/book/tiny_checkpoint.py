@@ -1,5 +1,5 @@
 """Tiny Hugging Face checkpoints, built offline: a byte-level BPE tokenizer trained with
-`tokenizers`, and random weights for a real model's config shrunk to toy sizes (chapter 09, and
+`tokenizers`, and random weights for a real model's config shrunk to toy sizes (chapter 10, and
 the tests of `HFTokenizer`).
 
 A folder as Hugging Face saves a model -- `config.json`, `model.safetensors`, `tokenizer.json`,

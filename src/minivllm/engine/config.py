@@ -60,7 +60,7 @@ class EngineConfig:
     # "cpu", "cuda", or "auto": the GPU when torch sees one, unless what else is asked for runs on
     # a CPU only (the numba backend, forward workers)
     device: str = "auto"
-    # A name from minivllm.attention.backend: "torch" (the reference), "cuda" (chapter 07's kernel
+    # A name from minivllm.attention.backend: "torch" (the reference), "cuda" (chapter 08's kernel
     # for decodes; on a CPU it runs in numba's simulator, for small checks only), "numba" (the
     # native CPU kernel), or "auto": the CUDA kernel on a GPU, the numba kernel on a CPU (the
     # reference for a cache that is not float32).
@@ -71,7 +71,7 @@ class EngineConfig:
     # model the engine loaded itself (`LLM(folder)`, the CLI) is fused in place: no second copy.
     fuse_projections: bool = True
     # Processes that share each forward pass on a CPU, each running whole sequences on one thread
-    # (runner/workers.py, chapter 07): 1 runs it here on torch's threads; 2 uses a second core
+    # (runner/workers.py, chapter 11): 1 runs it here on torch's threads; 2 uses a second core
     # where threads inside each small operation hardly do. Workers start with the engine (a few
     # seconds) and stop with `LLMEngine.close()`.
     forward_processes: int = 1

@@ -1,4 +1,4 @@
-"""A conversation as a prompt, through the model's own chat template (issue 29, chapter 08).
+"""A conversation as a prompt, through the model's own chat template (issue 29, chapter 09).
 
 `LLM.chat`, the server's `/v1/chat/completions` and `/v1/messages` (and `/tokenize` with messages)
 and `minivllm chat` all lay a conversation out here, so the three cannot drift apart: a model

@@ -49,7 +49,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     inv_freq = 1.0 / theta ** (steps / head_dim)
     if scaling is None:
         return inv_freq
-    # EXERCISE ch09.2: Llama 3 RoPE scaling -- slow pairs / factor, fast kept, those between blended
+    # EXERCISE ch10.2: Llama 3 RoPE scaling -- slow pairs / factor, fast kept, those between blended
     ### BEGIN SOLUTION
     factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
     old_context = scaling.original_max_position_embeddings

@@ -53,7 +53,7 @@ class IncrementalDetokenizer:
         handed out, the window moves: it starts where the handed-out ids ended, and every id so
         far is read."""
         self.ids.append(token_id)
-        # EXERCISE ch09.1: window decode -- new text unless it ends in U+FFFD; then move the offsets
+        # EXERCISE ch10.1: window decode -- new text unless it ends in U+FFFD; then move the offsets
         ### BEGIN SOLUTION
         before = self.decode(self.ids[self.prefix_offset : self.read_offset])
         text = self.decode(self.ids[self.prefix_offset :])
@@ -65,7 +65,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """End of stream: whatever is held back can never complete (shown as U+FFFD)."""
-        # EXERCISE ch09.1: window decode -- hand out whatever push held back, as it decodes now
+        # EXERCISE ch10.1: window decode -- hand out whatever push held back, as it decodes now
         ### BEGIN SOLUTION
         before = self.decode(self.ids[self.prefix_offset : self.read_offset])
         text = self.decode(self.ids[self.prefix_offset :])

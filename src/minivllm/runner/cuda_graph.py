@@ -20,7 +20,7 @@ the logits into a static output. A graph replays the same kernels on the same ad
   host in a pinned twin and copied over in one transfer per step;
 * shapes are fixed per graph: the decode attention attends over the whole table's capacity
   (`max_decode_context_len = max_blocks * block_size`, masked to each row's context length;
-  chapter 07's kernel reads only the real blocks, with a partition size fixed at capture);
+  chapter 08's kernel reads only the real blocks, with a partition size fixed at capture);
 * nothing in the forward reads a device value on the host (no `.item()`, no `int(t.max())`):
   the backend takes widths from the batch's host metadata, and the slots are checked on the
   host, before they are copied in (`VarlenBatch.slots_checked`).

@@ -1,4 +1,4 @@
-"""Forward workers: one forward pass shared by processes, one core each (chapter 07).
+"""Forward workers: one forward pass shared by processes, one core each (chapter 11).
 
 At batch 64 a decode step of the target model is some 200 small operations: 25 matmuls of a few
 million multiply-adds, six attention calls, and elementwise work on 64 x 256 floats. Two threads
@@ -6,7 +6,7 @@ inside each of them hardly pay on a small machine: every operation that splits i
 other core and waits for it at the end. On the 2-core virtual machine this was written on, a
 one-sequence pass, with nothing worth splitting, took about 20 % longer on two threads than on one
 (some 30 µs per operation that splits), and the batch-64 step hardly gained from the second thread
-(chapter 07 measures it live). The other way to use a second core is coarser: give it whole
+(chapter 11 measures it live). The other way to use a second core is coarser: give it whole
 sequences. Attention keeps sequences apart, and every other layer works row by row, so the batch
 splits between sequences into parts that need nothing from each other; each part runs the whole
 model on a core of its own, with one thread, and meets the others once per step, when the logits

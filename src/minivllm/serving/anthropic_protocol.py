@@ -1,4 +1,4 @@
-"""The Anthropic Messages API as plain data: a second view of the same engine (chapter 08).
+"""The Anthropic Messages API as plain data: a second view of the same engine (chapter 09).
 
 `POST /v1/messages` takes a `system` prompt, `messages` of user and assistant turns, `max_tokens`
 (required), `stop_sequences`, `temperature`, `top_p`, `top_k` and `stream`. The chat is laid out

@@ -1,4 +1,4 @@
-"""The HTTP app (chapter 08): the endpoints on their routes, and every error in the API's own body.
+"""The HTTP app (chapter 09): the endpoints on their routes, and every error in the API's own body.
 
 No request can hurt another. Every field is checked with its bounds before anything reaches the
 engine, and every error leaves in the API's own error body (OpenAI's, or Anthropic's on

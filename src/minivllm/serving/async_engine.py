@@ -1,5 +1,5 @@
 """One engine, many clients: the engine on a thread of its own, requests in and text out through
-queues (chapter 08).
+queues (chapter 09).
 
 A web server answers every client from one asyncio event loop. `LLMEngine` is synchronous, its
 `step()` computes for milliseconds, and it is not thread-safe. So the two live apart:

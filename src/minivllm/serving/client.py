@@ -1,4 +1,4 @@
-"""The other end of the wire: streaming clients that time what they receive (chapter 08).
+"""The other end of the wire: streaming clients that time what they receive (chapter 09).
 
 A server's latency is what its clients see, so it is measured on their side of the socket:
 

@@ -1,4 +1,4 @@
-"""What one connection may take (chapter 08): a socket for a bounded time, a bounded share of the
+"""What one connection may take (chapter 09): a socket for a bounded time, a bounded share of the
 server, and a bounded amount of the log.
 
 uvicorn closes an idle connection only after a response (`timeout_keep_alive`): a socket that

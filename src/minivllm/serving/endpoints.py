@@ -1,4 +1,4 @@
-"""The endpoints (chapter 08), over one AsyncEngine serving one model.
+"""The endpoints (chapter 09), over one AsyncEngine serving one model.
 
 A handler reads the body within the server's limits (limits.py), checks it (openai_protocol.py,
 anthropic_protocol.py, native_protocol.py), puts it in the engine's inbox and awaits the verdict,

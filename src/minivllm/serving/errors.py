@@ -1,4 +1,4 @@
-"""Errors a handler raises, sent by the app in the shape of the endpoint's API (chapter 08)."""
+"""Errors a handler raises, sent by the app in the shape of the endpoint's API (chapter 09)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""astrai's front door: `InferenceEngine`, a small facade beside `LLM` (chapter 08).
+"""astrai's front door: `InferenceEngine`, a small facade beside `LLM` (chapter 09).
 
     engine = InferenceEngine("target")  # or InferenceEngine(LLMEngine(...)), adapted as it is
     engine.generate("ROMEO:\\n", max_tokens=40)  # -> str

@@ -1,4 +1,4 @@
-"""What the server accepts before any work is done: body size, counts, lengths (chapter 08).
+"""What the server accepts before any work is done: body size, counts, lengths (chapter 09).
 
 Every limit is checked at the edge, cheaply, before the body is parsed or a prompt tokenised, so
 no request can take memory or time from the others: a body larger than `max_body_bytes` is refused

@@ -1,4 +1,4 @@
-"""What a server tells its monitoring: metrics in Prometheus's text format (chapter 08).
+"""What a server tells its monitoring: metrics in Prometheus's text format (chapter 09).
 
 Prometheus scrapes `GET /metrics` every few seconds and keeps each number as a time series. The text
 format is simple enough to write by hand: per metric a `# HELP` line, a `# TYPE` line, then one

@@ -1,4 +1,4 @@
-"""forge-infer's native endpoint as plain data: `POST /generate` (chapter 08).
+"""forge-infer's native endpoint as plain data: `POST /generate` (chapter 09).
 
 Not every client wants OpenAI's envelope of ids, objects and choices. forge-infer's server answers
 `POST /generate` with the text alone; this is the same endpoint over minivllm's engine:

@@ -1,4 +1,4 @@
-"""The OpenAI API as plain data: what a client sends, what it gets back (chapter 08).
+"""The OpenAI API as plain data: what a client sends, what it gets back (chapter 09).
 
 A server is only "OpenAI-compatible" if the official client can talk to it unchanged, so this module
 copies the wire format exactly and nothing else: the request bodies of `/v1/completions` and
@@ -337,7 +337,7 @@ def render_chat(messages: SequenceOf[ChatMessage]) -> str:
     blank line. A blank line inside a message would end the speech early, so runs of newlines become
     one; leading and trailing whitespace is dropped.
     """
-    # EXERCISE ch08.2: chat -> play: "SPEAKER:\n<speech>\n\n" per message, then the reply's header
+    # EXERCISE ch09.2: chat -> play: "SPEAKER:\n<speech>\n\n" per message, then the reply's header
     ### BEGIN SOLUTION
     turns = []
     for message in messages:
@@ -509,7 +509,7 @@ def sse_event(payload: dict | str) -> str:
 
     JSON escapes newlines, so one event is always one `data:` line; non-ASCII text stays as it is.
     """
-    # EXERCISE ch08.1: one SSE -- "data: " + the payload as compact JSON (a str as is) + "\n\n"
+    # EXERCISE ch09.1: one SSE -- "data: " + the payload as compact JSON (a str as is) + "\n\n"
     ### BEGIN SOLUTION
     data = (
         payload

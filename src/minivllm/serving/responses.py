@@ -1,4 +1,4 @@
-"""The answers (chapter 08): a non-streamed response collected from its deltas, or a stream of
+"""The answers (chapter 09): a non-streamed response collected from its deltas, or a stream of
 Server-Sent Events, one chunk per delta of text as the steps produce them, in OpenAI's,
 Anthropic's or forge-infer's shape.
 

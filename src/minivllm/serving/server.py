@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over the AsyncEngine (chapter 08): running it.
+"""An OpenAI-compatible HTTP server over the AsyncEngine (chapter 09): running it.
 
     minivllm serve --model target --port 8000
     curl localhost:8000/v1/completions -H 'content-type: application/json' \\

@@ -1,4 +1,4 @@
-"""Chapter 07's kernel as an engine attention backend, registered as "cuda" (v3); v4, the tiled
+"""Chapter 08's kernel as an engine attention backend, registered as "cuda" (v3); v4, the tiled
 kernel, as "cuda-v4", which "auto" never picks: it becomes the default once a GPU run has measured
 it against v3."""
 

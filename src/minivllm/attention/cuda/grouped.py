@@ -1,4 +1,4 @@
-"""v3: grouped flash-decoding, one pass over the context per K/V head (chapter 07).
+"""v3: grouped flash-decoding, one pass over the context per K/V head (chapter 08).
 
 v1 and v2 (`kernels.py`) are latency-bound: per token a dependent block-table load, then the key
 load, then a five-shuffle reduction; a second, serial walk for the values; and each query head of a

@@ -1,4 +1,4 @@
-"""Decode paged attention as CUDA kernels, written with numba-cuda (chapter 07).
+"""Decode paged attention as CUDA kernels, written with numba-cuda (chapter 08).
 
 One thread block per (sequence, query head) reads that sequence's keys and values through its block
 table (the cache layout of chapter 03: `[num_blocks, block_size, n_kv_heads, head_dim]` per layer),
@@ -70,7 +70,7 @@ def block_reduce(value, scratch, take_max):
 def cache_slot(table, position, block_size):
     """Where token `position` of a sequence lives: (physical block, offset in it), via its block
     table."""
-    # EXERCISE ch07.1: the block-table address -- the block holding `position`, the offset in it
+    # EXERCISE ch08.1: the block-table address -- the block holding `position`, the offset in it
     ### BEGIN SOLUTION
     return table[position // block_size], position % block_size
     ### END SOLUTION
@@ -197,7 +197,7 @@ def merge_partitions(out, partial_out, max_logits, exp_sums):
     for p in range(parts):
         m = max(m, max_logits[seq, head, p])
     for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
-        # EXERCISE ch07.2: log-sum-exp merge -- weight partition p by exp_sum_p * exp(max_p - m)
+        # EXERCISE ch08.2: log-sum-exp merge -- weight partition p by exp_sum_p * exp(max_p - m)
         ### BEGIN SOLUTION
         # Partition p's output was normalised by its own sum l_p of exp(score - m_p). On the common
         # scale exp(score - m) its weight is l_p * exp(m_p - m); an empty partition (l_p = 0)

@@ -1,4 +1,4 @@
-"""Launching chapter 07's kernels from torch tensors: argument checks, grid and shared-memory
+"""Launching chapter 08's kernels from torch tensors: argument checks, grid and shared-memory
 sizes, v1 (one block per sequence and head), v2 (partitions, then the merge), v3 (grouped
 flash-decoding, `grouped_paged_attention`, the engine's kernel) and v4 (v3 tiled, with fewer live
 values per thread: `GroupedDecode(version="v4")`).

@@ -1,5 +1,5 @@
 """How many thread blocks of a kernel an SM holds at once, and how full a launch keeps the GPU
-(chapter 07).
+(chapter 08).
 
 An SM runs several thread blocks side by side, as many as its warp slots, its register file, its
 shared memory and its block limit all allow -- the arithmetic of NVIDIA's occupancy calculator. A

@@ -1,5 +1,5 @@
 """Switches numba's CUDA simulator on when torch sees no GPU (before anything imports
-`numba.cuda`), and gives the simulator what it lacks for chapter 07's kernels.
+`numba.cuda`), and gives the simulator what it lacks for chapter 08's kernels.
 
 `MINIVLLM_CUDA_COMPILE_ONLY=1` keeps the simulator off on a machine without a GPU: numba's real CUDA
 target then compiles the kernels to PTX (`tools/kernel_registers.py` counts their registers with

@@ -1,4 +1,4 @@
-"""v4: tiled grouped flash-decoding, with fewer live values per thread (chapter 07).
+"""v4: tiled grouped flash-decoding, with fewer live values per thread (chapter 08).
 
 Nsight Compute saw v3 (`grouped.py`) at 128 registers a thread on an H100: 4 blocks of 128 threads
 per SM, 25 % theoretical occupancy, too few loads in flight to fill the memory system; capping the

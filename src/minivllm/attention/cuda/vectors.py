@@ -1,4 +1,4 @@
-"""Wide loads and prefetches for the v4 kernel (chapter 07): a stretch of a float16 or float32
+"""Wide loads and prefetches for the v4 kernel (chapter 08): a stretch of a float16 or float32
 cache row read as one 8- or 16-byte vector instruction, then widened to float32; a cache line
 asked into L2 ahead of its use.
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 07's CUDA kernel: the launch hierarchy (grid -> thread block -> warp ->
+"""Figures of chapters 07 and 08's kernels: the launch hierarchy (grid -> thread block -> warp ->
 lanes), and which warp read which slot of the paged cache in a recorded simulator run.
 """
 
@@ -9,7 +9,11 @@ from matplotlib.patches import Rectangle
 
 from minivllm.book import FREE_COLOR, sequence_color
 
-# -- chapter 07: the CUDA kernel -------------------------------------------------------------------
+# Every text of these figures, in points: they are drawn at the page's width (7.5 in), where
+# `figures/readable.py` asks for 9 pt at least.
+FONT = 9
+
+# -- chapter 08: the CUDA kernel -------------------------------------------------------------------
 WARP_COLORS = (
     "#66c2a5",
     "#fc8d62",
@@ -30,7 +34,7 @@ def _box(
     h: float,
     color: str,
     label: str = "",
-    fontsize: int = 7,
+    fontsize: int = FONT,
     **style,
 ) -> None:
     ax.add_patch(
@@ -56,7 +60,7 @@ def draw_execution_model(
     a block's warps (each takes every num_warps-th token), and a warp's 32 lanes (each takes every
     32nd element of head_dim), left to right, each an enlargement of the highlighted piece of the
     last."""
-    num_warps, cell, gap = threads // 32, 0.9, 2.2
+    num_warps, cell, gap = threads // 32, 0.9, 1.4
     for s in range(num_seqs):  # the grid
         for h in range(num_heads):
             _box(
@@ -67,7 +71,6 @@ def draw_execution_model(
                 cell,
                 "#1f77b4" if (s, h) == (0, 0) else "#c6dbef",
                 f"{s},{h}",
-                6,
             )
     ax.text(
         num_heads / 2,
@@ -75,13 +78,13 @@ def draw_execution_model(
         f"grid: {num_seqs} × {num_heads} thread blocks\nblockIdx = (sequence, head)",
         ha="center",
         va="bottom",
-        fontsize=8,
+        fontsize=FONT,
     )
-    x0, width, height = num_heads + gap, 4.0, num_seqs
+    x0, width, height = num_heads + gap, 5.0, num_seqs
     _zoom(ax, (0, num_seqs - 1, cell, cell), (x0, 0, width, height))
     strip = height / num_warps
     for w in range(num_warps):  # the chosen block's warps
-        tokens = ", ".join(str(t) for t in range(w, w + 3 * num_warps, num_warps))
+        tokens = ", ".join(str(t) for t in range(w, w + 2 * num_warps, num_warps))
         _box(
             ax,
             x0,
@@ -90,7 +93,6 @@ def draw_execution_model(
             strip - 0.1,
             WARP_COLORS[w],
             f"warp {w}: tokens {tokens}, …",
-            7,
         )
     ax.text(
         x0 + width / 2,
@@ -98,26 +100,28 @@ def draw_execution_model(
         f"block (0, 0): {threads} threads\n= {num_warps} warps + shared memory",
         ha="center",
         va="bottom",
-        fontsize=8,
+        fontsize=FONT,
     )
     x1, lane_w = x0 + width + gap, 4.0 / 32
     _zoom(ax, (x0, height - strip + 0.05, width, strip - 0.1), (x1, 0, 32 * lane_w, height))
     for lane in range(32):  # one warp's lanes over head_dim
         _box(ax, x1 + lane * lane_w, 0, lane_w, height, WARP_COLORS[0], edgecolor="#ffffff", lw=0.4)
         if lane % 8 == 0 or lane == 31:
-            ax.text(x1 + (lane + 0.5) * lane_w, -0.15, str(lane), ha="center", va="top", fontsize=6)
-    ax.text(x1 + 2, -0.75, "lane", ha="center", va="top", fontsize=7)
+            ax.text(
+                x1 + (lane + 0.5) * lane_w, -0.15, str(lane), ha="center", va="top", fontsize=FONT
+            )
+    ax.text(x1 + 2, -0.75, "lane", ha="center", va="top", fontsize=FONT)
     reads = "d = ℓ" if head_dim <= 32 else "d = ℓ, ℓ + 32, …"
     ax.text(
         x1 + 2,
         height + 0.2,
-        f"warp 0: 32 lanes in lockstep;\nlane ℓ reads {reads} of a key row",
+        f"warp 0: 32 lanes\nin lockstep; lane ℓ\nreads {reads}",
         ha="center",
         va="bottom",
-        fontsize=8,
+        fontsize=FONT,
     )
     ax.set_xlim(-0.2, x1 + 4.2)
-    ax.set_ylim(-1.1, num_seqs + 1.2)
+    ax.set_ylim(-1.2, num_seqs + 1.8)
     ax.set_aspect("equal")
     ax.axis("off")
 
@@ -146,11 +150,11 @@ def draw_cache_reads(
     for block in range(num_blocks):
         y = num_blocks - 1 - block
         name = f"block {block}" + (f" = logical {logical[block]}" if block in logical else "")
-        ax.text(-0.3, y + 0.45, name, ha="right", va="center", fontsize=7)
+        ax.text(-0.3, y + 0.45, name, ha="right", va="center", fontsize=FONT)
         for slot in range(block_size):
             if (block, slot) in rounds:
                 warp, order = rounds[block, slot]
-                _box(ax, slot, y, 0.92, 0.92, WARP_COLORS[warp % len(WARP_COLORS)], str(order), 7)
+                _box(ax, slot, y, 0.92, 0.92, WARP_COLORS[warp % len(WARP_COLORS)], str(order))
             else:
                 _box(ax, slot, y, 0.92, 0.92, FREE_COLOR)
     warps = sorted({w for w, _ in rounds.values()})
@@ -164,13 +168,13 @@ def draw_cache_reads(
             WARP_COLORS[warp % len(WARP_COLORS)],
         )
         ax.text(
-            block_size + 1.7, num_blocks - 1 - i + 0.45, f"warp {warp}", va="center", fontsize=7
+            block_size + 1.7, num_blocks - 1 - i + 0.45, f"warp {warp}", va="center", fontsize=FONT
         )
     ax.set_xlim(-0.2, block_size + 3.5)
     ax.set_ylim(-0.2, num_blocks)
     ax.set_aspect("equal")
     ax.set_xticks(
-        [s + 0.46 for s in range(block_size)], [str(s) for s in range(block_size)], fontsize=6
+        [s + 0.46 for s in range(block_size)], [str(s) for s in range(block_size)], fontsize=FONT
     )
     ax.set_yticks([])
     ax.tick_params(length=0)
@@ -199,7 +203,7 @@ def draw_work_plan(ax: Axes, work, work_start, cost, title: str = "") -> None:
                 linewidth=0.5,
             )
             left += width
-        ax.text(left, thread, f"  {left:,.0f}", va="center", fontsize=8)
+        ax.text(left, thread, f"  {left:,.0f}", va="center", fontsize=FONT)
     ax.set_yticks(range(len(work_start) - 1))
     ax.set_yticklabels([f"thread {t}" for t in range(len(work_start) - 1)])
     ax.invert_yaxis()

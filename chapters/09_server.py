@@ -9,7 +9,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 08 — Serving: an OpenAI-compatible HTTP server
+# # Chapter 09 — Serving: an OpenAI-compatible HTTP server
 #
 # :::{admonition} At a glance
 # - **Builds:** an OpenAI- and Anthropic-compatible HTTP server over the engine: streaming,
@@ -186,7 +186,7 @@ show(openai_protocol.CompletionRequest.sampling_params)
 # has ever read. A message's `name` is its speaker; without one, the user is ROMEO and the assistant
 # JULIET, and a system message is spoken by the Chorus, who sets the scene. The prompt ends with the
 # header of the speaker who answers, and the answer ends at the blank line that closes that speech
-# (exercise ch08.2):
+# (exercise ch09.2):
 
 # %%
 show(render_chat)
@@ -202,7 +202,7 @@ print(render_chat(chat))
 
 # %% [markdown]
 # Streaming uses **Server-Sent Events**: the response stays open, each chunk is one `data: <json>`
-# line followed by a blank line, and the stream ends with `data: [DONE]` (exercise ch08.1):
+# line followed by a blank line, and the stream ends with `data: [DONE]` (exercise ch09.1):
 
 # %%
 show(sse_event)
@@ -471,7 +471,7 @@ for choice in poem.choices:
 # Inside the engine, two steps after the prompt was prefilled: the pool and the four samples' block
 # tables. Hatched blocks are shared, labelled with how many tables hold them.
 
-# %% tags=["hide-input"] mystnb={"figure": {"caption": "One request with four samples, two steps after its prompt was prefilled: the block pool (top) and the four samples' block tables (bottom), each table cell naming the physical block it maps to; hatched blocks are shared, labelled with how many tables hold them (×4).", "name": "fig-08-forked-samples"}}
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "One request with four samples, two steps after its prompt was prefilled: the block pool (top) and the four samples' block tables (bottom), each table cell naming the physical block it maps to; hatched blocks are shared, labelled with how many tables hold them (×4).", "name": "fig-09-forked-samples"}}
 forked = LLMEngine(target, EngineConfig(num_blocks=48, block_size=16))
 forked.add_request(speeches[3][:120], SamplingParams(n=4, max_tokens=40, temperature=0.9, seed=5))
 for _ in range(3):
@@ -621,7 +621,7 @@ print(
 # trace shows them joining the running batch step by step — a request is admitted at the next step
 # after it arrives, not when a batch is "full":
 
-# %% mystnb={"figure": {"caption": "32 streaming clients through the server. Top: each row a request over engine steps (hatched: prefill, solid: decode); bottom: how many requests were running at each step.", "name": "fig-08-server-gantt"}}
+# %% mystnb={"figure": {"caption": "32 streaming clients through the server. Top: each row a request over engine steps (hatched: prefill, solid: decode); bottom: how many requests were running at each step.", "name": "fig-09-server-gantt"}}
 # NBVAL_IGNORE_OUTPUT
 fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 6), height_ratios=[3, 1], sharex=True)
 first_step = trace[0].step - 1
@@ -647,7 +647,7 @@ plt.show()
 # queueing, then the prefill) and **inter-token latency** (ITL: the gaps between streamed pieces,
 # one engine step each while the batch runs). Wall clock, so these vary from run to run:
 
-# %% mystnb={"figure": {"caption": "What the clients felt: histograms of time to first token (left) and inter-token latency (right), wall clock on the machine that built this page.", "name": "fig-08-latency"}}
+# %% mystnb={"figure": {"caption": "What the clients felt: histograms of time to first token (left) and inter-token latency (right), wall clock on the machine that built this page.", "name": "fig-09-latency"}}
 # NBVAL_IGNORE_OUTPUT
 ttft = np.array([r.ttft for r in results]) * 1e3
 itl = np.concatenate([r.itls for r in results]) * 1e3
@@ -700,7 +700,7 @@ for name, run in isolation.items():
         f"{run.big_seconds:.1f} s; the 24 streams' longest wait for a token {run.max_gap:.2f} s"
     )
 
-# %% mystnb={"figure": {"caption": "24 streams beside one 15 MB answer: each dot a token reaching its client (a row per stream); shaded, the big request from sent to read. Left: the answer written a choice at a time; right: encoded in one go, as before. Wall clock on the machine that built this page.", "name": "fig-08-isolation"}}
+# %% mystnb={"figure": {"caption": "24 streams beside one 15 MB answer: each dot a token reaching its client (a row per stream); shaded, the big request from sent to read. Left: the answer written a choice at a time; right: encoded in one go, as before. Wall clock on the machine that built this page.", "name": "fig-09-isolation"}}
 # NBVAL_IGNORE_OUTPUT
 fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.4), sharey=True)
 for ax, (name, run) in zip(axes, isolation.items()):
@@ -784,9 +784,9 @@ assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_beh
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
 # `src/minivllm/serving/openai_protocol.py`; run one exercise's tests with
-# `pytest tests --exercise ch08.1`.
+# `pytest tests --exercise ch09.1`.
 #
-# 1. **ch08.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `,
+# 1. **ch09.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `,
 #    the payload, and the blank line that ends the event (`"\n\n"`). A `str` payload such as
 #    `[DONE]` goes in as it is; a `dict` as compact JSON — no space after `,` or `:` — with
 #    non-ASCII text written as itself (`❤`, not `\u2764`), as the tests compare the exact string.
@@ -794,7 +794,7 @@ assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_beh
 #    *Hint:* `json.dumps` has a keyword argument for each of those two JSON requirements (see
 #    `help(json.dumps)`); its defaults put a space after each separator and escape every non-ASCII
 #    character. It already escapes newlines, so the event stays one `data:` line.
-# 2. **ch08.2 — a chat as a play.** In `render_chat`, render each message as `SPEAKER:` (its
+# 2. **ch09.2 — a chat as a play.** In `render_chat`, render each message as `SPEAKER:` (its
 #    `name`, or the default for its role), a newline, its speech, and a blank line; end with the
 #    header (`SPEAKER:` and a newline) of the speaker who answers. The speech is the message's text
 #    with leading and trailing whitespace stripped and every blank line inside it removed (a line of

@@ -9,13 +9,13 @@
 # ---
 
 # %% [markdown]
-# # Chapter 09 — A real model
+# # Chapter 10 — A real model
 #
 # :::{admonition} At a glance
 # - **Builds:** what it takes to serve a Hugging Face checkpoint: a BPE tokenizer and its
 #   incremental detokenizer, the checkpoint's chat template, four model families as switches on
 #   one transformer, and the K/V arithmetic of real model sizes.
-# - **Needs:** chapters 00, 01, 03 and 04; chapter 08 for the chat endpoints.
+# - **Needs:** chapters 00, 01, 03 and 04; chapter 09 for the chat endpoints.
 # - **Runs in:** about 20 s on a 2-core laptop CPU, start to end (with `MINIVLLM_MODEL` set, as
 #   long as your model takes).
 # :::
@@ -70,7 +70,7 @@ from minivllm.training.corpus import shipped_validation_text
 torch.manual_seed(0)
 torch.set_num_threads(2)
 use_book_style()
-workdir = Path(tempfile.mkdtemp(prefix="minivllm-ch09-"))  # the chapter's checkpoints
+workdir = Path(tempfile.mkdtemp(prefix="minivllm-ch10-"))  # the chapter's checkpoints
 
 # %% [markdown]
 # ## Why: what a real checkpoint changes
@@ -233,7 +233,7 @@ assert "".join(pieces) == text == tokenizer.decode(ids)
 # `read_offset`, and to the end — and the difference is the new text, unless it ends in U+FFFD: a
 # character the next id may still complete. Starting the window a few ids back, rather than at
 # `read_offset`, decodes the new ids with their left neighbours, as decoding the whole text would
-# (exercise ch09.1 is this class):
+# (exercise ch10.1 is this class):
 
 # %%
 show(IncrementalDetokenizer)
@@ -304,7 +304,7 @@ print(f"{len(prompt_ids)} ids, {sum(i in special_ids for i in prompt_ids)} of th
 # engine does not care, it renders whatever template the checkpoint ships. `LLM.chat`, the
 # server's `/v1/chat/completions` and `/v1/messages`, and `minivllm chat` all lay a conversation
 # out through `engine/conversation.py`, which calls this method — for the book's own model, which
-# has no template, chapter 08's play layout stands in.
+# has no template, chapter 09's play layout stands in.
 #
 # ## Build 4: four families, one transformer
 #
@@ -342,7 +342,7 @@ show(HFSelfAttention.forward)
 #   Pairs that turn fast (short wavelengths) already see every relative position many times over
 #   and are kept; pairs that turn slowly would meet angles never seen in training and are slowed
 #   by `factor`; those between are blended, the "NTK-by-parts" idea of YaRN {cite}`peng2023yarn`
-#   (exercise ch09.2):
+#   (exercise ch10.2):
 
 # %%
 show(rope_inv_freq)
@@ -353,7 +353,7 @@ show(rope_inv_freq)
 # The wavelength of each of Llama 3.1 8B's rotation pairs — how many positions a full turn takes —
 # with and without its scaling:
 
-# %% tags=["hide-input"] mystnb={"figure": {"caption": "Llama 3.1 8B's RoPE: the wavelength of each rotation pair, as trained (grey) and as scaled (blue). Pairs whose wavelength is under the lower dashed line are kept, those over the upper one slowed by the scaling factor, those between blended.", "name": "fig-09-rope-scaling"}}
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "Llama 3.1 8B's RoPE: the wavelength of each rotation pair, as trained (grey) and as scaled (blue). Pairs whose wavelength is under the lower dashed line are kept, those over the upper one slowed by the scaling factor, those between blended.", "name": "fig-10-rope-scaling"}}
 llama31 = config_from_hf(shipped_config("Llama-3.1-8B"))
 plain = rope_inv_freq(llama31.head_dim, llama31.rope_theta)
 scaled = rope_inv_freq(llama31.head_dim, llama31.rope_theta, llama31.rope_scaling)
@@ -526,7 +526,7 @@ for name, c in real.items():
         f"  ({gqa[0] / mha[0]:.1f}x)"
     )
 
-# %% mystnb={"figure": {"caption": "Requests whose whole context fits in the KV cache of one 80 GiB GPU (90 % of it, less the bfloat16 weights), against the context length, up to each model's own: as the checkpoints are (grouped-query attention, solid) and as they would be with one KV head per query head (dashed).", "name": "fig-09-requests-that-fit"}}
+# %% mystnb={"figure": {"caption": "Requests whose whole context fits in the KV cache of one 80 GiB GPU (90 % of it, less the bfloat16 weights), against the context length, up to each model's own: as the checkpoints are (grouped-query attention, solid) and as they would be with one KV head per query head (dashed).", "name": "fig-10-requests-that-fit"}}
 fig, ax = plt.subplots(figsize=(7.5, 3.6))
 for index, (name, c) in enumerate(real.items()):
     contexts = [2**k for k in range(9, 17) if 2**k <= c.max_seq_len]  # up to the model's own
@@ -635,10 +635,10 @@ else:
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/model/hf_tokenizer.py` (ch09.1) and `src/minivllm/model/families.py` (ch09.2); run
-# one exercise's tests with `pytest tests --exercise ch09.1`.
+# `src/minivllm/model/hf_tokenizer.py` (ch10.1) and `src/minivllm/model/families.py` (ch10.2); run
+# one exercise's tests with `pytest tests --exercise ch10.1`.
 #
-# 1. **ch09.1 — the incremental detokenizer** (this chapter's core). Write
+# 1. **ch10.1 — the incremental detokenizer** (this chapter's core). Write
 #    `IncrementalDetokenizer.push` and `flush`. `push(token_id)` has appended the id; return the
 #    text it makes final, and move the offsets as its docstring says. `flush()` ends the stream:
 #    return whatever is still held back, as it decodes now. The tests stream hand-picked texts
@@ -646,7 +646,7 @@ else:
 #    characters, streams cut mid-character): the pieces must add up to `decode(all ids)`, and no
 #    piece may ever be taken back. Three hints, from a nudge to nearly the answer, are folded
 #    below the list.
-# 2. **ch09.2 — Llama 3's RoPE scaling.** In `rope_inv_freq`, when `scaling` is given, return the
+# 2. **ch10.2 — Llama 3's RoPE scaling.** In `rope_inv_freq`, when `scaling` is given, return the
 #    scaled speeds: by each pair's wavelength, kept, divided by `factor`, or blended, as its
 #    docstring says. The tests compare hand-worked pairs in each band and, where `transformers` is
 #    installed, its own function bit for bit on Llama 3.1 8B's settings.
@@ -670,16 +670,16 @@ else:
 #    where would that have to happen?
 
 # %% [markdown]
-# The hints for ch09.1, the chapter's core, are folded: open one at a time.
+# The hints for ch10.1, the chapter's core, are folded: open one at a time.
 #
-# :::{admonition} Hint 1 for ch09.1 — a nudge
+# :::{admonition} Hint 1 for ch10.1 — a nudge
 # :class: dropdown
 # You never need to know which bytes a token holds. `self.decode` of a list of ids is all the
 # tokenizer you get, and U+FFFD at the *end* of a decoded text is the one sign that the text is
 # not final yet.
 # :::
 #
-# :::{admonition} Hint 2 for ch09.1 — the approach
+# :::{admonition} Hint 2 for ch10.1 — the approach
 # :class: dropdown
 # Decode the window twice: `ids[prefix_offset:read_offset]` (what was handed out, with its left
 # neighbours) and `ids[prefix_offset:]`. The new text is the second decoding minus as many
@@ -687,7 +687,7 @@ else:
 # and leave the offsets alone: the next id decodes the same window, one id longer.
 # :::
 #
-# :::{admonition} Hint 3 for ch09.1 — nearly there
+# :::{admonition} Hint 3 for ch10.1 — nearly there
 # :class: dropdown
 # When you do hand text out, the ids before `read_offset` are needed only as left context for
 # the ones after them: move `prefix_offset` to the old `read_offset`, and `read_offset` to

@@ -1,0 +1,604 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 07 — Paged attention as a CPU kernel
+#
+# :::{admonition} At a glance
+# - **Builds:** paged attention as a native CPU kernel (numba) that reads the K/V cache through the
+#   block tables in place: the engine's default attention on a CPU from here on.
+# - **Needs:** chapters 03 and 04.
+# - **Runs in:** about 1–2 min on a 2-core laptop CPU, start to end.
+# :::
+#
+# Since chapter 03 the engine has read its K/V through block tables, but the reading itself is
+# borrowed: `TorchPagedAttention` turns the tables into slot indices, *gathers* every sequence's
+# keys and values into a fresh dense tensor, and hands that to a library attention. Decode attention
+# is bound by memory traffic — each output token needs every cached byte of its sequence read once,
+# and does almost no arithmetic per byte — so a copy of the whole context per layer per step is the
+# expensive part. This chapter writes the kernel vLLM is named for {cite}`kwon2023pagedattention`:
+# attention that reads the cache **through the block table, in place** — for the CPU you are
+# reading this on, in Python compiled to machine code by numba. Chapter 08 writes the same
+# algorithm for a GPU, in CUDA's execution model.
+
+# %%
+import json
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.attention.numba_cpu import (
+    _attend,
+    _attend_units,
+    _exp_in_place,
+    _paged_attention_kernel,
+    _prefetch_block,
+    _scores_plain,
+    _scores_simd,
+    _softmax_rows,
+    _values_plain,
+    _values_simd,
+    paged_attention_cpu,
+    plan_work,
+    simd_fits,
+    unit_cost,
+    warm_up,
+)
+from minivllm.attention.simd import sum8x8
+from minivllm.attention.torch_backend import DecodeAttention
+from minivllm.book import show, use_book_style
+from minivllm.book.figures.kernels import draw_work_plan
+from minivllm.book.kernel_check import random_inputs, reference_attention
+from minivllm.book.stats import speedup, within
+from minivllm.book.step_timing import decode_engine, time_decode_steps
+from minivllm.model.checkpoint import load_model
+from minivllm.model.fused import fuse_projections
+from minivllm.model.tokenizer import ByteTokenizer
+from minivllm.training.corpus import shipped_validation_text
+
+torch.manual_seed(0)
+torch.set_num_threads(2)
+use_book_style()
+target = load_model("target")
+config = target.config
+print(
+    f"target model: {config.n_heads} query heads sharing {config.n_kv_heads} K/V heads, "
+    f"head_dim {config.head_dim}, contexts up to {config.max_seq_len} tokens"
+)
+
+# %% [markdown]
+# ## Why: the gather copies every context, every layer, every step
+#
+# Here is the reference backend's decode piece, `DecodeAttention` in `attention/torch_backend.py`,
+# the one every engine step has used so far:
+
+# %%
+show(DecodeAttention)
+
+# %% [markdown]
+# `read_slots` is an `index_select`: it reads each sequence's K/V from its blocks and *writes* them
+# into a new tensor padded to the longest context in the batch, which attention then reads again.
+# Count the bytes for one decode step of a batch with uneven contexts, the kind
+# {term}`continuous batching` produces — what attention needs against what the gather path moves:
+
+
+# %%
+def kv_bytes(tokens: int, cfg=config, element_bytes: int = 4) -> int:
+    """K and V of `tokens` cached tokens of one layer."""
+    return 2 * tokens * cfg.n_kv_heads * cfg.head_dim * element_bytes
+
+
+def gather_bytes(contexts: list[int]) -> tuple[int, int, int]:
+    """Per layer: K/V bytes attention needs, the padded copy, and what the gather path moves
+    (read the blocks, write the padded copy, read the copy in attention)."""
+    needed = sum(kv_bytes(n) for n in contexts)
+    padded = len(contexts) * kv_bytes(max(contexts))
+    return needed, padded, needed + 2 * padded
+
+
+engine = LLMEngine(target, EngineConfig(num_blocks=256, block_size=16))
+text = shipped_validation_text()
+prompts = [
+    text[start : start + length]
+    for start, length in enumerate((20, 60, 180, 300, 420, 40, 120, 240))
+]
+for prompt in prompts:
+    engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+for _ in range(6):
+    engine.step()
+contexts = [seq.num_tokens for seq in engine.scheduler.running]
+needed, padded, moved = gather_bytes(contexts)
+print(f"contexts in the batch: {contexts}")
+print(
+    f"per layer per step: attention needs {needed / 1024:.0f} KiB of K/V; the gather path moves "
+    f"{moved / 1024:.0f} KiB ({moved / needed:.1f}x): the padded copy alone is {padded / needed:.1f}x what is needed, "
+    f"written once and read once"
+)
+
+# %% [markdown]
+# And in time? Fill an engine with 64 requests, step it until every prompt is prefilled, and time
+# decode steps with the {term}`attention backend`'s calls clocked (`book/step_timing.py`): the share
+# of a step spent writing the new K/V and attending, every layer. First the bytes of one such step,
+# which do not depend on the machine:
+
+# %%
+torch_engine = decode_engine(target, "torch")
+contexts = [seq.num_tokens for seq in torch_engine.scheduler.running]
+needed, _, moved = gather_bytes(contexts)
+print(
+    f"{len(contexts)} decodes, contexts {min(contexts)}..{max(contexts)}: per layer attention needs "
+    f"{needed / 2**20:.1f} MiB of K/V, the gather path moves {moved / 2**20:.1f} MiB "
+    f"({moved / needed:.1f}x); x {config.n_layers} layers per step"
+)
+
+# %% [markdown]
+# and the time, which does (this machine, now; the median of three runs of ten steps):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+reference_timing = time_decode_steps({"torch": torch_engine})["torch"]
+print(
+    f"torch backend, batch {reference_timing['batch']}: a decode step takes "
+    f"{reference_timing['step_ms']:.1f} ms, attention {reference_timing['attention_ms']:.1f} ms "
+    f"of it ({reference_timing['attention_share']:.0%})"
+)
+
+# %% [markdown]
+# A kernel that reads K/V straight from the blocks moves the first number and nothing else.
+#
+# ## Build: a CPU kernel that reads the cache in place
+#
+# [numba](https://numba.readthedocs.io) compiles a Python function over numpy arrays to machine code
+# through LLVM: `@njit` functions are plain loops, as fast as C's. `parallel=True` with `prange`
+# splits a loop across the cores, and `cache=True` keeps the machine code on disk, so only the
+# first process on a machine pays the compile. The kernel lives in `attention/numba_cpu.py`.
+#
+# ### The algorithm: scores, softmax, values
+#
+# A query vector $q$ attends keys $k_1 \dots k_n$ and values $v_1 \dots v_n$:
+# $o = \sum_j p_j v_j$ with $p = \mathrm{softmax}(s)$, $s_j = q \cdot k_j / \sqrt{d}$. The kernel
+# does exactly that, in two passes over the sequence's blocks: every score, read through the block
+# table; the softmax of the whole row at once (the max subtracted first, so no exponential
+# overflows); then the values, weighted. Each key and each value row is read once. The scores wait
+# in between in a scratch row per query vector, a float32 per key the row sees, allocated once per
+# thread per call. For the model's longest context:
+
+# %%
+score_row = config.max_seq_len * np.dtype(np.float32).itemsize
+print(f"a score row at {config.max_seq_len} tokens: {score_row / 1024:g} KiB per query vector")
+
+# %% [markdown]
+# A CPU core's caches hold that easily. (A GPU cannot give every thread such a row; chapter 08
+# meets the one-pass *online* softmax that avoids it.)
+#
+# `_attend` does it for one unit of work: up to `QUERY_TILE` query rows of one sequence and one K/V
+# head. {term}`Grouped-query attention` rides along: the model's 8 query heads share 2 K/V heads, so
+# the 4 query heads of a group are 4 query vectors per row, and **each K/V row is read once for all
+# of them**. A prefill chunk's row sees the cached prefix and its own chunk up to itself (causal); a
+# decode is a chunk of one row.
+
+# %%
+show(_attend)
+
+# %% [markdown]
+# Its pieces, first as plain loops. The scores are a dot product per (key, query vector), each key
+# row read once for every vector of the unit; the values add each value row into every vector's
+# accumulator:
+
+# %%
+show(_scores_plain)
+show(_values_plain)
+
+# %% [markdown]
+# Between them, the softmax of each vector's row — a row sees one more key than the row before it in
+# a prefill tile, and nothing past its own position:
+
+# %%
+show(_softmax_rows)
+
+# %% [markdown]
+# numba's `math.exp` is one library call per element, which no compiler vectorises, so the
+# exponentials go through `_exp_in_place`: Cephes' single-precision exp written as plain arithmetic
+# ($x = k \ln 2 + r$, a polynomial for $e^r$, $2^k$ written into the float's exponent bits), which
+# LLVM turns into SIMD instructions like any other loop over an array.
+
+# %%
+show(_exp_in_place)
+
+# %% [markdown]
+# ### Faster: say where the SIMD lanes go
+#
+# LLVM vectorises the plain loops along `head_dim`, contiguous in memory: with AVX2, eight
+# floats per instruction (`fastmath` allows it to reorder the float32 sums for that). But a dot
+# product is a *reduction*. After four 8-lane multiply-adds over head_dim 32, the eight lanes of
+# the result must still be added together — three additions and three shuffles, for every (key,
+# query vector) pair, as much work as the multiply-adds. And the values loop loads and stores a
+# vector's accumulator around every multiply-add (numba prints the machine code of any compiled
+# function: `inspect_asm()`). Holding the accumulators in registers would take the loops
+# reordered, which LLVM does not do when it cannot prove that accumulator and cache never overlap.
+#
+# A compiler cannot be told how to lay the work onto lanes; a kernel writer can. C++ kernels use
+# intrinsics (vLLM's CPU build wraps them in `vec_op`); `attention/simd.py` gives numba a handful:
+# `float32x8`, eight floats held in one register, with `load8`, `store8`, `splat8`, `fma8`, `add8`,
+# each one or a few LLVM instructions. With them the scores take **eight keys at a time**: a query
+# vector's eight dot products build up in eight registers, and one `sum8x8` adds all eight across
+# their lanes together, in seven additions instead of twenty-four:
+
+# %%
+show(sum8x8)
+show(_scores_simd)
+
+# %% [markdown]
+# The values turn the plain loop around. Each value row's sixteen lanes of head_dim are loaded
+# once and added into the four query vectors of a group, two registers each: eight accumulators
+# that stay in registers for the whole block, and eight independent multiply-add chains — as many
+# as two FMA units need while each result takes four cycles to be ready for the next. The same
+# idea as the register tiles of a fast matmul {cite}`goto2008anatomy`:
+
+# %%
+show(_values_simd)
+
+# %% [markdown]
+# One more wait is the memory's. Within a block a head's rows lie at a fixed stride, which the
+# hardware prefetcher follows; the next block is wherever the block table says, which it cannot
+# guess. So while one block is computed, `_attend` asks for the next block's rows:
+
+# %%
+show(_prefetch_block)
+
+# %% [markdown]
+# The vector paths need head_dim a multiple of 16 and blocks a multiple of 8 (`simd_fits`); other
+# shapes take the plain loops. Both are compiled into the same kernel, and `simd=False` picks the
+# plain loops anywhere, so the two can be timed on the same inputs — the model's shapes, 64 decodes
+# with contexts of 200 to 300 tokens scattered over a pool of blocks, one layer, alternating, the
+# median of 30 calls each (this machine, now):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+warm_up()  # compile, or load the machine code cached by an earlier process
+q, key_cache, value_cache, tables, lens = random_inputs(
+    list(np.random.default_rng(1).integers(200, 300, 64)),
+    config.n_heads,
+    config.n_kv_heads,
+    config.head_dim,
+    16,
+    seed=1,
+    spare_blocks=2000,
+)
+decode_args = (q.numpy(), key_cache.numpy(), value_cache.numpy(), tables.numpy(), lens.numpy())
+decode_args += (np.arange(len(lens) + 1),)
+print("vector paths fit the model's shapes:", simd_fits(config.head_dim, 16))
+call_ms = {False: [], True: []}
+for _ in range(30):
+    for simd in (False, True):
+        started = time.perf_counter()
+        paged_attention_cpu(*decode_args, simd=simd)
+        call_ms[simd].append(1e3 * (time.perf_counter() - started))
+plain, vector = (float(np.median(call_ms[simd])) for simd in (False, True))
+print(
+    f"one layer, 64 decodes: plain loops {plain:.2f} ms, vector paths {vector:.2f} ms "
+    f"({speedup(plain, vector)})"
+)
+
+# %% [markdown]
+# The gap is smaller than the instruction counts suggest, and smaller in the engine than here: a
+# decode step reads each layer's whole cache once, megabytes that come from memory rather than the
+# caches, and once the arithmetic is fast that reading is most of what is left.
+#
+# ### The kernel: write, then attend, on every core
+#
+# A thread runs its list of units with its scratch allocated once, sized for the largest:
+
+# %%
+show(_attend_units)
+
+# %% [markdown]
+# The compiled entry point takes one layer's whole batch. It first writes the new rows' keys and
+# values to their slots (the {term}`slot mapping` of chapter 04 — the same call, no separate
+# scatter), then gives each thread its list. (Its twin `_paged_attention_serial` runs all the units
+# on the calling thread, for a process that has one core; chapter 11 has such processes.)
+
+# %%
+show(_paged_attention_kernel)
+
+# %% [markdown]
+# Why lists per thread, rather than `prange` over the units? `prange` gives each thread an equal
+# *count* of iterations. In a step of 60 decodes and two prefill chunks, one chunk's tile costs as
+# much as dozens of decodes, and an even count puts both chunks on the last thread. `plan_work`
+# deals the units by **cost** instead (query rows × keys they see), largest first, in snake order:
+
+# %%
+show(plan_work)
+
+# %% [markdown]
+# ### See: the work of two threads
+#
+# A mixed step — 60 decodes with contexts of 100 to 400 tokens and two prefill chunks of 48 tokens —
+# split both ways. Each bar is one thread, each segment one unit of work, coloured by its sequence:
+
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "A mixed step of decodes and two prefill chunks split between two threads: each bar a thread, each segment a unit of work as long as its cost and coloured by its sequence. Top: an even count of units per thread; bottom: plan_work dealing them by cost.", "name": "fig-07-work-plan"}}
+rng = np.random.default_rng(0)
+query_lens = np.array([1] * 60 + [48, 48])
+context_lens = np.concatenate([rng.integers(100, 400, 60), [48, 160]])
+query_start = np.concatenate([[0], np.cumsum(query_lens)])
+work, work_start = plan_work(context_lens, query_start, config.n_kv_heads, num_threads=2)
+# numba's own split: the units in order (decodes first), half of them to each thread
+in_order = work[np.lexsort((work[:, 3], work[:, 1], work[:, 0]))]
+halves = np.array([0, len(in_order) // 2, len(in_order)])
+fig, axes = plt.subplots(2, 1, figsize=(7.5, 3.6), sharex=True)
+for ax, (units, starts, title) in zip(
+    axes,
+    [
+        (in_order, halves, "an even count of units per thread"),
+        (work, work_start, "plan_work: dealt by cost"),
+    ],
+):
+    draw_work_plan(ax, units, starts, unit_cost(units, context_lens, query_start), title)
+plt.tight_layout()
+plt.show()
+loads = {
+    name: [unit_cost(u[a:b], context_lens, query_start).sum() for a, b in zip(st[:-1], st[1:])]
+    for name, u, st in (("even count", in_order, halves), ("by cost", work, work_start))
+}
+for name, (first, second) in loads.items():
+    print(
+        f"{name:>10}: the busier thread has {max(first, second) / min(first, second):.2f}x the work"
+    )
+
+# %% [markdown]
+# ### Check: the kernel against the reference
+#
+# The kernel is checked like every kernel in this book (chapter 08's CUDA ones too): fresh random
+# inputs, blocks in shuffled order, an output poisoned with NaN first, and the model's plain softmax
+# attention over K/V gathered through the tables as the reference (`book/kernel_check.py`, which
+# chapter 08 shows). The target model's shapes — 8 query heads on 2 K/V heads, head_dim 32 — and
+# contexts of one token, mid-block and on a block boundary:
+
+# %%
+q, key_cache, value_cache, tables, lens = random_inputs(
+    [1, 16, 21, 200], config.n_heads, config.n_kv_heads, config.head_dim, 16, seed=3
+)
+expected = reference_attention(q, key_cache, value_cache, tables, lens)
+for simd in (False, True):
+    out = np.full(q.shape, np.nan, dtype=np.float32)
+    paged_attention_cpu(
+        q.numpy(),
+        key_cache.numpy(),
+        value_cache.numpy(),
+        tables.numpy(),
+        lens.numpy(),
+        np.arange(len(lens) + 1),
+        out=out,
+        simd=simd,
+    )
+    cpu_error = float((torch.from_numpy(out) - expected).abs().max() / expected.abs().max())
+    path = "vector paths" if simd else "plain loops"
+    print(f"decodes, {path}: max relative error {within(cpu_error, 1e-5)}")
+
+# %% [markdown]
+# Prefill chunks, decodes mixed with them, block sizes 8 to 32, head_dim 32 to 128 and groups of 1
+# to 4 — both paths each — are in `tests/test_numba_cpu_attention.py`, with NaN in the cache slots
+# past every context, which the vector path's eight-key groups score and must never use. The check
+# that matters most is the engine's: the same prompts, greedy, on both backends — prefill chunks
+# and decodes both go through the kernel now.
+
+# %%
+text = shipped_validation_text()
+prompts = [text[400 * i : 400 * i + 30 + 23 * i] for i in range(12)]
+params = [SamplingParams(max_tokens=24 + 4 * i, temperature=0) for i in range(12)]
+greedy = {}
+for backend in ("torch", "numba"):
+    engine = LLMEngine(
+        target,
+        EngineConfig(num_blocks=128, block_size=16, attention_backend=backend),
+    )
+    greedy[backend] = [o.token_ids for o in engine.generate(prompts, params)]
+same = sum(a == b for a, b in zip(greedy["torch"], greedy["numba"]))
+print(f"{same} of {len(prompts)} requests: identical greedy tokens on the torch and numba backends")
+assert same == len(prompts)
+
+# %% [markdown]
+# ### Measure: the decode step on the kernel
+#
+# The 64-request {term}`decode step` again, both backends, alternating (this machine, now):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+timing = time_decode_steps({"torch": torch_engine, "numba": decode_engine(target, "numba")})
+for name, t in timing.items():
+    print(
+        f"{name:>5}: step {t['step_ms']:5.1f} ms, attention {t['attention_ms']:5.1f} ms "
+        f"({t['attention_share']:.0%} of the step)"
+    )
+attention = speedup(timing["torch"]["attention_ms"], timing["numba"]["attention_ms"])
+step = speedup(timing["torch"]["step_ms"], timing["numba"]["step_ms"])
+print(f"on the kernel: attention {attention}, the step {step}")
+
+# %% [markdown]
+# The rest of the step is mostly the model's matmuls, which no attention kernel touches. The
+# engine trims their number the way vLLM does when it loads a model (`QKVParallelLinear`): it runs
+# a copy of the model whose q, k and v projections are one matmul, and gate and up another
+# (`model/fused.py`; `EngineConfig(fuse_projections=False)` runs the model as chapter 00 wrote it).
+# Five matmul calls per layer become two, and each output column is still the same dot product
+# over the same input, so the logits do not move by a bit:
+
+# %%
+show(fuse_projections)
+fused_target = fuse_projections(target)
+prompt_ids = torch.tensor(ByteTokenizer().encode(text[:300], add_bos=True))
+with torch.no_grad():
+    same_logits = torch.equal(fused_target(prompt_ids), target(prompt_ids))
+print(f"{len(prompt_ids)} tokens through both models: logits identical bit for bit: {same_logits}")
+assert same_logits
+
+# %% [markdown]
+# The full comparison — the 64-request workload against Hugging Face `generate`, and the
+# 256-request one against vLLM's own CPU build — is `benchmarks/throughput.py --backends torch
+# numba` and `benchmarks/vllm_peer.py`.
+#
+# **Threads.** numba's parallel loops and torch's matmuls take turns, never overlap, so each may use
+# every core torch is allowed (`NumbaPagedAttention` sets numba's thread count to torch's). numba
+# runs on its *workqueue* threading layer, whose threads sleep between kernels; an OpenMP layer
+# would keep spinning after each kernel, on the same cores torch's own OpenMP threads need.
+#
+# torch's own OpenMP threads spin too: by default libgomp keeps an idle thread busy-waiting for a
+# while after every parallel region, in case another comes soon. In an engine step that is the core
+# the attention kernel, the engine's Python or — on a shared machine — another process wants next.
+# `OMP_WAIT_POLICY=PASSIVE` makes idle threads sleep at once. libgomp reads it only when torch
+# loads, so minivllm sets it on import when torch has not loaded yet (and a value you set wins); the
+# Makefile exports it as well. The same small workload in two fresh processes, alternating, torch's
+# default against passive threads — wall clock and the CPU time all threads of the process used:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import os
+import statistics
+import subprocess
+import sys
+
+POLICY_RUN = """
+import json, time, torch  # torch first: libgomp reads OMP_WAIT_POLICY from the environment given
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.model.checkpoint import load_model
+from minivllm.training.corpus import shipped_validation_text
+torch.set_num_threads(2)
+text = shipped_validation_text()
+prompts = [text[300 * i : 300 * i + 40 + 5 * i] for i in range(8)]
+engine = LLMEngine(load_model(), EngineConfig(attention_backend="numba"))
+engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+wall, cpu = time.perf_counter(), time.process_time()
+outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu,
+                  [list(o.token_ids) for o in outs]]))
+"""
+
+
+def run_policy(policy: str | None) -> tuple[float, float, list]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    done = subprocess.run(
+        [sys.executable, "-c", POLICY_RUN], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the run with OMP_WAIT_POLICY={policy} failed:\n{done.stderr[-3000:]}")
+    return tuple(json.loads(done.stdout.splitlines()[-1]))
+
+
+policy_runs = {"default (spin)": [], "PASSIVE": []}
+for _ in range(2):
+    for name, policy in (("default (spin)", None), ("PASSIVE", "PASSIVE")):
+        policy_runs[name].append(run_policy(policy))
+for name, runs in policy_runs.items():
+    print(
+        f"{name:>14}: wall {statistics.median(r[0] for r in runs):5.2f} s, CPU "
+        f"{statistics.median(r[1] for r in runs):5.2f} s (medians of {len(runs)}; 8 requests x "
+        f"32 tokens); load average {os.getloadavg()[0]:.1f}"
+    )
+tokens = [r[2] for runs in policy_runs.values() for r in runs]
+print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
+
+# %% [markdown]
+# On a quiet machine the wall clocks are close and the difference is CPU time, burnt spinning. On a
+# busy one the spinning threads hold cores the threads with work are waiting for, and the same run
+# can take many times longer; run this cell while something else keeps the machine busy to see it.
+# The benchmarks record the policy and the load average beside every run.
+# %% [markdown]
+# ## Exercises
+#
+# These explore the kernel on your machine; no test grades them. The kernel's code is
+# `src/minivllm/attention/numba_cpu.py`; time any change with the cells of **Measure** above
+# (alternate the versions, take medians). Each has a hint, and a worked answer folded below it.
+#
+# 1. **One pass with an online softmax.** The kernel keeps every score of a unit in a scratch row
+#    and walks the blocks twice. Rewrite `_attend` as one pass with the *online* softmax chapter 08
+#    builds its GPU kernels on — per query vector a running max $m$ and sum $\ell$, the accumulator
+#    rescaled by $e^{m - m'}$ whenever a block raises the max to $m'$ — keeping `_scores_simd` and
+#    `_values_simd` for each block, and time both on the 64-decode layer measured above. Which wins
+#    on this machine, and why?
+#
+#    *Hint:* The scratch shrinks to one block of scores, but the bookkeeping — a max, a rescale of
+#    every accumulator, an `exp` for the correction — now runs once per block instead of once per
+#    row. Count how many times per unit each happens at a context of 250 tokens and blocks of 16.
+#
+# :::{admonition} A worked answer to exercise 1
+# :class: dropdown
+# Per block: score the block into a 16-float row, take its max $b$, set $m' = \max(m, b)$, scale
+# the accumulators and $\ell$ by $e^{m - m'}$ (once per query vector), exponentiate the row
+# against $m'$, add it to $\ell$ and its weighted values to the accumulators; divide by $\ell$ at
+# the end. At 250 tokens that is 16 blocks, so 16 maxima, 16 rescales of every accumulator and 16
+# correction exponentials per query vector where the two-pass kernel has one of each. The K/V reads
+# do not change — each row is read once either way — and a 1 KiB score row already sits in the
+# core's L1 cache, so the one-pass kernel does more arithmetic for a saving the CPU did not need:
+# expect it no faster, usually a little slower. On a GPU the balance turns, because a thread block
+# has no room for a row per query (chapter 08).
+# :::
+#
+# 2. **Dealt by count, not by cost.** Replace `plan_work`'s deal by cost with an even split by count
+#    (the first bar of the work-plan figure) and time a decode step with two 128-token prefill
+#    chunks in it, both ways. How much of the step does the uneven split cost?
+#
+#    *Hint:* `book/step_timing.time_decode_steps` alternates engines for you; give one engine
+#    `EngineConfig(attention_backend="numba")` as it is and build the other after patching
+#    `numba_cpu.plan_work`. Count the busier thread's cost with `unit_cost`, as the figure's cell
+#    does, before you time anything.
+#
+# :::{admonition} A worked answer to exercise 2
+# :class: dropdown
+# Sort the units as numba's `prange` would see them (decodes first, then the chunks' tiles) and
+# cut the list in half: `bounds = [0, len(work) // 2, len(work)]`. Both 128-token chunks, eight
+# tiles of 16 query rows each, then land on the second thread, each tile costing as much as dozens
+# of decodes; the first thread finishes its decodes and waits at the end of the kernel. The
+# attention call takes about as long as the busier thread's share (the figure's printout gives the
+# ratio), and the step loses that fraction of its attention time; the rest of the step, the
+# matmuls, does not change.
+# :::
+#
+# 3. **Where the SIMD lanes go.** Print the machine code of `_scores_plain` and `_scores_simd`
+#    (`_scores_plain.inspect_asm()` gives one string per compiled signature) and count the
+#    vector shuffles and additions that reduce a dot product's lanes, per key, in each.
+#
+#    *Hint:* With AVX2 look for `vhaddps`, `vpermilps`, `vshufps`, `vextractf128` and `vaddps`
+#    inside the innermost loop; the plain loop reduces after every key, the vector path once per
+#    eight keys (`sum8x8`).
+#
+# :::{admonition} A worked answer to exercise 3
+# :class: dropdown
+# The plain loop's dot product ends in a horizontal reduction of one 8-lane register — an
+# `vextractf128`, then shuffles and adds down to one lane — after every key: about three additions
+# and three shuffles per (key, query vector), as many instructions as the multiply-adds of a
+# 32-float row. `_scores_simd` keeps eight keys' partial sums in eight registers and reduces all
+# eight with `sum8x8`'s seven additions and its shuffles: under one addition per key. The exact
+# instructions depend on your CPU (AVX-512 machines use 16 lanes and `zmm` registers), which is
+# why the chapter measures the two rather than quoting an instruction count.
+# :::
+
+# %% [markdown]
+# ## Summary
+#
+# The engine now attends through its block tables in place on a CPU. A numba kernel writes each
+# layer's new K/V to their slots and attends every decode and prefill chunk of the step in one
+# call: all the scores, their softmax, then the values, each K/V row read once for its whole
+# query-head group, the arithmetic laid onto 8-lane vectors by hand and the next block prefetched,
+# the work dealt to the cores by cost — and the greedy tokens are the reference's, token for token.
+# The number that says why it matters is the first one measured above: the bytes the gather path
+# moves per layer against the bytes attention needs, and, with it, the attention share of a decode
+# step before and after.
+#
+# **Next.** Chapter 08 writes the same algorithm for a GPU, where thousands of threads share the
+# work and the scores cannot wait in a scratch row. Chapter 11 takes the engine beyond one
+# process: the second core as whole sequences, and more.
+#
+# **The same idea in vLLM.** The CPU build's attention: `csrc/cpu/attention.cpp`, its vector
+# types in `csrc/cpu/cpu_types_x86.hpp` (`vec_op`); the fused q/k/v projection:
+# `QKVParallelLinear` in `vllm/model_executor/layers/linear.py`.
