@@ -62,8 +62,14 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 
+# Two workers, each given whole files (a notebook's cells run in order, in one kernel); the chapters
+# go first, so the long notebooks start early and the short test files fill in behind them.
+# TEST_WORKERS=0 runs everything in this one process.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest -p no:randomly tests chapters book/scoreboard.ipynb --nbval --nbval-current-env \
+	$(PY) -m pytest -p no:randomly -n $(TEST_WORKERS) --dist loadfile \
+		chapters book/scoreboard.ipynb tests --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --durations=10
 
 lab: $(BOOK_STAMP)

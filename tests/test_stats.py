@@ -89,6 +89,7 @@ def test_speed_change_refuses_a_ratio_that_is_not_a_speed(ratio: float) -> None:
     with pytest.raises(ValueError):
         speed_change(ratio)
 
+
 def test_speedup_says_faster_or_slower_by_the_sign() -> None:
     assert speedup(2.0, 1.0) == "2.00x faster"
     assert speedup(1.0, 1.25) == "1.25x slower"  # never "0.80x faster"
