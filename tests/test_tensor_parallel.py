@@ -320,12 +320,19 @@ def test_a_checkpoint_at_tp_2_each_rank_loading_its_shard(folders) -> None:
         # Ctrl-C in the middle of a run: the interrupt reaches the caller, `close()` (the with
         # block's end) stops the ranks
         long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        # interrupt_main does nothing where SIGINT is ignored, as in a pytest-xdist worker: Python's
+        # own handler, as in a terminal, for the length of the test
+        ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
         timer = threading.Timer(0.5, _thread.interrupt_main)
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            for _ in range(1000):  # runs until the interrupt lands, somewhere in a step
-                two.generate([[1, 2, 3]] * 4, long)
-        timer.join()
+        try:
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:  # until the interrupt lands, in some step
+                    two.generate([[1, 2, 3]] * 4, long)
+        finally:
+            timer.cancel()
+            signal.signal(signal.SIGINT, ignored)
     assert no_children_left()
 
 
