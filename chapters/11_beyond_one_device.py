@@ -665,9 +665,9 @@ for pair, agreement in peer["greedy_agreement"].items():
 #
 # :::{admonition} Hint 3 for ch11.1 — nearly there
 # :class: dropdown
-# `out = all_reduce(F.linear(x, self.weight))`, then return `out` when `self.bias is None`, else
-# `out + self.bias`. Adding the bias inside `F.linear` would add it on every rank before the sum:
-# $W$ times.
+# Pass the partial product, `F.linear` of `x` with `self.weight` and no bias, to `all_reduce`; the
+# sum it returns is the layer's output, plus `self.bias` when there is one. Adding the bias inside
+# `F.linear` would add it on every rank before the sum: $W$ times.
 # :::
 
 # %% [markdown]
