@@ -71,6 +71,25 @@ def test_each_region_becomes_one_raise_at_its_indentation() -> None:
         namespace["Box"]().size()
 
 
+def test_a_long_stub_message_is_cut_between_words_to_fit_the_line_length() -> None:
+    """The student's book shows stubs in listings that must not scroll: a raise longer than the
+    package's 100 columns puts its message in string pieces on lines of their own."""
+    description = (
+        'chat -> play: "SPEAKER:\\n<speech>" per message, ' + "then more " * 8 + "and so on"
+    )
+    module = f"def f():\n    # EXERCISE ch09.2: {description}\n    {student.BEGIN}\n"
+    module += f"    return 1\n    {student.END}\n"
+    text, _ = student.stub_source(module, "long.py")
+    stub = text.split("raise", 1)[1]
+    assert max(len(line) for line in stub.splitlines()) <= 100, text
+    assert text.count("raise NotImplementedError(\n") == 1 and text.count('"\n') >= 2, text
+    namespace: dict = {}
+    exec(compile(text, "long.py", "exec"), namespace)
+    with pytest.raises(NotImplementedError) as raised:
+        namespace["f"]()
+    assert str(raised.value) == f"exercise ch09.2: {description}"
+
+
 def test_one_exercise_may_span_several_regions() -> None:
     text, found = student.stub_source(MODULE.replace("ch09.2", "ch09.1"), "toy.py")
     assert [e.id for e in found] == ["ch09.1", "ch09.1"] and text.count(

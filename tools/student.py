@@ -116,6 +116,29 @@ class MarkerError(ValueError):
     """A malformed solution region; the message starts with `file:line:`."""
 
 
+STUB_WIDTH = 100  # the package's line length: a stub shown by show() fits the book's code column
+
+
+def stub_line(indent: str, message: str) -> str:
+    """`raise NotImplementedError(message)` at `indent`, on one line when it fits STUB_WIDTH, else
+    with the message as string pieces on lines of their own, cut between words (a stub is shown in
+    the student's book, whose code column does not scroll)."""
+    one = f"{indent}raise NotImplementedError({json.dumps(message, ensure_ascii=False)})\n"
+    if len(one) <= STUB_WIDTH + 1:
+        return one
+    inner = indent + "    "
+    literals, piece = [], ""
+    for word in re.findall(r"\S+\s*", message):  # each word keeps the space after it
+        literal = json.dumps(piece + word, ensure_ascii=False)
+        if piece and len(inner) + len(literal) > STUB_WIDTH:
+            literals.append(json.dumps(piece, ensure_ascii=False))
+            piece = ""
+        piece += word
+    literals.append(json.dumps(piece, ensure_ascii=False))
+    lines = "".join(f"{inner}{literal}\n" for literal in literals)
+    return f"{indent}raise NotImplementedError(\n{lines}{indent})\n"
+
+
 def stub_source(
     text: str, where: str = "<string>", only: set[str] | None = None, probe: bool = False
 ) -> tuple[str, list[Exercise]]:
@@ -149,10 +172,7 @@ def stub_source(
                 out.append(f"{indent}__import__({PROBE_MODULE!r}).enter({comment.id!r})\n")
             if kept:
                 continue
-            message = json.dumps(
-                f"exercise {comment.id}: {comment.description}", ensure_ascii=False
-            )
-            out.append(f"{indent}raise NotImplementedError({message})\n")
+            out.append(stub_line(indent, f"exercise {comment.id}: {comment.description}"))
         elif marker == END:
             if not opened:
                 raise MarkerError(f"{where}:{number}: {END} without {BEGIN}")
