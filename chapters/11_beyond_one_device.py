@@ -25,7 +25,7 @@
 # one device reads its weights too slowly. This chapter first measures that wall, then looks at
 # the one multi-process mechanism the engine had so far — whole sequences given to processes
 # that share one machine's memory — and why it stops there. Then it builds what every engine the
-# book stands beside answers with, **tensor parallelism**: every layer split across devices, so
+# book stands beside answers with, **{term}`tensor parallelism`**: every layer split across devices, so
 # each holds a share of the weights and of the K/V cache. It ends where this book hands you over:
 # the weights folder the engine serves is served by vLLM, token for token, with
 # `--tensor-parallel-size` and many machines.
@@ -321,7 +321,7 @@ print(
 #   = \sum_{r=1}^{W} H_r D_r ,
 # $$
 #
-# a sum of one partial product per rank: one **all-reduce**, after which every rank holds all of
+# a sum of one partial product per rank: one **{term}`all-reduce`**, after which every rank holds all of
 # $Y$. Attention is cut the same way. Its heads are independent by construction, so q, k and v
 # are column-parallel — rank $r$ computes its query heads and the K/V heads they read, attends over
 # its own K/V cache — and the output projection $O$ is row-parallel: rows of $O$ matching rank
