@@ -15,7 +15,7 @@
 # - **Builds:** a Llama-architecture transformer read line by line, its weights loaded, text
 #   sampled, and naive generation timed.
 # - **Needs:** Python and a first look at PyTorch tensors; what a transformer layer does, roughly.
-# - **Runs in:** about 30 s on a 2-core laptop CPU, start to end.
+# - **Runs in:** about 50 s, start to end (`make book` on a quiet 2-core AMD EPYC).
 # :::
 #
 # An inference engine is everything that stands between a trained model and the people asking it for

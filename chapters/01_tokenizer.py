@@ -14,7 +14,7 @@
 # :::{admonition} At a glance
 # - **Builds:** a byte-level tokenizer and a streaming decoder that never splits a character.
 # - **Needs:** chapter 00; UTF-8 in outline (the chapter explains what it needs).
-# - **Runs in:** a few seconds on a 2-core laptop CPU, start to end.
+# - **Runs in:** a few seconds, start to end (`make book` on a quiet 2-core AMD EPYC).
 # :::
 #
 # A model reads and writes token ids, not text. Something has to turn your prompt into ids and the

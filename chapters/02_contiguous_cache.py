@@ -15,7 +15,7 @@
 # - **Builds:** a KV cache, checked against naive generation, and a memory arena that shows why one
 #   contiguous cache per sequence fails a server.
 # - **Needs:** chapters 00 and 01.
-# - **Runs in:** about 30 s on a 2-core laptop CPU, start to end.
+# - **Runs in:** about 40 s, start to end (`make book` on a quiet 2-core AMD EPYC).
 # :::
 #
 # Chapter 00 ended with a plot that climbed: {term}`naive generation` re-runs the model over the

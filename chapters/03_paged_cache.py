@@ -15,7 +15,7 @@
 # - **Builds:** a block manager (block tables, reference counts, prefix caching, copy-on-write) and
 #   a paged K/V storage.
 # - **Needs:** chapter 02.
-# - **Runs in:** about 20 s on a 2-core laptop CPU, start to end.
+# - **Runs in:** about 30 s, start to end (`make book` on a quiet 2-core AMD EPYC).
 # :::
 #
 # Chapter 02's arena was mostly empty and still turned requests away: every sequence reserved its

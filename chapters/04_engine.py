@@ -15,7 +15,7 @@
 # - **Builds:** the scheduler, one flat forward pass per step, per-request sampling: an engine with
 #   continuous batching.
 # - **Needs:** chapters 01–03.
-# - **Runs in:** about 40 s on a 2-core laptop CPU, start to end.
+# - **Runs in:** about 1 min, start to end (`make book` on a quiet 2-core AMD EPYC).
 # :::
 #
 # Chapter 03 gave every sequence its own pages in one shared pool, but still ran them one at a time.

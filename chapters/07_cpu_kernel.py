@@ -15,7 +15,7 @@
 # - **Builds:** paged attention as a native CPU kernel (numba) that reads the K/V cache through the
 #   block tables in place: the engine's default attention on a CPU from here on.
 # - **Needs:** chapters 03 and 04.
-# - **Runs in:** about 1–2 min on a 2-core laptop CPU, start to end.
+# - **Runs in:** about 1 min, start to end (`make book` on a quiet 2-core AMD EPYC).
 # :::
 #
 # Since chapter 03 the engine has read its K/V through block tables, but the reading itself is

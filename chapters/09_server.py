@@ -15,7 +15,7 @@
 # - **Builds:** an OpenAI- and Anthropic-compatible HTTP server over the engine: streaming,
 #   isolation and limits, parallel sampling, metrics.
 # - **Needs:** chapter 04; HTTP and asyncio in outline.
-# - **Runs in:** about 30 s on a 2-core laptop CPU, start to end.
+# - **Runs in:** about 1 min, start to end (`make book` on a quiet 2-core AMD EPYC).
 # :::
 #
 # The engine of chapters 04–06 batches whatever requests it holds, but only a Python program in the

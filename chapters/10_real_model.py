@@ -16,8 +16,8 @@
 #   incremental detokenizer, the checkpoint's chat template, four model families as switches on
 #   one transformer, and the K/V arithmetic of real model sizes.
 # - **Needs:** chapters 00, 01, 03 and 04; chapter 09 for the chat endpoints.
-# - **Runs in:** about 20 s on a 2-core laptop CPU, start to end (with `MINIVLLM_MODEL` set, as
-#   long as your model takes).
+# - **Runs in:** about 15 s, start to end (`make book` on a quiet 2-core AMD EPYC); with
+#   `MINIVLLM_MODEL` set, as long as your model takes.
 # :::
 #
 # Everything so far ran the book's own model: 3.5 M parameters, one token per byte, trained on

@@ -17,7 +17,7 @@
 #   all; then the hand-off to vLLM.
 # - **Needs:** chapters 03 and 04 (the paged cache, the engine step), chapter 07 (the CPU kernel,
 #   its threads and their wait policy), chapter 10 (real configs, the K/V arithmetic).
-# - **Runs in:** about a minute on a quiet 2-core CPU, start to end (two, on a busy one).
+# - **Runs in:** about 30 s, start to end (`make book` on a quiet 2-core AMD EPYC).
 # :::
 #
 # Chapter 10 loaded real checkpoints, and its table of K/V sizes ended where every serving engine
