@@ -59,7 +59,7 @@ from minivllm.attention.torch_backend import DecodeAttention
 from minivllm.book import show, use_book_style
 from minivllm.book.figures.kernels import draw_work_plan
 from minivllm.book.kernel_check import random_inputs, reference_attention
-from minivllm.book.stats import speedup, within
+from minivllm.book.stats import speed_change, within
 from minivllm.book.step_timing import decode_engine, time_decode_steps
 from minivllm.model.checkpoint import load_model
 from minivllm.model.fused import fuse_projections
@@ -286,8 +286,8 @@ for _ in range(30):
         call_ms[simd].append(1e3 * (time.perf_counter() - started))
 plain, vector = (float(np.median(call_ms[simd])) for simd in (False, True))
 print(
-    f"one layer, 64 decodes: plain loops {plain:.2f} ms, vector paths {vector:.2f} ms "
-    f"({speedup(plain, vector)})"
+    f"one layer, 64 decodes: plain loops {plain:.2f} ms, vector paths {vector:.2f} ms: "
+    f"{speed_change(plain / vector)}"
 )
 
 # %% [markdown]
@@ -420,8 +420,8 @@ for name, t in timing.items():
         f"{name:>5}: step {t['step_ms']:5.1f} ms, attention {t['attention_ms']:5.1f} ms "
         f"({t['attention_share']:.0%} of the step)"
     )
-attention = speedup(timing["torch"]["attention_ms"], timing["numba"]["attention_ms"])
-step = speedup(timing["torch"]["step_ms"], timing["numba"]["step_ms"])
+attention = speed_change(timing["torch"]["attention_ms"] / timing["numba"]["attention_ms"])
+step = speed_change(timing["torch"]["step_ms"] / timing["numba"]["step_ms"])
 print(f"on the kernel: attention {attention}, the step {step}")
 
 # %% [markdown]

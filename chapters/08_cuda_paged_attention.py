@@ -65,7 +65,7 @@ from minivllm.book import kernel_check, show, source, use_book_style
 from minivllm.book.figures.kernels import draw_cache_reads, draw_execution_model
 from minivllm.book.kernel_check import kernel_error, random_inputs
 from minivllm.book.kernel_trace import in_simulator, reads_by_thread, trace_group, trace_v1
-from minivllm.book.stats import speedup, within
+from minivllm.book.stats import speed_change, within
 from minivllm.model.checkpoint import load_model
 
 torch.manual_seed(0)
@@ -844,7 +844,7 @@ if engine_run:
         )
     hf = rate["HF generate (one batch)"]
     best = max(r for system, r in rate.items() if system.startswith("minivllm"))
-    print(f"HF generate: {hf:,.0f} tokens/s; the best minivllm row: {speedup(1 / hf, 1 / best)}")
+    print(f"HF generate: {hf:,.0f} tokens/s; the best minivllm row: {speed_change(best / hf)}")
     differing = sum(row["requests_differing_from_torch_backend"] for row in engine_run["rows"])
     print(f"requests whose tokens differ from the torch backend's, over all systems: {differing}")
 

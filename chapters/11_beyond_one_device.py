@@ -44,7 +44,7 @@ from minivllm import LLMEngine
 from minivllm.attention.batch import split_sequences
 from minivllm.book import show, use_book_style
 from minivllm.book.figures.parallel import draw_rank_layout
-from minivllm.book.stats import speedup, within
+from minivllm.book.stats import speed_change, within
 from minivllm.book.step_timing import decode_engine, time_decode_steps, time_thread_counts
 from minivllm.book.tiny_checkpoint import shipped_config
 from minivllm.kv.block_manager import BlockManager
@@ -174,7 +174,7 @@ split_engine = decode_engine(target, "numba", num_seqs=BATCH_HERE, forward_proce
 by_threads = time_thread_counts(steady, counts=(1, 2), steps=5)
 for threads, ms in by_threads.items():
     print(f"{threads} thread{'s' * (threads > 1)}: step {ms:5.1f} ms")
-print(f"the second thread: the step {speedup(by_threads[1], by_threads[2])}")
+print(f"the second thread: the step {speed_change(by_threads[1] / by_threads[2])}")
 
 # %% [markdown]
 # Little or nothing, on a small machine — run it on yours. A step is a few hundred small
@@ -231,7 +231,7 @@ split_engine.close()
 for name, t in by_split.items():
     print(f"{name:>20}: step {t['step_ms']:5.1f} ms")
 one_ms, two_ms = (by_split[name]["step_ms"] for name in ("1 process, 2 threads", "2 processes"))
-print(f"two processes: the step {speedup(one_ms, two_ms)}")
+print(f"two processes: the step {speed_change(one_ms / two_ms)}")
 engine_part, worker_part = np.median(part_ms, axis=0)
 print(
     f"the parts: {engine_part:.1f} ms in the engine's process, {worker_part:.1f} ms in the worker"

@@ -66,9 +66,9 @@ def within(error: float, tolerance: float) -> str:
 def speed_change(ratio: float, than: str = "") -> str:
     """A speed ratio (new rate / old rate, or old time / new time) said by its sign: "1.25x (25%
     faster than plain)", "0.60x (40% slower than plain)", "7.82x (7.8 times as fast as plain)", or
-    "1.00x (the same speed as plain)" when the change rounds to 0 %. A summary line printing "0.80x
-    faster" contradicts its own number; this one cannot. `than` names what the ratio is measured
-    against ("plain")."""
+    "1.00x (the same speed as plain)" when the change rounds to 0 %. For two times, pass old / new.
+    A summary line printing "0.80x faster" contradicts its own number; this one cannot. `than`
+    names what the ratio is measured against ("plain")."""
     ratio = float(ratio)
     if not ratio > 0:  # NaN too
         raise ValueError(f"a speed ratio must be positive, not {ratio}")
@@ -79,14 +79,3 @@ def speed_change(ratio: float, than: str = "") -> str:
         return f"{ratio:.2f}x ({ratio:.1f} times as fast{' as ' + than if than else ''})"
     word = "faster" if ratio > 1 else "slower"
     return f"{ratio:.2f}x ({change:.0%} {word}{' than ' + than if than else ''})"
-
-
-def speedup(before: float, after: float) -> str:
-    """A timing change as a chapter prints it, said by its sign: "1.32x faster" when `after` (a
-    time) is shorter than `before`, "1.25x slower" when it is longer, never "0.80x faster". (Two
-    times in; `speed_change` above takes a ratio of rates and says it in per cent.)"""
-    if not (before > 0 and after > 0):
-        raise ValueError(f"times must be positive, not {before!r} and {after!r}")
-    if after <= before:
-        return f"{before / after:.2f}x faster"
-    return f"{after / before:.2f}x slower"
