@@ -4,6 +4,8 @@ best-of-N runs."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import statistics
 import subprocess
@@ -14,6 +16,8 @@ import numpy as np
 
 from minivllm.model.tokenizer import ByteTokenizer
 from minivllm.training.corpus import shipped_validation_text
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def char_start(data: bytes, i: int) -> bool:
@@ -54,9 +58,9 @@ def cpu_model() -> str:
 
 
 def machine_record(note: str, **extra) -> dict:
-    """Where the numbers were measured: the platform, the CPU, cores, torch and its threads, the
-    load average at the end and the source commit; `extra` adds or overrides fields (a benchmark's
-    own versions, say)."""
+    """Where and when the numbers were measured: the platform, the CPU, cores, torch and its
+    threads, the load average at the end, the date (UTC) and the source commit; `extra` adds or
+    overrides fields (a benchmark's own versions, say)."""
     import platform
 
     import torch
@@ -73,9 +77,20 @@ def machine_record(note: str, **extra) -> dict:
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         **extra,
         "load_average_at_end": load_str(),
+        "recorded_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "source": source_version(),
         "note": note,
     }
+
+
+def write_results(path: Path, record: dict) -> None:
+    """A benchmark's JSON record at `path` (its folder made if need be), said on stdout."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    full = path.resolve()
+    shown = full.relative_to(ROOT) if full.is_relative_to(ROOT) else path
+    print(f"wrote {shown}")
 
 
 def load_str() -> str:

@@ -119,7 +119,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(Path(__file__).parent))
-    from _common import machine_record
+    from _common import machine_record, write_results
 
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,9 +162,7 @@ def main() -> None:
             "medians over fresh processes, before and after alternating", torch_threads=args.threads
         ),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, record)
 
 
 if __name__ == "__main__":

@@ -39,14 +39,13 @@ import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as 
 
 # isort: split
 import argparse
-import json
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from _common import machine_record, make_workload
+from _common import machine_record, make_workload, write_results
 from throughput import build_hf, compare, greedy
 
 from minivllm.engine.config import EngineConfig
@@ -312,9 +311,7 @@ def main() -> None:
         "repeats": args.repeats,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, record)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import Request, cpu_model, load_str, machine_record, print_run
+from _common import Request, cpu_model, load_str, machine_record, print_run, write_results
 from vllm_peer import DEFAULT_VLLM_PYTHON, run_vllm, write_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -762,9 +762,7 @@ def main() -> int:
         "load_memory": memory,
         "load_average": {"start": load_start, "end": load_end},
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out_path}")
+    write_results(out_path, record)
     return 0
 
 

@@ -74,7 +74,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from _common import Request, load_str, machine_record, make_workload, start_server
+from _common import Request, load_str, machine_record, make_workload, start_server, write_results
 
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.engine.config import EngineConfig
@@ -524,9 +524,7 @@ def write_json(args, requests, rows, peer, load_at_start: str, elapsed: float) -
         ],
         "vllm_peer": peer,
     }
-    args.out_path.parent.mkdir(parents=True, exist_ok=True)
-    args.out_path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out_path}")
+    write_results(args.out_path, record)
 
 
 if __name__ == "__main__":

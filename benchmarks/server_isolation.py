@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_str, machine_record  # noqa: E402
+from _common import load_str, machine_record, write_results  # noqa: E402
 
 MODES = ("whole", "pieces")
 PROMPT_TOKENS = 480
@@ -127,9 +127,7 @@ def main() -> None:
         runs=runs,
         medians=summary,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, record)
 
 
 if __name__ == "__main__":

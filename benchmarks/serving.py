@@ -57,7 +57,6 @@ import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as 
 # isort: split
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -65,7 +64,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import Request, best_of, load_str, machine_record, make_workload, start_server
+from _common import (
+    Request,
+    best_of,
+    load_str,
+    machine_record,
+    make_workload,
+    start_server,
+    write_results,
+)
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -316,54 +323,50 @@ def main() -> None:
 
 
 def write_json(args: argparse.Namespace, levels: dict, rows: list[dict], goal: dict | None) -> None:
-    args.out_path.parent.mkdir(parents=True, exist_ok=True)
-    args.out_path.write_text(
-        json.dumps(
-            {
-                "benchmark": "serving",
-                "machine": machine_record(
-                    "wall clock on a shared machine; the server, its clients and the offline "
-                    "engine share the same cores (server and clients in two processes, over "
-                    "loopback)",
-                    torch_threads=args.threads,
+    write_results(
+        args.out_path,
+        {
+            "benchmark": "serving",
+            "machine": machine_record(
+                "wall clock on a shared machine; the server, its clients and the offline "
+                "engine share the same cores (server and clients in two processes, over "
+                "loopback)",
+                torch_threads=args.threads,
+            ),
+            "workload": {
+                "seed": args.seed,
+                "quick": args.quick,
+                "requests_per_level": {str(c): len(r) for c, r in levels.items()},
+                "prompt_source": (
+                    "byte slices of minivllm.training.corpus.shipped_validation_text() "
+                    "(16-200 bytes), cut at UTF-8 character boundaries; BOS first"
                 ),
-                "workload": {
-                    "seed": args.seed,
-                    "quick": args.quick,
-                    "requests_per_level": {str(c): len(r) for c, r in levels.items()},
-                    "prompt_source": (
-                        "byte slices of minivllm.training.corpus.shipped_validation_text() "
-                        "(16-200 bytes), cut at UTF-8 character boundaries; BOS first"
-                    ),
-                    "output_tokens": args.output_tokens,
-                    "sampling": "greedy (temperature 0), ignore_eos",
-                    "clients": (
-                        "closed loop: each client sends its next request when its last stream ends"
-                    ),
-                },
-                "config": {
-                    "server": (
-                        f"minivllm serve --max-num-seqs {FULL_BATCH} --threads {args.threads} "
-                        "(2048 blocks, budget 512)"
-                    ),
-                    "repeats": args.repeats,
-                    "throughput": (
-                        "generated tokens (usage) / wall seconds of the level (best of repeats)"
-                    ),
-                    "ttft": "request sent -> first chunk with text, client side",
-                    "itl": "gaps between a stream's consecutive text chunks, pooled",
-                },
-                "notes": [
-                    "the server's engine thread and event loop share one GIL: the loop's 100-120 "
-                    "us of CPU per streamed token lengthens the engine's forward passes (see the "
-                    "docstring)"
-                ],
-                "results": rows,
-                "goals": {"share_of_offline_at_64_clients": goal},
+                "output_tokens": args.output_tokens,
+                "sampling": "greedy (temperature 0), ignore_eos",
+                "clients": (
+                    "closed loop: each client sends its next request when its last stream ends"
+                ),
             },
-            indent=2,
-        )
-        + "\n"
+            "config": {
+                "server": (
+                    f"minivllm serve --max-num-seqs {FULL_BATCH} --threads {args.threads} "
+                    "(2048 blocks, budget 512)"
+                ),
+                "repeats": args.repeats,
+                "throughput": (
+                    "generated tokens (usage) / wall seconds of the level (best of repeats)"
+                ),
+                "ttft": "request sent -> first chunk with text, client side",
+                "itl": "gaps between a stream's consecutive text chunks, pooled",
+            },
+            "notes": [
+                "the server's engine thread and event loop share one GIL: the loop's 100-120 "
+                "us of CPU per streamed token lengthens the engine's forward passes (see the "
+                "docstring)"
+            ],
+            "results": rows,
+            "goals": {"share_of_offline_at_64_clients": goal},
+        },
     )
     print(f"\nwrote {args.out_path}")
 

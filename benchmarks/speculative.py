@@ -77,7 +77,6 @@ import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as 
 
 # isort: split
 import argparse
-import json
 import os
 import statistics
 import time
@@ -87,7 +86,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import best_of, char_start, load_str, machine_record
+from _common import best_of, char_start, load_str, machine_record, write_results
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -627,81 +626,74 @@ def main() -> None:
     if out_path is None:
         print("\nquick run: no JSON written (give --out to write one)")
         return
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(
-        json.dumps(
-            {
-                "benchmark": "speculative",
-                "machine": machine_record(
-                    "wall clock on a shared machine: each run keeps its load average; best of "
-                    "repeats",
-                    load_average_at_start=load_at_start,
-                ),
-                "workload": {
-                    "seed": args.seed,
-                    "quick": args.quick,
-                    "prompts": prompts,
-                    "batch1_prompts": len(batch1),
-                    "prompt_source": "first 40-120 bytes of distinct seeded speeches of "
-                    "minivllm.training.corpus.shipped_validation_text(), cut at a UTF-8 character "
-                    "boundary; ByteTokenizer with BOS",
-                    "prompt_tokens": prompt_lens,
-                    "max_tokens": args.max_tokens,
-                    "ignore_eos": True,
-                    "greedy": "temperature 0",
-                    "sampled": {
-                        "temperature": TEMPERATURE,
-                        "k": GOAL_K,
-                        "seeds": f"{args.seed} * 1000 + request index",
-                    },
+    write_results(
+        out_path,
+        {
+            "benchmark": "speculative",
+            "machine": machine_record(
+                "wall clock on a shared machine: each run keeps its load average; best of repeats",
+                load_average_at_start=load_at_start,
+            ),
+            "workload": {
+                "seed": args.seed,
+                "quick": args.quick,
+                "prompts": prompts,
+                "batch1_prompts": len(batch1),
+                "prompt_source": "first 40-120 bytes of distinct seeded speeches of "
+                "minivllm.training.corpus.shipped_validation_text(), cut at a UTF-8 character "
+                "boundary; ByteTokenizer with BOS",
+                "prompt_tokens": prompt_lens,
+                "max_tokens": args.max_tokens,
+                "ignore_eos": True,
+                "greedy": "temperature 0",
+                "sampled": {
+                    "temperature": TEMPERATURE,
+                    "k": GOAL_K,
+                    "seeds": f"{args.seed} * 1000 + request index",
                 },
-                "config": {
-                    "k": ks,
-                    "repeats": args.repeats,
-                    "threads": args.threads,
-                    "max_num_batched_tokens": BUDGET,
-                    "block_size": BLOCK_SIZE,
-                    "batch_sizes": [1, big],
-                    "batch1": "one engine, max_num_seqs 1: the requests one at a time, in sequence",
-                    "drafters": {"draft": "shipped draft model", "ngram": "prompt lookup, n 1..3"},
-                    "throughput": "generated tokens (first included) / wall seconds of generate, "
-                    "best of repeats",
-                },
-                "definitions": {
-                    "tokens_per_pass": "tokens emitted by verify steps / verifies = mean(accepted "
-                    "+ 1); the first token of "
-                    "each request (from its prefill pass) is not counted",
-                    "alpha": "sum(accepted) / sum(accepted + [accepted < proposed]) over verifies "
-                    "(accepted / reached)",
-                    "theory_alpha_k": "(1 - alpha^(k+1)) / (1 - alpha), alpha measured at the same "
-                    "k",
-                    "theory_alpha_k_actual_drafts": "mean over verifies of (1 - alpha^(n+1)) / (1 "
-                    "- alpha), n = drafts proposed",
-                    "theory_alpha_1": "(1 - alpha_1^(k+1)) / (1 - alpha_1), alpha_1 measured at k "
-                    "= 1",
-                    "cost_model": "speedup = E / (k c + v); c = draft pass / plain decode step, v "
-                    "= verify step without "
-                    "drafting / plain decode step (medians over decode-only steps)",
-                },
-                "greedy_table": table,
-                "sampled_table": sampled_rows,
-                "cost_model_batch1": cost_rows,
-                "goals": goals,
-                "correctness": {
-                    "greedy_requests_differing_from_plain": differing,
-                    "greedy_requests_compared": compared,
-                    "runs": greedy_checks,
-                    f"plain_batch{big}_vs_batch1_requests_differing": max(batch_invariance),
-                },
-                "results": [
-                    public(best[s.key], plain[s.batch, "0" if s.temperature == 0 else "T"])
-                    for s in systems
-                ],
-                "timed_runs_seconds": round(total_s, 1),
             },
-            indent=1,
-        )
-        + "\n"
+            "config": {
+                "k": ks,
+                "repeats": args.repeats,
+                "threads": args.threads,
+                "max_num_batched_tokens": BUDGET,
+                "block_size": BLOCK_SIZE,
+                "batch_sizes": [1, big],
+                "batch1": "one engine, max_num_seqs 1: the requests one at a time, in sequence",
+                "drafters": {"draft": "shipped draft model", "ngram": "prompt lookup, n 1..3"},
+                "throughput": "generated tokens (first included) / wall seconds of generate, "
+                "best of repeats",
+            },
+            "definitions": {
+                "tokens_per_pass": "tokens emitted by verify steps / verifies = mean(accepted "
+                "+ 1); the first token of "
+                "each request (from its prefill pass) is not counted",
+                "alpha": "sum(accepted) / sum(accepted + [accepted < proposed]) over verifies "
+                "(accepted / reached)",
+                "theory_alpha_k": "(1 - alpha^(k+1)) / (1 - alpha), alpha measured at the same k",
+                "theory_alpha_k_actual_drafts": "mean over verifies of (1 - alpha^(n+1)) / (1 "
+                "- alpha), n = drafts proposed",
+                "theory_alpha_1": "(1 - alpha_1^(k+1)) / (1 - alpha_1), alpha_1 measured at k = 1",
+                "cost_model": "speedup = E / (k c + v); c = draft pass / plain decode step, v "
+                "= verify step without "
+                "drafting / plain decode step (medians over decode-only steps)",
+            },
+            "greedy_table": table,
+            "sampled_table": sampled_rows,
+            "cost_model_batch1": cost_rows,
+            "goals": goals,
+            "correctness": {
+                "greedy_requests_differing_from_plain": differing,
+                "greedy_requests_compared": compared,
+                "runs": greedy_checks,
+                f"plain_batch{big}_vs_batch1_requests_differing": max(batch_invariance),
+            },
+            "results": [
+                public(best[s.key], plain[s.batch, "0" if s.temperature == 0 else "T"])
+                for s in systems
+            ],
+            "timed_runs_seconds": round(total_s, 1),
+        },
     )
     print(f"\nwrote {out_path}")
 

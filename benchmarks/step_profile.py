@@ -831,7 +831,7 @@ def main() -> int:
         return report(args.out)
     # minivllm came in with vllm_peer's _common, before torch: its OMP_WAIT_POLICY holds
     import torch
-    from _common import machine_record, make_workload
+    from _common import machine_record, make_workload, write_results
 
     from minivllm.model.checkpoint import load_model
     from minivllm.model.fused import fuse_model
@@ -924,50 +924,45 @@ def main() -> int:
     load_after = load_str()
     print(f"\nload average {load_before} before, {load_after} after ({os.cpu_count()} CPUs)")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "step_profile",
-                "machine": machine_record(
-                    "torch.profiler on a shared 2-core machine: the profiler's own cost per op "
-                    "inflates every forward component (compare 'step (profiled)' with 'step "
-                    "(wall, no profiler)'); medians over every profiled step of every round",
-                    lscpu=lscpu_record(),
-                    load_average_before=load_before,
-                    vllm=vllm_meta or None,
-                ),
-                "limits": {
-                    "used": limits,
-                    "start": limits_start,
-                    "end": limits_end,
-                    "readings": readings,
-                },
-                "workload": {
-                    "model": str(TARGET.relative_to(ROOT)),
-                    "dtype": "float32",
-                    "seed": SEED,
-                    "batches": args.batches,
-                    "prompt_tokens": {b: [len(p) for p in ps] for b, ps in prompts.items()},
-                    "warmup_steps": args.warmup,
-                    "timed_steps": args.steps,
-                    "profiled_steps": args.steps,
-                    "rounds": args.rounds,
-                    "order": "alternating per round: " + ", ".join(engines),
-                    "vllm_settings": "enforce_eager, VLLM_ENABLE_V1_MULTIPROCESSING=0, "
-                    "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1, skip_tokenizer_init (no detokenizing: "
-                    "the shipped model has no tokenizer files; minivllm detokenizes bytes)",
-                },
-                "runs": runs,
-                "tables": tables,
-                "what_the_table_says": said,
-                "load_average": {"before": load_before, "after": load_after},
+    write_results(
+        args.out,
+        {
+            "benchmark": "step_profile",
+            "machine": machine_record(
+                "torch.profiler on a shared 2-core machine: the profiler's own cost per op "
+                "inflates every forward component (compare 'step (profiled)' with 'step "
+                "(wall, no profiler)'); medians over every profiled step of every round",
+                lscpu=lscpu_record(),
+                load_average_before=load_before,
+                vllm=vllm_meta or None,
+            ),
+            "limits": {
+                "used": limits,
+                "start": limits_start,
+                "end": limits_end,
+                "readings": readings,
             },
-            indent=2,
-        )
-        + "\n"
+            "workload": {
+                "model": str(TARGET.relative_to(ROOT)),
+                "dtype": "float32",
+                "seed": SEED,
+                "batches": args.batches,
+                "prompt_tokens": {b: [len(p) for p in ps] for b, ps in prompts.items()},
+                "warmup_steps": args.warmup,
+                "timed_steps": args.steps,
+                "profiled_steps": args.steps,
+                "rounds": args.rounds,
+                "order": "alternating per round: " + ", ".join(engines),
+                "vllm_settings": "enforce_eager, VLLM_ENABLE_V1_MULTIPROCESSING=0, "
+                "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1, skip_tokenizer_init (no detokenizing: "
+                "the shipped model has no tokenizer files; minivllm detokenizes bytes)",
+            },
+            "runs": runs,
+            "tables": tables,
+            "what_the_table_says": said,
+            "load_average": {"before": load_before, "after": load_after},
+        },
     )
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
     return 0
 
 

@@ -29,13 +29,12 @@ say so beside the numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _common import cpu_seconds_of, load_str, machine_record, make_workload
+from _common import cpu_seconds_of, load_str, machine_record, make_workload, write_results
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -292,9 +291,7 @@ def main() -> None:
             "machine: see the load averages per run."
         ),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_results(out, record)
 
 
 if __name__ == "__main__":

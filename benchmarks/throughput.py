@@ -53,7 +53,6 @@ import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as 
 # isort: split
 import argparse
 import cProfile
-import json
 import pstats
 import statistics
 import time
@@ -72,6 +71,7 @@ from _common import (
     machine_record,
     make_workload,
     print_run,
+    write_results,
 )
 
 import minivllm.runner.model_runner as runner_module
@@ -863,69 +863,65 @@ def main() -> None:
     if out_path is None:
         print("\nquick run: no JSON written (give --out to write one)")
         return
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(
-        json.dumps(
-            {
-                "benchmark": "throughput",
-                "machine": machine_record(
-                    "wall clock on a shared machine: each result keeps its runs' load averages",
-                    transformers=hf_version,
-                ),
-                "workload": {
-                    "seed": args.seed,
-                    "requests": n,
-                    "quick": args.quick,
-                    "prompt_source": "byte slices of "
-                    "minivllm.training.corpus.shipped_validation_text(), cut at UTF-8 "
-                    "character boundaries; ByteTokenizer with BOS",
-                    "prompt_bytes": [16, 200],
-                    "output_tokens": list(output_range),
-                    "prompt_tokens": {
-                        "min": min(prompt_lens),
-                        "max": max(prompt_lens),
-                        "total": sum(prompt_lens),
-                    },
-                    "output_tokens_total": sum(out_lens),
-                    "sampling": "greedy (temperature 0), ignore_eos",
-                    "sequential_subset": [r.index for r in chosen],
-                    "requests_list": [[p, o] for p, o in zip(prompt_lens, out_lens)],
-                    "requests_list_columns": ["prompt_tokens", "max_tokens"],
+    write_results(
+        out_path,
+        {
+            "benchmark": "throughput",
+            "machine": machine_record(
+                "wall clock on a shared machine: each result keeps its runs' load averages",
+                transformers=hf_version,
+            ),
+            "workload": {
+                "seed": args.seed,
+                "requests": n,
+                "quick": args.quick,
+                "prompt_source": "byte slices of "
+                "minivllm.training.corpus.shipped_validation_text(), cut at UTF-8 "
+                "character boundaries; ByteTokenizer with BOS",
+                "prompt_bytes": [16, 200],
+                "output_tokens": list(output_range),
+                "prompt_tokens": {
+                    "min": min(prompt_lens),
+                    "max": max(prompt_lens),
+                    "total": sum(prompt_lens),
                 },
-                "config": {
-                    "continuous": {
-                        "max_num_seqs": 64,
-                        "max_num_batched_tokens": args.budget[0],
-                        "budget_sweep": args.budget[1:],
-                    },
-                    "static": {
-                        "batch_sizes": sorted({min(64, n), small}, reverse=True),
-                        "max_num_batched_tokens": "batch size x longest prompt (a batch is "
-                        "admitted whole)",
-                    },
-                    "hf_batch": min(args.hf_batch, n),
-                    "sequential_requests": len(chosen),
-                    "repeats": args.repeats,
-                    "threads": THREADS,
-                    "throughput": "useful generated tokens / wall seconds (best of repeats)",
-                },
-                "results": [public(r, cont_tps) for r in results],
-                "budget_sweep": [public(best[f"continuous/{b}"], cont_tps) for b in args.budget]
-                if len(args.budget) > 1
-                else None,
-                "goals": goals,
-                "correctness": comparisons,
-                "overhead": {
-                    "continuous_trace": ov,
-                    "decode_stretch_components": parts,
-                    "cprofile": profile,
-                },
-                "decode_step_by_backend": decode_steps,
-                "notes": notes,
+                "output_tokens_total": sum(out_lens),
+                "sampling": "greedy (temperature 0), ignore_eos",
+                "sequential_subset": [r.index for r in chosen],
+                "requests_list": [[p, o] for p, o in zip(prompt_lens, out_lens)],
+                "requests_list_columns": ["prompt_tokens", "max_tokens"],
             },
-            indent=2,
-        )
-        + "\n"
+            "config": {
+                "continuous": {
+                    "max_num_seqs": 64,
+                    "max_num_batched_tokens": args.budget[0],
+                    "budget_sweep": args.budget[1:],
+                },
+                "static": {
+                    "batch_sizes": sorted({min(64, n), small}, reverse=True),
+                    "max_num_batched_tokens": "batch size x longest prompt (a batch is "
+                    "admitted whole)",
+                },
+                "hf_batch": min(args.hf_batch, n),
+                "sequential_requests": len(chosen),
+                "repeats": args.repeats,
+                "threads": THREADS,
+                "throughput": "useful generated tokens / wall seconds (best of repeats)",
+            },
+            "results": [public(r, cont_tps) for r in results],
+            "budget_sweep": [public(best[f"continuous/{b}"], cont_tps) for b in args.budget]
+            if len(args.budget) > 1
+            else None,
+            "goals": goals,
+            "correctness": comparisons,
+            "overhead": {
+                "continuous_trace": ov,
+                "decode_stretch_components": parts,
+                "cprofile": profile,
+            },
+            "decode_step_by_backend": decode_steps,
+            "notes": notes,
+        },
     )
     print(f"\nwrote {out_path}")
 

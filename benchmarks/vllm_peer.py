@@ -71,7 +71,7 @@ import time
 from pathlib import Path
 
 try:
-    from _common import load_str
+    from _common import load_str, write_results
 except ImportError:  # the vLLM worker, in vLLM's venv: no minivllm there (nor _common's imports)
 
     def load_str() -> str:  # as _common.load_str
@@ -660,52 +660,47 @@ def main() -> int:
         f"\nload average: {load_start} at the start, {load_end} at the end ({os.cpu_count()} CPUs)"
     )
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "vllm_peer",
-                "machine": machine_record(
-                    "wall clock on a shared machine: each run keeps its load averages; vLLM runs "
-                    "in its own venv and processes",
-                    vllm=first_vllm["vllm"],
-                    vllm_torch=first_vllm["torch"],
-                    vllm_python=args.vllm_python,
+    write_results(
+        args.out,
+        {
+            "benchmark": "vllm_peer",
+            "machine": machine_record(
+                "wall clock on a shared machine: each run keeps its load averages; vLLM runs "
+                "in its own venv and processes",
+                vllm=first_vllm["vllm"],
+                vllm_torch=first_vllm["torch"],
+                vllm_python=args.vllm_python,
+            ),
+            "workload": {
+                "seed": args.seed,
+                "requests": len(requests),
+                "prompt_tokens_total": sum(prompt_lens),
+                "output_tokens_total": sum(out_lens),
+                "sampling": "greedy (temperature 0), ignore_eos",
+                "model": str(
+                    args.model.resolve().relative_to(ROOT)
+                    if args.model.resolve().is_relative_to(ROOT)
+                    else args.model
                 ),
-                "workload": {
-                    "seed": args.seed,
-                    "requests": len(requests),
-                    "prompt_tokens_total": sum(prompt_lens),
-                    "output_tokens_total": sum(out_lens),
-                    "sampling": "greedy (temperature 0), ignore_eos",
-                    "model": str(
-                        args.model.resolve().relative_to(ROOT)
-                        if args.model.resolve().is_relative_to(ROOT)
-                        else args.model
-                    ),
-                    "dtype": args.dtype,
-                    "tokenizer": "the folder's tokenizer.json" if tokenizer else "bytes",
-                },
-                "config": {
-                    "threads": args.threads,
-                    "max_num_seqs": MAX_NUM_SEQS,
-                    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-                    "max_model_len": MAX_MODEL_LEN,
-                    "repeats": args.repeats,
-                    "order": "alternating: " + ", ".join(vllm_keys + mini_keys) + " per round",
-                    "warmup": f"{WARMUP_REQUESTS} requests x {WARMUP_TOKENS} tokens",
-                    "vllm_enable_prefix_caching": False,
-                },
-                "results": results,
-                "minivllm_over_vllm": ratios,
-                "greedy_agreement": agree,
-                "load_average": {"start": load_start, "end": load_end},
+                "dtype": args.dtype,
+                "tokenizer": "the folder's tokenizer.json" if tokenizer else "bytes",
             },
-            indent=2,
-        )
-        + "\n"
+            "config": {
+                "threads": args.threads,
+                "max_num_seqs": MAX_NUM_SEQS,
+                "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+                "max_model_len": MAX_MODEL_LEN,
+                "repeats": args.repeats,
+                "order": "alternating: " + ", ".join(vllm_keys + mini_keys) + " per round",
+                "warmup": f"{WARMUP_REQUESTS} requests x {WARMUP_TOKENS} tokens",
+                "vllm_enable_prefix_caching": False,
+            },
+            "results": results,
+            "minivllm_over_vllm": ratios,
+            "greedy_agreement": agree,
+            "load_average": {"start": load_start, "end": load_end},
+        },
     )
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
     return 0
 
 
