@@ -718,8 +718,9 @@ else:
 #    float. Headers only, never the data. The tests load every family (Llama 3 and 3.1, Qwen2,
 #    Qwen3 tied, Mistral; one file or shards) and compare each parameter with the file, then break
 #    checkpoints one way at a time: each gets its error, naming tensor and file, before any memory
-#    is allocated. Unsolved, no model loads — the shipped ones neither — so every chapter stops at
-#    its first model. Three hints, from a nudge to nearly the answer, are folded below the list.
+#    is allocated. Unsolved, no model loads — the shipped ones neither — so each chapter that runs
+#    a model stops at its first. Three hints, from a nudge to nearly the answer, are folded below
+#    the list.
 # 2. **ch10.1 — the incremental detokenizer.** Write
 #    `IncrementalDetokenizer.push` and `flush`. `push(token_id)` has appended the id; return the
 #    text it makes final, and move the offsets as its docstring says. `flush()` ends the stream:
