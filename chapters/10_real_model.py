@@ -38,6 +38,7 @@
 import json
 import os
 import random
+import shutil
 import tempfile
 import textwrap
 import time
@@ -46,6 +47,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from minivllm import LLM, SamplingParams
 from minivllm.book import sequence_color, show, use_book_style
@@ -60,7 +62,14 @@ from minivllm.book.tiny_checkpoint import (
     train_bpe_tokenizer,
 )
 from minivllm.kv.sizing import blocks_for_memory, kv_bytes_per_token
-from minivllm.model.checkpoint import config_from_hf, load_model, model_folder, read_config
+from minivllm.model.checkpoint import (
+    CheckpointError,
+    check_tensors,
+    config_from_hf,
+    load_model,
+    model_folder,
+    read_config,
+)
 from minivllm.model.families import HFSelfAttention, model_class, rope_inv_freq
 from minivllm.model.hf_tokenizer import HFTokenizer, IncrementalDetokenizer
 from minivllm.model.tokenizer import ByteTokenizer
@@ -379,9 +388,9 @@ blended = len(plain) - kept - slowed
 print(f"{kept} pairs kept, {slowed} slowed by {scaling.factor:g}, {blended} blended")
 
 # %% [markdown]
-# ## Run it: checkpoints through `LLM(folder)`
+# ## Build 5: the checkpoint's tensors, checked by name and shape
 #
-# Now two checkpoints to run: the real Qwen3-0.6B and Llama 3.1 8B configs shrunk to toy sizes by
+# Now two checkpoints: the real Qwen3-0.6B and Llama 3.1 8B configs shrunk to toy sizes by
 # `shrink_config` — the same family and switches, the same share of query heads per KV head, the
 # tokenizer's vocabulary — with seeded random weights, saved in Hugging Face's layout, the
 # tokenizer's files beside them:
@@ -404,6 +413,68 @@ for name, folder in folders.items():
     print(f"{name}:\n  {textwrap.fill(repr(tiny), 96, subsequent_indent='  ')}")
 
 # %% [markdown]
+# A `.safetensors` file opens with a JSON header giving each tensor's name, dtype, shape and
+# where its bytes lie. The model the config describes, built on the `meta` device, lists the
+# tensors it needs: `named_parameters()`, with no memory behind them. The book's modules carry
+# Hugging Face's names (`model.layers.0.self_attn.q_proj.weight` in both), so nothing is renamed:
+# loading compares the two lists, then copies. A tied LM head *is* the embedding, stored once;
+# one saved anyway is skipped, as are RoPE tables older exports saved (`ignored_tensor`).
+# `load_model` reads the config (Build 4), checks the headers against the model, and only then
+# allocates the model's memory and copies tensor by tensor. The check is the heart of it — the
+# first thing wrong raised with the tensor's name, not a shape error three calls later (exercise
+# ch10.3):
+
+# %%
+show(check_tensors)
+
+# %% [markdown]
+# ## Check: a broken checkpoint, refused by name
+#
+# Three ways a checkpoint goes wrong — a tensor lost, a tensor of another model (a third layer
+# this config does not have), Qwen3's q-norm saved for a head size other than the config's — and
+# one that is not wrong: the tied LM head saved beside the embedding.
+
+
+# %%
+def broken_copy(change) -> Path:
+    """A copy of the tiny Qwen3 with its tensors changed by `change`."""
+    folder = workdir / "broken"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(folders["tiny Qwen3"], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+head_dim = config_from_hf(read_config(folders["tiny Qwen3"])).head_dim
+breakages = {
+    "a tensor lost": lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+    "another model's": lambda t: t.update({"model.layers.2.mlp.up_proj.weight": torch.ones(2)}),
+    "q-norm misshapen": lambda t: t.update(
+        {"model.layers.0.self_attn.q_norm.weight": torch.ones(head_dim // 2)}
+    ),
+}
+for what, change in breakages.items():
+    folder = broken_copy(change)
+    try:
+        load_model(folder)
+        raise AssertionError(f"{what}: loaded")
+    except CheckpointError as error:
+        print(f"{what}:\n  {str(error).replace(str(folder), 'broken')}")
+
+
+def head_saved_anyway(tensors):  # zeros: were it read, the head would not be the embedding
+    tensors["lm_head.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
+
+
+tied = load_model(broken_copy(head_saved_anyway))
+assert tied.lm_head.weight is tied.model.embed_tokens.weight and tied.lm_head.weight.any()
+print("the tied head saved anyway: loads, and the LM head is the embedding, one tensor")
+
+# %% [markdown]
+# ## Run it: checkpoints through `LLM(folder)`
+#
 # `LLM(folder)` reads the folder's config, weights and tokenizer, and sizes the cache from a
 # memory budget as vLLM does (`kv_cache_memory_bytes`): the K/V bytes one token costs
 # (`kv/sizing.py`, worked out at real sizes below), then as many whole blocks as the budget buys;
@@ -635,18 +706,29 @@ else:
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/model/hf_tokenizer.py` (ch10.1) and `src/minivllm/model/families.py` (ch10.2); run
-# one exercise's tests with `pytest tests --exercise ch10.1`.
+# `src/minivllm/model/checkpoint.py` (ch10.3), `src/minivllm/model/hf_tokenizer.py` (ch10.1) and
+# `src/minivllm/model/families.py` (ch10.2); run one exercise's tests with
+# `pytest tests --exercise ch10.3`.
 #
-# 1. **ch10.1 — the incremental detokenizer** (this chapter's core). Write
+# 1. **ch10.3 — checking a checkpoint against its model** (this chapter's core). Write
+#    `check_tensors`: given the model's names and shapes (`expected`), the file holding each of
+#    the checkpoint's tensors (`files`) and the file saying so (`listing`), pass a checkpoint that
+#    fits, else raise `CheckpointError` for the first problem, in the docstring's order and words:
+#    missing, unexpected (not what `ignored_tensor` skips), absent from its file, misshapen, not a
+#    float. Headers only, never the data. The tests load every family (Llama 3 and 3.1, Qwen2,
+#    Qwen3 tied, Mistral; one file or shards) and compare each parameter with the file, then break
+#    checkpoints one way at a time: each gets its error, naming tensor and file, before any memory
+#    is allocated. Unsolved, no model loads — the shipped ones neither — so each chapter that runs
+#    a model stops at its first. Three hints, from a nudge to nearly the answer, are folded below
+#    the list.
+# 2. **ch10.1 — the incremental detokenizer.** Write
 #    `IncrementalDetokenizer.push` and `flush`. `push(token_id)` has appended the id; return the
 #    text it makes final, and move the offsets as its docstring says. `flush()` ends the stream:
 #    return whatever is still held back, as it decodes now. The tests stream hand-picked texts
 #    whose tokens split characters, and hundreds of random id lists (special tokens, broken
 #    characters, streams cut mid-character): the pieces must add up to `decode(all ids)`, and no
-#    piece may ever be taken back. Three hints, from a nudge to nearly the answer, are folded
-#    below the list.
-# 2. **ch10.2 — Llama 3's RoPE scaling.** In `rope_inv_freq`, when `scaling` is given, return the
+#    piece may ever be taken back. Its three hints are folded below ch10.3's.
+# 3. **ch10.2 — Llama 3's RoPE scaling.** In `rope_inv_freq`, when `scaling` is given, return the
 #    scaled speeds: by each pair's wavelength, kept, divided by `factor`, or blended, as its
 #    docstring says. The tests compare hand-worked pairs in each band and, where `transformers` is
 #    installed, its own function bit for bit on Llama 3.1 8B's settings.
@@ -654,14 +736,14 @@ else:
 #    *Hint:* Work on the whole tensor at once: compute every pair's wavelength, then pick per pair
 #    with `torch.where`, once for the slowed band and once for the blended one. The figure above is
 #    the answer to check yours against.
-# 3. *(Explore, no test.)* The KV arithmetic for a model of your choice: Llama 3 70B has 80 layers,
+# 4. *(Explore, no test.)* The KV arithmetic for a model of your choice: Llama 3 70B has 80 layers,
 #    8 KV heads of 128 and 64 query heads. How many 8k-token requests fit next to its bfloat16
 #    weights on eight 80 GiB GPUs? And if the cache were stored in 8-bit floats, as vLLM's
 #    `kv_cache_dtype="fp8"` does?
 #
 #    *Hint:* `kv_bytes_per_token` takes a dtype name; for one byte per element, write the formula
 #    out. The weights: count them on the meta device from a config dict you write by hand.
-# 4. *(Explore, no test.)* A user's message that contains the text `<|eot_id|>`: render it with
+# 5. *(Explore, no test.)* A user's message that contains the text `<|eot_id|>`: render it with
 #    `apply_chat_template` and look at the ids. What could a user do with that, and how would you
 #    stop it?
 #
@@ -670,7 +752,30 @@ else:
 #    where would that have to happen?
 
 # %% [markdown]
-# The hints for ch10.1, the chapter's core, are folded: open one at a time.
+# The hints for ch10.3, the chapter's core, then for ch10.1, are folded: open one at a time.
+#
+# :::{admonition} Hint 1 for ch10.3 — a nudge
+# :class: dropdown
+# Two questions, in this order: are the checkpoint's names the model's (compare the two sets both
+# ways, once `ignored_tensor` has had its say)? Then, name by name, does each file's header agree?
+# `safe_open` reads a header only, and a slice of it knows its tensor's shape and dtype.
+# :::
+#
+# :::{admonition} Hint 2 for ch10.3 — the approach
+# :class: dropdown
+# Missing: `expected`'s names less the kept names of `files`; unexpected: the reverse; sorted, so
+# the error names the first. Then `_by_file` groups the names by file: open each once with
+# `safe_open(..., framework="pt")`, look for each name in its `keys()`, and compare
+# `get_slice(name)`'s `get_shape()` with `expected[name]` and its `get_dtype()` (`"BF16"`, ...)
+# with `SAFETENSORS_DTYPES`.
+# :::
+#
+# :::{admonition} Hint 3 for ch10.3 — nearly there
+# :class: dropdown
+# Messages start with `listing` (names) or the file's `path` (headers), as the docstring writes
+# them. `get_shape()` is a list: make it a tuple, or `[10, 32]` never equals `(10, 32)`. Write
+# `" (and N more)"` only when several are missing, N the count less the one named.
+# :::
 #
 # :::{admonition} Hint 1 for ch10.1 — a nudge
 # :class: dropdown

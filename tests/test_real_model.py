@@ -1,5 +1,6 @@
 """Chapter 10's pieces: the real configs shipped with the package, the tiny-checkpoint builder
-(`minivllm.book.tiny_checkpoint`), and Llama 3's RoPE scaling worked by hand (exercise ch10.2)."""
+(`minivllm.book.tiny_checkpoint`) and its checkpoints loaded (exercise ch10.3), and Llama 3's RoPE
+scaling worked by hand (exercise ch10.2)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def tiny(tmp_path_factory) -> dict:
     }
 
 
+@pytest.mark.exercise("ch10.3")
 def test_a_tiny_checkpoint_keeps_its_familys_switches(tiny) -> None:
     qwen3, llama = load_model(tiny["qwen3"]).config, load_model(tiny["llama"]).config
     assert (qwen3.qk_norm, qwen3.tie_word_embeddings, qwen3.n_heads // qwen3.n_kv_heads) == (

@@ -81,6 +81,8 @@ ARCHITECTURES = {  # what minivllm runs -> Hugging Face's model_type
     "Qwen3ForCausalLM": "qwen3",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the dtypes a safetensors header names that the model can be loaded from
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def config_from_hf(hf: dict, source: str | Path = "config.json") -> ModelConfig:
@@ -316,7 +318,7 @@ def weight_files(folder: Path) -> tuple[dict[str, Path], Path]:
         return {name: single for name in f.keys()}, single
 
 
-def _ignored(name: str, config: ModelConfig) -> bool:
+def ignored_tensor(name: str, config: ModelConfig) -> bool:
     """Tensors a checkpoint may hold that are not weights: RoPE tables older exports saved, and a
     tied LM head saved anyway (the embedding is the one used)."""
     return name.endswith("rotary_emb.inv_freq") or (
@@ -324,45 +326,56 @@ def _ignored(name: str, config: ModelConfig) -> bool:
     )
 
 
-def _check_tensors(
+def check_tensors(
     expected: dict[str, tuple[int, ...]], files: dict[str, Path], listing: Path, config
 ) -> None:
     """Every name, shape and dtype against the model's, from the files' headers alone: nothing is
-    read or allocated until the whole checkpoint is known to fit."""
-    found = {name for name in files if not _ignored(name, config)}
-    missing = sorted(set(expected) - found)
-    unexpected = sorted(found - set(expected))
+    read or allocated until the whole checkpoint is known to fit.
+
+    `expected`: the model's parameter names and shapes (a tied LM head is not one of them: it is
+    the embedding); `files`: which file holds each tensor of the checkpoint, as `listing` (the
+    one file, or the shards' index) says (`weight_files`). The first problem found is raised as a
+    `CheckpointError` naming the tensor -- in this order:
+
+        {listing} is missing tensor 'name'  (then " (and 3 more)" if there are more)
+        {listing} has unexpected tensor 'name'   (one `ignored_tensor` says to skip is not)
+        {path} is missing tensor 'name', which {listing.name} puts there  (an index that lies)
+        {path}: tensor 'name' has shape (a, b), the config needs (c, d)
+        {path}: tensor 'name' has dtype I32, ...  (not one of SAFETENSORS_DTYPES)
+    """
+    # EXERCISE ch10.3: check names (missing, unexpected), then each file's shapes and dtypes
+    ### BEGIN SOLUTION
+    found = {name for name in files if not ignored_tensor(name, config)}
+    missing, unexpected = sorted(set(expected) - found), sorted(found - set(expected))
     if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(
-            f"{listing} is missing tensor {missing[0]!r}"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + ": the file does not match config.json; re-export or retrain the weights"
+            f"{listing} is missing tensor {missing[0]!r}{more}: the file does not match "
+            "config.json; re-export or retrain the weights"
         )
     if unexpected:
         raise CheckpointError(
-            f"{listing} has unexpected tensor {unexpected[0]!r}: is config.json for a different "
-            "model?"
+            f"{listing} has unexpected tensor {unexpected[0]!r}: is config.json another model's?"
         )
     for path, names in _by_file(files, expected).items():
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:  # reads the header, not the data
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise CheckpointError(
                         f"{path} is missing tensor {name!r}, which {listing.name} puts there"
                     )
-                got = f.get_slice(name)
-                shape, dtype = tuple(got.get_shape()), got.get_dtype()
-                if shape != expected[name]:
+                header, need = f.get_slice(name), expected[name]
+                shape, dtype = tuple(header.get_shape()), header.get_dtype()
+                if shape != need:
                     raise CheckpointError(
-                        f"{path}: tensor {name!r} has shape {shape}, the config needs "
-                        f"{expected[name]}"
+                        f"{path}: tensor {name!r} has shape {shape}, the config needs {need}"
                     )
-                if dtype not in ("F32", "F16", "BF16"):
+                if dtype not in SAFETENSORS_DTYPES:
                     raise CheckpointError(
-                        f"{path}: tensor {name!r} has dtype {dtype}, expected a floating-point "
-                        "dtype"
+                        f"{path}: tensor {name!r} has dtype {dtype}, not a floating-point one"
                     )
+    ### END SOLUTION
 
 
 def _by_file(files: dict[str, Path], names) -> dict[Path, list[str]]:
@@ -399,7 +412,7 @@ def load_model(
     with torch.device("meta"):
         model = model_class(config, dtype)(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    _check_tensors(expected, files, listing, config)
+    check_tensors(expected, files, listing, config)
     if not weights:
         model = model.to(dtype)
     elif shard is None:
@@ -416,7 +429,6 @@ def load_model(
     return model.eval()
 
 
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 CONVERT_CHUNK_BYTES = 16 << 20  # the buffer a tensor stored in another dtype passes through
 
 
@@ -440,7 +452,7 @@ def _read_into(
         header = json.loads(f.read(header_size))
         data_start = 8 + header_size
         for name, param in params.items():
-            entry = header[name]  # _check_tensors has seen every name, shape and dtype
+            entry = header[name]  # check_tensors has seen every name, shape and dtype
             stored = SAFETENSORS_DTYPES[entry["dtype"]]
             offset = data_start + entry["data_offsets"][0]
             part = slices.get(name)
