@@ -182,7 +182,10 @@ show(Scheduler.schedule)
 # (**{term}`chunked prefill`**). That keeps every step's size bounded, so one long prompt cannot
 # freeze everyone else's decoding. With {term}`prefix caching` on, a prompt starts with the blocks
 # it finds in chapter 03's prefix cache (`computed_prefix`) and computes only the rest. The head of
-# the queue that does not fit ends the admissions for this step: nobody overtakes it.
+# the queue that does not fit ends the admissions for this step: nobody overtakes it. The loop is
+# this chapter's core exercise, ch04.4, so its solution is folded; three small helpers keep the
+# bookkeeping out of it: `_seats` (a request sampling $n$ answers takes $n$ seats from the start),
+# `_prefix_hits` (the cached blocks, none when prefix caching is off) and `_start_running`.
 
 # %%
 show(Scheduler._admit)
@@ -611,10 +614,25 @@ plt.show()
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/runner/sampler.py` (ch04.1, ch04.2) and `src/minivllm/runner/batch.py` (ch04.3); run
-# one exercise's tests with `pytest tests --exercise ch04.1`.
+# `src/minivllm/sched/scheduler.py` (ch04.4), `src/minivllm/runner/sampler.py` (ch04.1, ch04.2) and
+# `src/minivllm/runner/batch.py` (ch04.3); run one exercise's tests with
+# `pytest tests --exercise ch04.4`.
 #
-# 1. **ch04.1 — top-k and top-p.** In `token_probs`, turn `scaled` (the temperature-scaled logits,
+# 1. **ch04.4 — the admission loop** (this chapter's core). Write the loop in `Scheduler._admit`
+#    that takes waiting sequences into the running batch, head of `self.waiting` first, while
+#    budget is left. Stop at the first sequence that does not fit, so that nobody overtakes it: it
+#    needs more seats than `max_num_seqs` leaves (`_seats` counts one, plus its forks), or its
+#    prompt does not fit what is left of the budget and it may not be chunked (`_may_chunk`), or
+#    `allocate_slots` answers 0. A sequence that fits starts after what the prefix cache holds of
+#    its first `_prefill_end` tokens (`_prefix_hits`: the blocks and their token count), computes
+#    as much of the rest as the budget allows, and leaves the queue: `_start_running`, its first
+#    chunk from `_chunk`, and the running totals `admitted`, `hit_tokens`, `seats` and `budget`.
+#    The tests check the budget, first come first served, a refused head that stops admission and
+#    holds no block, seats for forks, the first chunk of a prompt larger than the budget left, and
+#    prefix hits that spend no budget; a hypothesis test replays random workloads against a fake
+#    KV cache. Every later chapter's engine admits through this loop. Three hints, from a nudge to
+#    nearly the answer, are folded below the list.
+# 2. **ch04.1 — top-k and top-p.** In `token_probs`, turn `scaled` (the temperature-scaled logits,
 #    `[B, V]` float64, $-\infty$ where a token is already ruled out) into `probs`, the `[B, V]`
 #    distribution the lines after yours return. For each row, in this order: keep its `top_k` most
 #    likely tokens (0, or any k of at least V, keeps all) and renormalise them; then, on *that*
@@ -630,7 +648,7 @@ plt.show()
 #    sorted *logits* before the softmax, and the softmax does the first renormalisation for you.
 #    For top-p, decide each token by the mass strictly *before* it: that keeps the token that
 #    crosses p, and the top token, whose mass before is 0.
-# 2. **ch04.2 — inverse CDF.** In `sample_from_probs`, return a `[B]` long tensor: for each row, the
+# 3. **ch04.2 — inverse CDF.** In `sample_from_probs`, return a `[B]` long tensor: for each row, the
 #    first token whose running total of probability *exceeds* `u` times the row's total (its last
 #    running total; rows need not sum to exactly 1). `u` is already a `[B, 1]` float64 column of
 #    uniforms in [0, 1). A zero-probability token must never be picked, and no u may take you past
@@ -640,7 +658,7 @@ plt.show()
 #    *Hint:* `torch.searchsorted` on the row-wise cumulative sum does every row at once. Read what
 #    its `right` argument does with a running total *equal* to the target: a zero-probability token
 #    has the same running total as the token before it.
-# 3. **ch04.3 — flatten a chunk.** In `pack_batch`, append one piece's token ids to `input_ids`, the
+# 4. **ch04.3 — flatten a chunk.** In `pack_batch`, append one piece's token ids to `input_ids`, the
 #    offset where it ends in the flat batch to `query_start`, and its context length to
 #    `context_lens` (positions and slots follow for every token at once, below the loop). The tests
 #    compare hand-worked steps token by token.
@@ -648,7 +666,7 @@ plt.show()
 #    *Hint:* `query_start` holds cumulative offsets (it starts as `[0]`), and the code below yours
 #    reads its last entry. A piece's context length counts everything its queries attend to: the
 #    cached history *and* the piece's own tokens, a number the loop has already computed.
-# 4. *(Explore, no test.)* Rerun the static/continuous comparison with `max_num_batched_tokens=16`.
+# 5. *(Explore, no test.)* Rerun the static/continuous comparison with `max_num_batched_tokens=16`.
 #    Which requests' {term}`time to first token <time to first token (TTFT)>` grows, and why do
 #    decodes not slow down?
 #
@@ -656,6 +674,38 @@ plt.show()
 #    prefills get what is left, in chunks. Count how many steps the chapter's prompts (their
 #    lengths are printed where the workload is built, at the top) need to prefill when up to four
 #    decodes come first.
+
+# %% [markdown]
+# The hints for ch04.4, the chapter's core, are folded: open one at a time.
+#
+# :::{admonition} Hint 1 for ch04.4 — a nudge
+# :class: dropdown
+# Look at the head of the queue without taking it off (`self.waiting[0]`): only once every check
+# has passed — seats, budget, blocks — may it leave the queue. Each check that fails ends the loop
+# with `break`, never `continue`: a sequence further back must not overtake the head.
+# :::
+#
+# :::{admonition} Hint 2 for ch04.4 — the approach
+# :class: dropdown
+# For the head: count its seats against `config.max_num_seqs`; find where its prefill ends and how
+# many of those tokens the prefix cache already holds; the tokens to compute now are the uncached
+# rest, capped by the budget. Fewer than the rest is a chunk, allowed only if `_may_chunk` says
+# so. Then ask `manager.allocate_slots` for that many slots after the cached tokens, passing the
+# hit blocks as `prefix_blocks`. Only on a yes: take it off the queue, start it, append its chunk,
+# and update the four totals.
+# :::
+#
+# :::{admonition} Hint 3 for ch04.4 — nearly there
+# :class: dropdown
+# The loop runs `while` the queue is not empty and `budget` is positive. Inside it, in order:
+# `break` if `seats` plus the head's `_seats` exceeds the limit; `end` from `_prefill_end`; the
+# pair `(hits, cached)` from `_prefix_hits(seq, end)`; `num_new` is the smaller of `end - cached`
+# and `budget`; `break` if that is short of `end - cached` and the sequence may not be chunked;
+# `break` if `allocate_slots(seq.seq_id, cached, num_new, prefix_blocks=hits)` grants nothing.
+# Then `popleft()`, `_start_running(seq, cached)`, `seats` grows by its seats, a prefill chunk of
+# `num_new` tokens (`is_prefill=True`) joins `chunks`, its id joins `admitted`, `cached` is added to
+# `hit_tokens` and `num_new` taken from `budget`.
+# :::
 
 # %% [markdown]
 # ## Summary

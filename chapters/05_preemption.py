@@ -135,7 +135,8 @@ show(Preemption)
 # The policy that ships, `RecomputePreemption`, asks once; while the answer is "no room" and the
 # sequence is not alone, it picks a victim among the running sequences not yet scheduled in this
 # step, preempts it and asks again — until the sequence fits or is itself the victim. (vLLM's V1
-# scheduler does the same inside its `schedule()`, in `vllm/v1/core/sched/scheduler.py`.)
+# scheduler does the same inside its `schedule()`, in `vllm/v1/core/sched/scheduler.py`.) This loop
+# is the chapter's core exercise, ch05.3: its solution is folded.
 
 # %%
 show(RecomputePreemption.make_room)
@@ -539,35 +540,47 @@ plt.show()
 # sequences were recomputed more than once (the "preempted 2+" column counts them). In a cache this
 # small a readmitted sequence's prefill takes blocks the decodes will need a few steps later, so it
 # is preempted again: *thrashing*. vLLM's V0 block manager damped it with a *watermark* — admit
-# only while some blocks stay free for the running batch to grow into (exercise 4); V1 dropped the
+# only while some blocks stay free for the running batch to grow into (exercise 5); V1 dropped the
 # watermark and preempts the newest running request when one finds no block.
 #
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/sched/preemption.py` (ch05.1) and `src/minivllm/sched/scheduler.py` (ch05.2); run
-# one exercise's tests with `pytest tests --exercise ch05.1`.
+# `src/minivllm/sched/preemption.py` (ch05.3, ch05.1) and `src/minivllm/sched/scheduler.py`
+# (ch05.2); run one exercise's tests with `pytest tests --exercise ch05.3`.
 #
-# 1. **ch05.1 — least progressed.** Return the candidate with the fewest output tokens; on a tie,
+# 1. **ch05.3 — make room** (this chapter's core). Write `RecomputePreemption.make_room`: ask
+#    `allocate()` for the sequence's slots; while it answers 0 and `seq` is not alone in the
+#    running batch, let `self.victim_policy` choose a victim among the running sequences not in
+#    `served` (in the running list's order, which is admission order), preempt it with
+#    `scheduler.preempt`, and ask again. Stop as soon as the sequence is granted slots, when it is
+#    alone (the scheduler then ends it as `"cache_full"`), or when it was itself the victim (it
+#    waits now: do not ask for its slots again). Return the tokens granted (0 if none) and the
+#    victims in the order they were preempted. The tests call it with a counted `allocate` —
+#    asked once, then once after each victim — and check the candidates offered, the victims and
+#    the queues; the worked example, the burst and a hypothesis test over tiny caches then run it
+#    inside the scheduler. Three hints, from a nudge to nearly the answer, are folded below the
+#    list.
+# 2. **ch05.1 — least progressed.** Return the candidate with the fewest output tokens; on a tie,
 #    the one with the higher `seq_id`. The tests pin the worked example's victims.
 #
 #    *Hint:* A single `min` with a tuple key compares the fields in order; choose the second field
 #    so that a higher `seq_id` counts as smaller. Do not rely on the candidates' order.
-# 2. **ch05.2 — preempt.** In `Scheduler.preempt`, give back every block of the victim, take it out
+# 3. **ch05.2 — preempt.** In `Scheduler.preempt`, give back every block of the victim, take it out
 #    of the running list, reset what it has computed (its tokens stay) and put it at the *front* of
 #    the waiting queue. The tests check output identity under heavy preemption.
 #
 #    *Hint:* The block manager frees all of a sequence's blocks in one call. "Reset what it has
 #    computed" is the status back to `Status.WAITING` and `num_computed_tokens` to 0, so its next
 #    admission prefills prompt and output again; `waiting` is a deque, with `appendleft`.
-# 3. *(Explore, no test.)* Write a third policy — *longest remaining* (evict the sequence furthest
+# 4. *(Explore, no test.)* Write a third policy — *longest remaining* (evict the sequence furthest
 #    from its `max_tokens`) — pass the function as `SchedulerConfig(preemption=...)`, and compare
 #    its {term}`recompute overhead` with the two above.
 #
 #    *Hint:* A victim policy is any function from the candidate list to one sequence, like
 #    `least_progressed`; the distance is `params.max_tokens` minus `num_output_tokens`. Give it a
 #    fixed tie-break, and compare on the same workload and cache size.
-# 4. *(Explore, no test.)* Add a watermark to `Scheduler._admit`: admit only while, after the
+# 5. *(Explore, no test.)* Add a watermark to `Scheduler._admit`: admit only while, after the
 #    allocation, at least one free block per running decode would remain. Rerun the measurement: how
 #    do the preemption count, the recompute overhead and the steps move, and at what cache size does
 #    the watermark start to cost more than it saves?
@@ -576,6 +589,34 @@ plt.show()
 #    overtakes the head of the queue; `manager.blocks_needed` and `manager.num_free` give the blocks
 #    the admission takes and those left. One free block per decode lets each cross into a new block
 #    next step.
+
+# %% [markdown]
+# The hints for ch05.3, the chapter's core, are folded: open one at a time.
+#
+# :::{admonition} Hint 1 for ch05.3 — a nudge
+# :class: dropdown
+# It is one loop around `allocate()`: ask, and while the answer is no and someone else could give
+# blocks back, free one victim's blocks and ask again. The victim policy only chooses; preempting
+# is the scheduler's move, and its running list shrinks by one each time.
+# :::
+#
+# :::{admonition} Hint 2 for ch05.3 — the approach
+# :class: dropdown
+# Keep the latest answer of `allocate()` and a list of victims. The loop's condition has two
+# parts: nothing granted yet, and more than one sequence running. In the body, build the
+# candidates from `scheduler.running`, leaving out every sequence in `served`, hand them to the
+# victim policy, preempt its choice and record it. If the choice is `seq` itself, leave the loop
+# without asking again; otherwise ask again. Return the pair.
+# :::
+#
+# :::{admonition} Hint 3 for ch05.3 — nearly there
+# :class: dropdown
+# Start with `granted = allocate()` and `victims = []`. Loop `while` `granted` is 0 and
+# `len(scheduler.running)` exceeds 1: the victim is the policy applied to the list of running
+# sequences that are `not in served`; call `scheduler.preempt` on it and append it to `victims`;
+# `break` if it `is seq`, else set `granted` to a fresh `allocate()`. After the loop, return
+# `granted` and `victims`.
+# :::
 
 # %% [markdown]
 # ## Summary

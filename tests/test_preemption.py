@@ -50,6 +50,7 @@ TOKEN = ord("a")  # what the fake sampler returns unless told otherwise
 
 ch05_1 = pytest.mark.exercise("ch05.1")
 ch05_2 = pytest.mark.exercise("ch05.2")
+ch05_3 = pytest.mark.exercise("ch05.3")  # RecomputePreemption.make_room
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -161,9 +162,126 @@ def test_least_progressed_breaks_a_tie_towards_the_higher_seq_id() -> None:
     assert least_progressed([pool[3]]) is pool[3]
 
 
+# -- make_room (ch05.3): RecomputePreemption on its own, with a counted `allocate` -----------------
+
+
+def three_running() -> tuple[Scheduler, list[Sequence]]:
+    """Three running sequences of 2 prompt tokens (ids 0, 1, 2, admitted in that order), one block
+    of 2 each: the cache of 3 blocks is full."""
+    s = scheduler(3, 2)
+    seqs = [seq(i, 2, max_tokens=8) for i in range(3)]
+    for x in seqs:
+        s.add(x)
+    step(s)
+    assert ids(s.running) == [0, 1, 2] and s.manager.num_free == 0
+    return s, seqs
+
+
+class Asks:
+    """A stand-in for `_reserve`'s `allocate`: grants `tokens` once `free_needed` blocks are free,
+    and counts how often it was asked."""
+
+    def __init__(self, s: Scheduler, free_needed: int, tokens: int = 1) -> None:
+        self.s, self.free_needed, self.tokens, self.calls = s, free_needed, tokens, 0
+
+    def __call__(self) -> int:
+        self.calls += 1
+        return self.tokens if self.s.manager.num_free >= self.free_needed else 0
+
+
+def recording(choose: Callable) -> tuple[Callable, list[list[int]]]:
+    """A victim policy that records the candidates' ids it was offered, then calls `choose`."""
+    offered: list[list[int]] = []
+
+    def policy(candidates):
+        offered.append(ids(candidates))
+        return choose(candidates)
+
+    return policy, offered
+
+
+@ch05_3
+def test_make_room_asks_first_and_preempts_nobody_when_the_sequence_fits() -> None:
+    s, (a, _, _) = three_running()
+    policy, offered = recording(newest_first)
+    allocate = Asks(s, free_needed=0, tokens=3)
+    result = RecomputePreemption(policy).make_room(s, a, allocate, [])
+    assert result == (3, []), f"allocate() granted 3 at once: expected (3, []), got {result}"
+    assert offered == [] and allocate.calls == 1, (
+        f"the first allocate() succeeded, so no victim should be chosen: the policy was asked "
+        f"{len(offered)} time(s), allocate() {allocate.calls} time(s)"
+    )
+    assert ids(s.running) == [0, 1, 2] and not s.waiting
+
+
+@ch05_3
+@pytest.mark.parametrize("free_needed, victims", [(1, [2]), (2, [2, 1])])
+def test_make_room_preempts_victims_one_at_a_time_until_the_sequence_fits(
+    free_needed: int, victims: list[int]
+) -> None:
+    s, (a, _, _) = three_running()
+    policy, offered = recording(newest_first)
+    allocate = Asks(s, free_needed, tokens=4)
+    granted, preempted = RecomputePreemption(policy).make_room(s, a, allocate, [])
+    assert (granted, ids(preempted)) == (4, victims), (
+        f"with {free_needed} free block(s) needed and newest-first, expected to preempt "
+        f"{victims} and then be granted 4 tokens, got {ids(preempted)} and {granted}: ask "
+        f"allocate() again after each victim, and stop as soon as it grants"
+    )
+    expected_offers = [[0, 1, 2], [0, 1]][: len(victims)]
+    assert offered == expected_offers, (
+        f"the policy should be offered the running sequences in admission order, "
+        f"{expected_offers}, got {offered}"
+    )
+    assert allocate.calls == 1 + len(victims), (
+        f"allocate() should be asked once, then once after each victim: {1 + len(victims)} "
+        f"calls, got {allocate.calls}"
+    )
+    assert ids(s.running) == [i for i in (0, 1, 2) if i not in victims]
+    assert ids(s.waiting) == sorted(victims), "each victim must be preempted (scheduler.preempt)"
+
+
+@ch05_3
+def test_make_room_never_offers_a_served_sequence_and_stops_when_it_is_its_own_victim() -> None:
+    s, (a, b, _) = three_running()
+    policy, offered = recording(lambda candidates: candidates[0])  # oldest first
+    allocate = Asks(s, free_needed=3)
+    result = RecomputePreemption(policy).make_room(s, b, allocate, [a])
+    assert offered == [[1, 2]], (
+        f"seq 0 was served earlier in this step and must never be a candidate: expected the "
+        f"policy to be offered [[1, 2]], got {offered}"
+    )
+    assert result == (0, [b]), (
+        f"the policy chose seq 1, the sequence asking for room: it waits now, so make_room must "
+        f"stop and return (0, [seq 1]), got ({result[0]}, {ids(result[1])})"
+    )
+    assert allocate.calls == 1, "after preempting the sequence itself, do not ask for its slots"
+    assert ids(s.running) == [0, 2] and ids(s.waiting) == [1]
+
+
+@ch05_3
+def test_make_room_gives_up_when_the_sequence_is_alone() -> None:
+    s, (a, _, _) = three_running()
+    policy, offered = recording(newest_first)
+    allocate = Asks(s, free_needed=4)  # more than the whole cache: it never fits
+    result = RecomputePreemption(policy).make_room(s, a, allocate, [])
+    assert (result[0], ids(result[1])) == (0, [2, 1]), (
+        f"nothing ever fits: preempt the others one at a time, then give up when seq 0 is alone "
+        f"(0 tokens, victims [2, 1]), got ({result[0]}, {ids(result[1])})"
+    )
+    assert ids(s.running) == [0] and allocate.calls == 3, (
+        f"seq 0 must be left running alone (the scheduler ends it as too big), after 3 asks: "
+        f"running {ids(s.running)}, {allocate.calls} asks"
+    )
+    offered.clear()
+    assert RecomputePreemption(policy).make_room(s, a, Asks(s, free_needed=4), []) == (0, [])
+    assert offered == [], "a sequence alone in the batch has nobody to preempt: no victim"
+
+
 # -- preempt (ch05.2) on the pure scheduler, worked by hand ---------------------------------------
 
 
+@ch05_3
 @ch05_2
 def test_a_preemption_worked_by_hand() -> None:
     # 4 blocks of 2 tokens; two sequences of 3 prompt tokens and 6 new ones each.
@@ -226,8 +344,8 @@ def test_a_preemption_worked_by_hand() -> None:
 @pytest.mark.parametrize(
     "policy, victim",
     [
-        pytest.param("newest", 0, marks=ch05_2),
-        pytest.param("least_progressed", 1, marks=[ch05_1, ch05_2]),
+        pytest.param("newest", 0, marks=[ch05_2, ch05_3]),
+        pytest.param("least_progressed", 1, marks=[ch05_1, ch05_2, ch05_3]),
     ],
 )
 def test_a_sequence_can_be_its_own_victim(policy: str, victim: int) -> None:
@@ -253,6 +371,7 @@ def test_a_sequence_can_be_its_own_victim(policy: str, victim: int) -> None:
     assert first.finish_reason == second.finish_reason == LENGTH and s.manager.num_free == 4
 
 
+@ch05_3
 @ch05_2
 def test_a_custom_policy_sees_the_unserved_running_sequences_in_admission_order() -> None:
     seen: list[list[int]] = []
@@ -281,6 +400,7 @@ def test_a_custom_policy_sees_the_unserved_running_sequences_in_admission_order(
     assert all(seen) and s.manager.num_free == 4
 
 
+@ch05_3
 @ch05_2
 def test_several_victims_in_one_step_queue_in_front_of_fresh_requests() -> None:
     # One long request and three short ones fill the cache; in the next step two of them must give
@@ -398,6 +518,7 @@ def run_worked(model, policy) -> tuple[LLMEngine, dict[int, RequestOutput]]:
     return engine, done
 
 
+@ch05_3
 @pytest.mark.parametrize(
     "policy",
     [
@@ -676,7 +797,14 @@ def check_cache_full(
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("policy", ["newest", "least_progressed", Stall()])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param("newest", marks=ch05_3),
+        pytest.param("least_progressed", marks=ch05_3),
+        Stall(),
+    ],
+)
 def test_a_request_that_cannot_fit_alone_ends_cache_full(target, normal_alone, policy) -> None:
     engine = small_engine(target, policy)
     too_long, normal = engine.generate(["ROMEO:\n", "JULIET:\n"], [TOO_LONG, NORMAL])
@@ -690,6 +818,7 @@ def test_a_request_that_cannot_fit_alone_ends_cache_full(target, normal_alone, p
     )
 
 
+@ch05_3
 @ch05_2
 def test_a_neighbour_preempted_for_a_hopeless_request_comes_back(target, normal_alone) -> None:
     # The normal request arrives when the long one holds 7 of the 8 blocks; when the long one needs
@@ -751,6 +880,7 @@ def test_without_preemption_a_burst_stalls(target) -> None:
     assert not any(r.preempted for r in engine.trace)
 
 
+@ch05_3
 @pytest.mark.parametrize(
     "policy",
     [
@@ -823,6 +953,7 @@ def fake_token(seq_id: int, position: int, eos_at: int | None, prompt_len: int) 
     return seq_id * 5 + position * 3 % 4
 
 
+@ch05_3
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(preempting_workloads())
 def test_random_preempting_workloads_finish_and_keep_the_books(workload) -> None:

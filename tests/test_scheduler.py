@@ -29,6 +29,8 @@ from minivllm.sched.sequence import (
 EOS = 257
 TOKEN = ord("a")  # what the fake sampler returns unless told otherwise
 
+ch04_4 = pytest.mark.exercise("ch04.4")  # the admission loop, Scheduler._admit
+
 
 def seq(seq_id: int, prompt: int | list[int], max_tokens: int = 4, **params) -> Sequence:
     ids = prompt if isinstance(prompt, list) else [(seq_id * 31 + i) % 200 for i in range(prompt)]
@@ -89,6 +91,7 @@ def test_a_sequence_id_is_scheduled_once() -> None:
 # -- chunked prefill, token budget, phase order: one small case worked by hand ---------------------
 
 
+@ch04_4
 def test_hand_worked_chunked_prefill() -> None:
     s = scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
     a, b, c = seq(0, 5, max_tokens=3), seq(1, 10, max_tokens=2), seq(2, 3, max_tokens=1)
@@ -132,6 +135,7 @@ def test_hand_worked_chunked_prefill() -> None:
     assert not s.has_unfinished() and s.manager.num_free == 16 and not s.manager.tables
 
 
+@ch04_4
 def test_budget_is_shared_by_decodes_and_prefill_chunks() -> None:
     s = scheduler(max_num_seqs=4, max_num_batched_tokens=6)
     s.add(seq(0, 2, max_tokens=20))
@@ -153,6 +157,7 @@ def test_budget_is_shared_by_decodes_and_prefill_chunks() -> None:
         assert plan.num_batched_tokens == 6
 
 
+@ch04_4
 def test_chunked_prefill_off_keeps_a_prompt_that_does_not_fit_the_rest_of_the_budget_waiting() -> (
     None
 ):
@@ -174,6 +179,7 @@ def test_chunked_prefill_off_keeps_a_prompt_that_does_not_fit_the_rest_of_the_bu
     assert all(c.num_tokens == s.sequences[c.seq_id].num_prompt_tokens for c in plan.prefills)
 
 
+@ch04_4
 def test_chunked_prefill_off_never_admits_a_prompt_larger_than_the_budget() -> None:
     s = scheduler(max_num_seqs=2, max_num_batched_tokens=8, chunked_prefill=False)
     s.add(seq(0, 9))
@@ -186,6 +192,7 @@ def test_chunked_prefill_off_never_admits_a_prompt_larger_than_the_budget() -> N
 # -- admission limits ------------------------------------------------------------------------------
 
 
+@ch04_4
 def test_admission_is_limited_by_max_num_seqs() -> None:
     s = scheduler(max_num_seqs=2, max_num_batched_tokens=64)
     s.add(seq(0, 3, max_tokens=1))
@@ -201,6 +208,7 @@ def test_admission_is_limited_by_max_num_seqs() -> None:
     assert all(len(p.decodes) + len(p.admitted) <= 2 for p in plans)
 
 
+@ch04_4
 def test_running_never_exceeds_max_num_seqs() -> None:
     s = scheduler(max_num_seqs=3, max_num_batched_tokens=64)
     for i in range(10):
@@ -210,6 +218,7 @@ def test_running_never_exceeds_max_num_seqs() -> None:
         assert len(s.running) <= 3
 
 
+@ch04_4
 def test_fifo_head_of_line_blocks_later_requests_when_out_of_blocks() -> None:
     s = scheduler(num_blocks=4, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     s.add(seq(0, 8, max_tokens=1))  # 2 blocks
@@ -224,6 +233,7 @@ def test_fifo_head_of_line_blocks_later_requests_when_out_of_blocks() -> None:
     assert plan.admitted == (1, 2) and s.manager.num_free == 0
 
 
+@ch04_4
 def test_admission_keeps_arrival_order() -> None:
     s = scheduler(max_num_seqs=8, max_num_batched_tokens=8)
     for i in range(5):
@@ -312,6 +322,7 @@ def admissions(batching) -> list[tuple[int, ...]]:
     return [p.admitted for p in run_to_end(s)]
 
 
+@ch04_4
 def test_static_batching_admits_only_when_the_whole_batch_is_done() -> None:
     # Request 0 finishes after step 1 but request 1 runs 4 steps: the static batch waits for it.
     assert admissions(StaticBatching()) == [(0, 1), (), (), (), (2, 3), ()]
@@ -358,6 +369,7 @@ def test_scheduler_stalled_when_nothing_can_progress() -> None:
 # -- prefix caching --------------------------------------------------------------------------------
 
 
+@ch04_4
 @pytest.mark.parametrize(
     "prompt_len, hit", [(10, 8), (8, 4), (12, 8), (9, 8), (4, 0), (3, 0), (1, 0)]
 )
@@ -387,6 +399,7 @@ def test_a_repeated_prompt_hits_its_full_blocks_but_never_its_last_token(
     assert s.manager.num_free == 16 and not any(s.manager.allocator.refcounts)
 
 
+@ch04_4
 def test_no_hits_between_prompts_admitted_in_the_same_step() -> None:
     s = scheduler(
         num_blocks=16, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True
@@ -400,6 +413,7 @@ def test_no_hits_between_prompts_admitted_in_the_same_step() -> None:
     )
 
 
+@ch04_4
 def test_a_freed_prompt_still_hits_and_its_blocks_are_taken_back() -> None:
     s = scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True)
     s.add(seq(0, list(range(10)), max_tokens=1))
@@ -433,6 +447,129 @@ def test_a_chunked_prompt_names_its_blocks_as_the_chunks_are_computed() -> None:
         step(s)
         named.append(len(s.manager.prefix_cache.cached))
     assert named == [1, 3, 4, 5]  # 6, 12, 18, 20 tokens computed: floor(n / 4) full blocks
+
+
+# -- the admission loop (ch04.4), one rule a test ------------------------------------------------
+
+
+def admitted_ids(plans: list[StepPlan]) -> list[int]:
+    return [i for p in plans for i in p.admitted]
+
+
+@ch04_4
+def test_admission_fills_the_token_budget_and_never_exceeds_it() -> None:
+    s = scheduler(max_num_seqs=8, max_num_batched_tokens=10)
+    for i, prompt_len in enumerate([4, 3, 6, 2]):
+        s.add(seq(i, prompt_len, max_tokens=3))
+    plan, _ = step(s)
+    # 4 + 3 whole prompts, then the 3 tokens left of the budget go to the third prompt's first
+    # chunk; the fourth waits for the next step.
+    expected = (C(0, 0, 4, True, True), C(1, 0, 3, True, True), C(2, 0, 3, True, False))
+    assert plan.chunks == expected, (
+        f"with a budget of 10 and prompts of 4, 3, 6 and 2 tokens the first step should run "
+        f"{expected}, got {plan.chunks}"
+    )
+    assert plan.admitted == (0, 1, 2) and [x.seq_id for x in s.waiting] == [3], (
+        f"admitted {plan.admitted}, still waiting {[x.seq_id for x in s.waiting]}: expected "
+        f"(0, 1, 2) and [3]"
+    )
+    for plan in run_to_end(s):
+        assert plan.num_batched_tokens <= 10, (
+            f"step {plan.step} runs {plan.num_batched_tokens} tokens, over the budget of 10"
+        )
+
+
+@ch04_4
+def test_admission_is_first_come_first_served_whatever_the_ids_and_sizes() -> None:
+    s = scheduler(max_num_seqs=2, max_num_batched_tokens=8)
+    arrival = [4, 1, 5, 0, 3, 2]
+    for seq_id, prompt_len in zip(arrival, [7, 1, 5, 2, 6, 1]):
+        s.add(seq(seq_id, prompt_len, max_tokens=2))
+    order = admitted_ids(run_to_end(s))
+    assert order == arrival, f"admitted in the order {order}, not in arrival order {arrival}"
+
+
+@ch04_4
+def test_a_refused_head_of_the_queue_stops_admission_and_holds_nothing() -> None:
+    s = scheduler(num_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    s.add(seq(0, 8, max_tokens=8))  # 2 blocks
+    step(s)
+    head, small = seq(1, 16, max_tokens=1), seq(2, 1, max_tokens=1)
+    s.add(head)  # 4 blocks: not while seq 0 holds 3 of the 5
+    s.add(small)  # 1 block would fit, but it must not overtake the head
+    plan = s.schedule()
+    assert plan.admitted == (), (
+        f"admitted {plan.admitted}: the head of the queue (seq 1) finds no blocks, so nobody may "
+        f"be admitted this step (nobody overtakes it)"
+    )
+    assert [x.seq_id for x in s.waiting] == [1, 2], "the refused sequences must stay waiting"
+    assert 1 not in s.manager and 2 not in s.manager and s.manager.num_free == 2, (
+        "a refused admission must hold no blocks: allocate_slots answered 0 and changed nothing"
+    )
+    assert head.status is Status.WAITING and head.num_computed_tokens == 0
+
+
+@ch04_4
+def test_seats_count_the_forks_a_sequence_will_start() -> None:
+    s = scheduler(max_num_seqs=4, max_num_batched_tokens=16)
+    s.add(seq(0, 2, max_tokens=4))
+    s.add(seq(1, 2, max_tokens=4))
+    step(s)
+    parent = seq(2, 3, max_tokens=4)
+    parent.forks = [seq(10, 3, max_tokens=4), seq(11, 3, max_tokens=4)]  # n = 3: three seats
+    s.add(parent)
+    s.add(seq(3, 1, max_tokens=4))  # one seat would be free, but it must not overtake
+    plan = s.schedule()
+    assert plan.admitted == (), (
+        f"admitted {plan.admitted}: seq 2 and its 2 forks need 3 seats and only 2 of "
+        f"max_num_seqs=4 are free, so admission stops at the head of the queue"
+    )
+
+
+@ch04_4
+def test_a_prompt_larger_than_the_budget_left_gets_a_first_chunk() -> None:
+    s = scheduler(max_num_seqs=4, max_num_batched_tokens=8)
+    s.add(seq(0, 2, max_tokens=10))
+    step(s)
+    long = seq(1, 20, max_tokens=2)
+    s.add(long)
+    plan, _ = step(s)  # seq 0's decode takes 1 token of the 8: a chunk of 7
+    assert plan.admitted == (1,) and plan.chunks[-1] == C(1, 0, 7, True, False), (
+        f"a 20-token prompt with 7 tokens of budget left should be admitted with a first chunk "
+        f"C(1, 0, 7, True, False), got {plan.chunks}"
+    )
+    assert long.status is Status.RUNNING and long.num_computed_tokens == 7
+    plan, _ = step(s)
+    assert plan.chunks[-1] == C(1, 7, 7, True, False), (
+        f"the next step continues the prompt where it stopped: expected C(1, 7, 7, True, False), "
+        f"got {plan.chunks[-1]}"
+    )
+
+
+@ch04_4
+def test_prefix_hits_are_counted_and_only_the_rest_spends_the_budget() -> None:
+    s = scheduler(
+        num_blocks=16,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=4,
+        enable_prefix_caching=True,
+    )
+    s.add(seq(0, list(range(12)), max_tokens=1))
+    run_to_end(s)  # its three full blocks stay in the prefix cache
+    s.add(seq(1, list(range(12)) + [50, 51, 52], max_tokens=1))
+    s.add(seq(2, list(range(8)) + [60], max_tokens=1))
+    plan = s.schedule()
+    # 12 + 8 tokens found cached; 3 + 1 computed: both fit a budget of 4.
+    assert plan.chunks == (C(1, 12, 3, True, True), C(2, 8, 1, True, True)), (
+        f"each admitted prompt starts after its cached tokens and only the rest counts against "
+        f"the budget of 4: expected chunks of 3 (from 12) and 1 (from 8), got {plan.chunks}"
+    )
+    assert plan.prefix_hit_tokens == 20, (
+        f"prefix_hit_tokens should add up both admissions' cached tokens (12 + 8), got "
+        f"{plan.prefix_hit_tokens}"
+    )
+    assert (s.sequences[1].num_cached_tokens, s.sequences[2].num_cached_tokens) == (12, 8)
 
 
 # -- the property test: random workloads -----------------------------------------------------------
@@ -487,6 +624,7 @@ def fake_token(seq_id: int, position: int, eos_at: int | None, prompt_len: int) 
     return seq_id * 7 + position * 3 % 4
 
 
+@ch04_4
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_finish_with_every_block_back(workload) -> None:

@@ -81,6 +81,8 @@ class RecomputePreemption:
         allocate: Callable[[], int],
         served: list[Sequence],
     ) -> tuple[int, list[Sequence]]:
+        # EXERCISE ch05.3: make room -- preempt the policy's victims until seq fits, or give up
+        ### BEGIN SOLUTION
         granted, victims = allocate(), []
         # Alone in the batch there is nobody to preempt: the scheduler ends it as too big.
         while granted == 0 and len(scheduler.running) > 1:
@@ -91,6 +93,7 @@ class RecomputePreemption:
                 break  # it was its own victim: it waits now, with the rest of its work
             granted = allocate()
         return granted, victims
+        ### END SOLUTION
 
 
 def preemption_policy(spec: str | VictimPolicy | Preemption) -> Preemption:

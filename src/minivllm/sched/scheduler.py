@@ -244,40 +244,59 @@ class Scheduler:
         return granted
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> tuple[list[int], int]:
+        """Phase 3: take waiting sequences into the running batch, head of the queue first, while
+        a seat, the token budget and the blocks allow. Appends each one's first chunk to `chunks`;
+        returns the ids admitted and the prompt tokens found in the prefix cache."""
         config, manager = self.config, self.manager
         if not self.admission.may_admit(self):
             return [], 0
         admitted, hit_tokens = [], 0
-        # Parallel sampling: a sequence's waiting forks join when its prompt is computed, so each
-        # keeps a seat from the start.
-        seats = len(self.running) + sum(len(s.forks) for s in self.running)
+        seats = sum(self._seats(s) for s in self.running)
+        # EXERCISE ch04.4: admission loop -- seats, budget, prefix hits, chunk, allocate_slots, FCFS
+        ### BEGIN SOLUTION
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seats + 1 + len(seq.forks) > config.max_num_seqs:
+            if seats + self._seats(seq) > config.max_num_seqs:
                 break
             end = self._prefill_end(seq)
-            hits, cached = [], 0
-            # Prompt logprobs need the logits of every prompt token: no prefix-cache hits (vLLM).
-            if config.enable_prefix_caching and seq.prompt_logprobs_done:
-                hits, cached = manager.computed_prefix(seq.token_ids[:end])
+            hits, cached = self._prefix_hits(seq, end)
             num_new = min(end - cached, budget)
             if num_new < end - cached and not self._may_chunk(seq):
                 break  # without chunking the whole prompt must fit in what is left of the budget
             if not manager.allocate_slots(seq.seq_id, cached, num_new, prefix_blocks=hits):
                 break  # nobody overtakes the head of the queue
             self.waiting.popleft()
-            seq.status, seq.num_computed_tokens = Status.RUNNING, cached
-            if seq.num_draft_computed_tokens is not None:
-                seq.num_draft_computed_tokens = cached  # named blocks hold both models' K/V
-            if not seq.num_preemptions:
-                seq.num_cached_tokens = cached  # what the prompt found cached on first admission
-            self.running.append(seq)
-            seats += 1 + len(seq.forks)
+            self._start_running(seq, cached)
+            seats += self._seats(seq)
             chunks.append(self._chunk(seq, num_new, is_prefill=True))
             admitted.append(seq.seq_id)
             hit_tokens += cached
             budget -= num_new
+        ### END SOLUTION
         return admitted, hit_tokens
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Seats a sequence takes in the batch. Parallel sampling: a sequence's waiting forks join
+        when its prompt is computed, so each keeps a seat from the start."""
+        return 1 + len(seq.forks)
+
+    def _prefix_hits(self, seq: Sequence, end: int) -> tuple[list[int], int]:
+        """The prefix cache's computed blocks for the first `end` tokens of a waiting sequence, and
+        the tokens they hold: ([], 0) when prefix caching is off."""
+        # Prompt logprobs need the logits of every prompt token: no prefix-cache hits (vLLM).
+        if self.config.enable_prefix_caching and seq.prompt_logprobs_done:
+            return self.manager.computed_prefix(seq.token_ids[:end])
+        return [], 0
+
+    def _start_running(self, seq: Sequence, cached: int) -> None:
+        """An admitted sequence joins the running batch with its first `cached` tokens computed."""
+        seq.status, seq.num_computed_tokens = Status.RUNNING, cached
+        if seq.num_draft_computed_tokens is not None:
+            seq.num_draft_computed_tokens = cached  # named blocks hold both models' K/V
+        if not seq.num_preemptions:
+            seq.num_cached_tokens = cached  # what the prompt found cached on first admission
+        self.running.append(seq)
 
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens to verify after this decode: k, but never past max_tokens (a round emits up
