@@ -558,8 +558,8 @@ print(
 #    `copy_on_write`, counting the block the copy takes. `append` (which counts with ch03.1's
 #    `blocks_needed`) and `copy_on_write` (ch03.2) are there to call. The tests check each rule on
 #    a pool of a few blocks, and that a refusal changes nothing; this chapter's `generate_paged`
-#    and every engine after it ask this question before every forward pass. Three hints, from a nudge to nearly the answer, are
-#    folded below the list.
+#    and every engine after it ask this question before every forward pass. Three hints, from a
+#    nudge to nearly the answer, are folded below the list.
 # 2. **ch03.1 — `blocks_needed`.** How many new blocks does a sequence holding `num_tokens_now`
 #    tokens need for `extra_tokens` more? None while its last block has room. The tests check the
 #    boundary cases (an empty sequence, a block exactly full, one token over, zero extra) and that
@@ -634,10 +634,10 @@ print(
 # reference counts so sequences can share blocks (prefix caching, copy-on-write), and a free queue
 # whose two ends keep reusable blocks longest. One call, `allocate_slots`, grants a sequence its
 # slots before every pass — growing it lazily, copying a fork's shared block, all or nothing — and
-# it is the question chapter 04's scheduler asks for every sequence it runs. The policy (`kv/`) is plain Python with no torch; the
-# storage (`attention/storage.py`) writes through slot mappings and reads through block tables. On
-# chapter 02's workload the same memory now holds several times as many sequences — the measurement
-# above.
+# it is the question chapter 04's scheduler asks for every sequence it runs. The policy (`kv/`) is
+# plain Python with no torch; the storage (`attention/storage.py`) writes through slot mappings and
+# reads through block tables. On chapter 02's workload the same memory now holds several times as
+# many sequences — the measurement above.
 #
 # **The same idea in vLLM.** The pool and its free queue: `vllm/v1/core/block_pool.py` and
 # `FreeKVCacheBlockQueue` in `vllm/v1/core/kv_cache_utils.py`; the per-request block lists, the
