@@ -619,11 +619,12 @@ print(
 #
 # :::{admonition} Hint 3 for ch03.4 — nearly there
 # :class: dropdown
-# The slots held are the table's block count times the block size. Growing happens in two moves,
-# and only when the end (computed + granted + lookahead) passes the table's `num_tokens`: first
-# raise `num_tokens` to the end or to the slots held, whichever is smaller — the slack costs no
-# block — then, if the end lies past the slots held, `append` the difference, which takes just the
-# blocks it needs. Setting `num_tokens` first is what keeps `append` from counting the slack twice.
+# The slots held are the table's block count times the block size. The table grows only when the
+# end (computed + granted + lookahead) passes its `num_tokens`, in two moves: first raise
+# `num_tokens` to the end or to the slots held, whichever is smaller (those slots cost no block);
+# then, if the end lies past the slots held, `append` the tokens beyond them. `append` counts
+# blocks from `num_tokens` as if the table held just the blocks those tokens need; a contiguous
+# reservation holds more, which is why `num_tokens` goes up first.
 # `copy_on_write` takes the position, not the block index.
 # :::
 

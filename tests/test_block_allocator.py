@@ -676,6 +676,16 @@ def test_allocate_slots_keeps_slots_the_table_already_holds() -> None:
 
 
 @ch03_4
+def test_allocate_slots_grows_into_a_contiguous_reservation_without_new_blocks() -> None:
+    m = BlockManager(8, 4, layout="contiguous", max_model_len=16)
+    assert m.allocate_slots(0, 0, 3) == 3 and m.block_table(0) == [0, 1, 2, 3]  # 16 slots reserved
+    assert m.allocate_slots(0, 3, 5) == 5 and m.num_tokens(0) == 8
+    assert m.block_table(0) == [0, 1, 2, 3] and m.num_free == 4, (
+        f"positions 3..7 lie in the reservation's slots: no new block, got {m.block_table(0)}"
+    )
+
+
+@ch03_4
 def test_allocate_slots_refuses_without_changing_anything() -> None:
     m = BlockManager(4, 4)
     m.allocate(0, 9)  # blocks [0, 1, 2]: 3 slots of slack, one block free
