@@ -720,7 +720,8 @@ def test_allocate_slots_never_shrinks_lookahead() -> None:
         "the 2 lookahead slots come first; the chunk shrinks to the 5 that remain"
     )
     assert m.num_tokens(0) == 16, "slots up to 9 + 5 + 2: the lookahead slots are reserved too"
-    m.commit(0, [], 14)  # the draft tokens' slots go back
+    m = BlockManager(4, 4)
+    m.allocate(0, 14)  # every block taken: 2 slots of slack left
     before = snapshot(m)
     assert m.allocate_slots(0, 14, 4, 3, shrink=True) == 0, (
         "2 slots left, 3 lookahead slots needed: the lookahead never shrinks, so it is refused"
