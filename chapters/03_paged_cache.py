@@ -181,8 +181,12 @@ show(paged_attention_reference)
 
 # %% [markdown]
 # `PagedAttention` (`stages/paged.py`) is the attention object that ties them together at the
-# model's seam, for one sequence at a time: before each pass it grows the block table and maps the
-# new tokens to slots; in each layer it writes k and v there and attends through the block table.
+# model's seam, for one sequence at a time. Before each pass it asks the block manager one question,
+# `allocate_slots`: *may this sequence have slots for these new tokens?* The manager grows the
+# block table (or refuses, changing nothing), and the pass maps the new tokens to slots; in each
+# layer it writes k and v there and attends through the block table. `allocate_slots` is the same
+# question chapter 04's scheduler asks for every sequence of every step, and this chapter's core
+# exercise; its section comes after copy-on-write, which it also does.
 
 # %%
 show(PagedAttention.prepare)
@@ -294,29 +298,81 @@ show(PrefixCache)
 #
 # ### Copy-on-write
 #
-# What if a sequence must write into a block it shares? It first takes a fresh block, records that
-# the old block's contents must be copied there, lets go of the old block, and only then swaps the
-# new block into its table (exercise ch03.2). The order is not what makes this safe: the old block
-# is shared (reference count above 1), so letting go of it never frees it, and nobody can be handed
-# it as a "fresh" block while another sequence still holds it. What does matter: the fresh block is
-# taken *first*, so a pool with no free block raises `OutOfBlocks` before anything has changed; and
-# the storage copies the old block's rows into the new one before this step writes its new token
-# there. The property test checks the outcome — reference counts, tables, the copy list — not an
-# order.
+# What if a sequence must write into a block it shares? Two samples of one prompt (chapter 09's
+# parallel sampling) **fork** it: the second sample's block table lists every block of the first,
+# and each block's reference count goes up. Both will write their next token into the last,
+# partly filled block, so before either does, `copy_on_write` gives the writer its own: it takes a
+# fresh block, lets go of the old one, swaps the new one into the table, and queues the copy (old,
+# new) for the storage, which makes it before the next forward pass (`take_copies`) — exercise
+# ch03.2. The order is not what makes this safe: the old block is shared (reference count above 1),
+# so letting go of it never frees it, and nobody can be handed it as a "fresh" block while another
+# sequence still holds it. What does matter: the fresh block is taken *first*, so a pool with no
+# free block raises `OutOfBlocks` before anything has changed; and the storage copies the old
+# block's rows into the new one before the pass writes its new token there. The property test
+# checks the outcome — reference counts, tables, the copies — not an order.
 
 # %%
-show(BlockManager.write)
+show(BlockManager.copy_on_write)
 
 # %% mystnb={"figure": {"caption": "After a fork and one copy-on-write: sequence 2 still shares sequence 1's blocks (hatched), except its last block, which it was given fresh, with a copy of the old contents, before writing into it.", "name": "fig-03-copy-on-write"}}
-# sequence 2 shares every block of sequence 1 (e.g. a second sample of the same prompt)
+# sequence 2 shares every block of sequence 1 (a second sample of the same prompt)
 manager.fork(1, 2)
-last = manager.tables[2].num_tokens - 1
-block, copied_from = manager.write(2, last)
-print(
-    f"sequence 2 writes position {last}: block {copied_from} is shared, "
-    f"so it is copied to block {block} first"
-)
+position = manager.num_tokens(2)  # where its first sampled token goes: the last block's slack
+copied = manager.copy_on_write(2, position)
+copies = manager.take_copies()
+for source, destination in copies:
+    storage.copy_block(source, destination)
+print(f"sequence 2 writes position {position}: copied {copied}, block copies {copies}")
 show_state(manager, "after fork and one copy-on-write: sequence 2's tail block is its own")
+
+# %% [markdown]
+# ## Build: the scheduler's question, `allocate_slots`
+#
+# Everything so far meets in one call. Before every forward pass, `PagedAttention.prepare` asks
+# `allocate_slots(seq_id, num_computed_tokens, num_new_tokens)`: may this sequence have slots for
+# `num_new_tokens` more tokens after the `num_computed_tokens` whose K/V are written? Chapter 04's
+# scheduler asks the same for every sequence it schedules, and only ever sees the answer: the
+# number of new tokens granted, all of them or 0.
+#
+# - A sequence's first call creates its block table (sharing its prefix-cache hits).
+# - After that the table grows lazily: into the slack of its last block first, then by whole new
+#   blocks (`append`, which counts them with ch03.1's `blocks_needed`).
+# - If the block it writes first is shared — a fork's last block — that block is copied first
+#   (`copy_on_write`, ch03.2), and the block the copy takes counts against what fits.
+# - It is all or nothing: it checks that everything fits *before* it changes anything, and a
+#   refusal (0) leaves every table, count and block as it was, so the scheduler can preempt someone
+#   (chapter 05) and ask again.
+# - Two knobs for later chapters: `shrink` lets a prompt chunk (chapter 04 splits long prompts) be
+#   granted fewer tokens, as many as fit; `num_lookahead_tokens` reserves slots past the new tokens
+#   for draft tokens (chapter 06), and those never shrink.
+#
+# Its body, for a sequence that has a table, is this chapter's core exercise, ch03.4:
+
+# %%
+show(BlockManager.allocate_slots)
+
+# %% [markdown]
+# A pool of 5 blocks of 4 slots, a sequence, a fork of it, and the answers:
+
+# %%
+m = BlockManager(num_blocks=5, block_size=4)
+
+
+def ask(what: str, seq_id: int, computed: int, new: int, lookahead: int = 0, shrink=False) -> None:
+    granted = m.allocate_slots(seq_id, computed, new, lookahead, shrink=shrink)
+    print(
+        f"{what:44} granted {granted:2}; table {m.block_table(seq_id)}, "
+        f"{m.num_free} free, copies {m.take_copies()}"
+    )
+
+
+ask("seq 0: a new table for a 6-token prompt", 0, 0, 6)
+m.fork(0, 1)
+ask("seq 1 (a fork of 0): its first token", 1, 6, 1)
+ask("seq 0: its first token, in its own block now", 0, 6, 1)
+ask("seq 0: 12 more tokens (needs 3 blocks)", 0, 7, 12)
+ask("seq 0: the same, as a chunk that may shrink", 0, 7, 12, shrink=True)
+ask("seq 1: a token and 2 lookahead slots", 1, 7, 1, lookahead=2)
 
 # %% [markdown]
 # ## Step through the workload
@@ -487,28 +543,46 @@ print(
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/kv/block_manager.py` (ch03.1, ch03.2) and `src/minivllm/attention/storage.py`
-# (ch03.3); run one exercise's tests with `pytest tests/test_block_allocator.py --exercise ch03.1`
-# (ch03.3's are in `tests/test_paged_cache.py`).
+# `src/minivllm/kv/block_manager.py` (ch03.4, ch03.1, ch03.2) and
+# `src/minivllm/attention/storage.py` (ch03.3); run one exercise's tests with
+# `pytest tests/test_block_allocator.py --exercise ch03.4` (ch03.3's are in
+# `tests/test_paged_cache.py`).
 #
-# 1. **ch03.1 — `blocks_needed`.** How many new blocks does a sequence holding `num_tokens_now`
+# 1. **ch03.4 — `allocate_slots`, the scheduler's question** (this chapter's core). Write the body
+#    of `BlockManager.allocate_slots` for a sequence that has its block table already (the first
+#    call, which creates one, is given): grant `num_new_tokens` slots after `num_computed_tokens`
+#    and `num_lookahead_tokens` more, and return how many new tokens it granted, or 0 with nothing
+#    changed. Grow lazily (the slack of the last block first, then new blocks through `append`);
+#    with `shrink`, grant as many new tokens as fit, but never fewer lookahead slots; and when the
+#    block that holds position `num_computed_tokens` is shared (a fork's), copy it first with
+#    `copy_on_write`, counting the block the copy takes. `append` (which counts with ch03.1's
+#    `blocks_needed`) and `copy_on_write` (ch03.2) are there to call. The tests check each rule on
+#    a pool of a few blocks, and that a refusal changes nothing; this chapter's `generate_paged`
+#    and every engine after it ask this question before every forward pass. Three hints, from a
+#    nudge to nearly the answer, are folded below the list.
+# 2. **ch03.1 — `blocks_needed`.** How many new blocks does a sequence holding `num_tokens_now`
 #    tokens need for `extra_tokens` more? None while its last block has room. The tests check the
 #    boundary cases (an empty sequence, a block exactly full, one token over, zero extra) and that
 #    `append` then grows a table only when its last block's slack runs out.
 #
 #    *Hint:* A sequence of $n$ tokens holds $\lceil n / b \rceil$ blocks of size $b$; the answer is
 #    how much that count grows. Do the ceiling in integers; 0 tokens hold no block.
-# 2. **ch03.2 — {term}`copy-on-write`.** In `BlockManager.write`, when the block to be written is
-#    shared (reference count above 1), take a fresh block, let go of the old one, swap the new one
-#    into the table, and return `(new, old)` so the storage copies the contents. With no free block
-#    it must raise `OutOfBlocks` and change nothing. `--exercise ch03.2` runs three hand-made cases;
-#    the file's property test (`TestCacheMachine`, not marked: run the whole
-#    `tests/test_block_allocator.py`) then tries thousands of random fork/write/free steps on it.
+# 3. **ch03.2 — {term}`copy-on-write`.** In `BlockManager.copy_on_write`, when the block that holds
+#    `position` is shared (reference count above 1), take a fresh block, let go of the old one,
+#    swap the new one into the table, queue the copy `(old, new)` in `pending_copies` for the
+#    storage, and return True; a block the sequence holds alone is written in place (False, nothing
+#    changes). With no free block it must raise `OutOfBlocks` and change nothing. `allocate_slots`
+#    calls it for this chapter's stage and for the engine alike: every fork's first write goes
+#    through it (`tests/test_parallel_sampling.py`). `--exercise ch03.2` runs three hand-made
+#    cases; the file's property test (`TestCacheMachine`, not marked: run the whole
+#    `tests/test_block_allocator.py`) then tries thousands of random fork / write / engine-step /
+#    free sequences on it.
 #
-#    *Hint:* A block you hold alone is written in place: `(old, None)`. For a shared one, take the
-#    fresh block (`_new_block`) *before* you drop your reference to the old one: on an empty pool it
-#    raises `OutOfBlocks` while nothing has changed yet, which the all-or-nothing test checks.
-# 3. **ch03.3 — gather.** Implement `PagedKVStorage.gather`: read the first `length` K and V rows of
+#    *Hint:* A block you hold alone needs nothing. For a shared one, take the fresh block
+#    (`_new_block`) *before* you drop your reference to the old one: on an empty pool it raises
+#    `OutOfBlocks` while nothing has changed yet, which the all-or-nothing test checks. The copy
+#    goes from the old block to the new one.
+# 4. **ch03.3 — gather.** Implement `PagedKVStorage.gather`: read the first `length` K and V rows of
 #    a sequence through its block table and return them as `(keys, values)`, each
 #    `[length, n_kv_heads, head_dim]`. The table may hold more blocks than `length` needs. The tests
 #    fill the storage slot by slot, with the blocks out of order and contexts that end mid-block.
@@ -516,7 +590,7 @@ print(
 #    *Hint:* Index this layer's `[2, num_blocks, block_size, heads, dim]` slice of `self.kv` with a
 #    long tensor of the block ids the first `length` tokens use: that lays the blocks out in logical
 #    order. Then merge the block and slot axes into one token axis and cut it at `length`.
-# 4. *(Explore, no test.)* Rerun the measurement with `BLOCK_SIZE` 4 and 64. Which way does the
+# 5. *(Explore, no test.)* Rerun the measurement with `BLOCK_SIZE` 4 and 64. Which way does the
 #    utilisation move, and what would a GPU kernel that reads the blocks prefer?
 #
 #    *Hint:* Paging wastes only the unfilled end of each sequence's last block, about half a block
@@ -524,17 +598,50 @@ print(
 #    block-table lookups and the length of each contiguous read.
 
 # %% [markdown]
+# The hints for ch03.4, the chapter's core, are folded: open one at a time.
+#
+# :::{admonition} Hint 1 for ch03.4 — a nudge
+# :class: dropdown
+# Decide before you change anything. All the sequence could still get is one number of slots:
+# those of the blocks it holds that lie past `num_computed_tokens` (the slack), plus a whole
+# block's worth for every free block, less one block if the block it writes first must be copied.
+# Compare what is asked against that number; only when it fits do you copy and grow.
+# :::
+#
+# :::{admonition} Hint 2 for ch03.4 — the approach
+# :class: dropdown
+# `_shared_block_at` tells you whether a copy is needed (a bool counts as 0 or 1 in arithmetic).
+# Call the number of slots from hint 1 `fits`. The grant is `num_new_tokens`, or, with `shrink`,
+# the smaller of that and what the lookahead slots leave of `fits`. Refuse with 0 when the grant is
+# not positive or when grant plus lookahead exceeds `fits`. Otherwise copy the shared block, then
+# make the table hold every position up to the end of the lookahead slots, and return the grant.
+# :::
+#
+# :::{admonition} Hint 3 for ch03.4 — nearly there
+# :class: dropdown
+# The slots held are the table's block count times the block size. The table grows only when the
+# end (computed + granted + lookahead) passes its `num_tokens`, in two moves: first raise
+# `num_tokens` to the end or to the slots held, whichever is smaller (those slots cost no block);
+# then, if the end lies past the slots held, `append` the tokens beyond them. `append` counts
+# blocks from `num_tokens` as if the table held just the blocks those tokens need; a contiguous
+# reservation holds more, which is why `num_tokens` goes up first.
+# `copy_on_write` takes the position, not the block index.
+# :::
+
+# %% [markdown]
 # ## Summary
 #
 # The cache is now paged: fixed-size blocks handed out one at a time, a block table per sequence,
 # reference counts so sequences can share blocks (prefix caching, copy-on-write), and a free queue
-# whose two ends keep reusable blocks longest. The policy (`kv/`) is plain Python with no torch; the
-# storage (`attention/storage.py`) writes through slot mappings and reads through block tables. On
-# chapter 02's workload the same memory now holds several times as many sequences — the measurement
-# above.
+# whose two ends keep reusable blocks longest. One call, `allocate_slots`, grants a sequence its
+# slots before every pass — growing it lazily, copying a fork's shared block, all or nothing — and
+# it is the question chapter 04's scheduler asks for every sequence it runs. The policy (`kv/`) is
+# plain Python with no torch; the storage (`attention/storage.py`) writes through slot mappings and
+# reads through block tables. On chapter 02's workload the same memory now holds several times as
+# many sequences — the measurement above.
 #
 # **The same idea in vLLM.** The pool and its free queue: `vllm/v1/core/block_pool.py` and
-# `FreeKVCacheBlockQueue` in `vllm/v1/core/kv_cache_utils.py`; the per-request block lists and
-# prefix-cache hits: `vllm/v1/core/kv_cache_manager.py`; the block table and slot mapping on the
-# device: `vllm/v1/worker/block_table.py`. nano-vllm does all of it in one file,
-# `nanovllm/engine/block_manager.py`.
+# `FreeKVCacheBlockQueue` in `vllm/v1/core/kv_cache_utils.py`; the per-request block lists, the
+# prefix-cache hits and `allocate_slots`: `vllm/v1/core/kv_cache_manager.py`; the block table and
+# slot mapping on the device: `vllm/v1/worker/block_table.py`. nano-vllm does all of it in one
+# file, `nanovllm/engine/block_manager.py`.

@@ -23,6 +23,7 @@ def snapshot(m: BlockManager) -> tuple:
         copy.deepcopy(m.tables),
         list(cache.hashes),
         dict(cache.cached),
+        list(m.pending_copies),
     )
 
 
@@ -186,22 +187,29 @@ def test_fork_shares_every_block() -> None:
 
 
 @pytest.mark.exercise("ch03.2")
-def test_write_to_an_unshared_block_is_in_place() -> None:
+def test_copy_on_write_leaves_an_unshared_block_in_place() -> None:
     m = BlockManager(8, 2)
     m.allocate(0, 3)
-    assert m.write(0, 2) == (1, None)
-    assert m.num_free == 6
+    assert m.copy_on_write(0, 2) is False, "a block held by one sequence is written in place"
+    assert m.block_table(0) == [0, 1] and m.num_free == 6 and m.take_copies() == []
 
 
 @pytest.mark.exercise("ch03.2")
-def test_write_to_a_shared_block_copies_it_first() -> None:
+def test_copy_on_write_copies_a_shared_block_first() -> None:
     m = BlockManager(8, 2)
     m.allocate(0, 3)  # blocks [0, 1]
     m.fork(0, 1)
-    assert m.write(1, 2) == (2, 1)  # child gets block 2, a copy of block 1
-    assert m.tables[1].blocks == [0, 2] and m.tables[0].blocks == [0, 1]
-    assert [m.allocator.refcount(b) for b in (0, 1, 2)] == [2, 1, 1]
-    assert m.write(0, 2) == (1, None)  # the parent holds block 1 alone now
+    assert m.copy_on_write(1, 2) is True, "block 1 is shared with the parent: it must be copied"
+    assert m.tables[1].blocks == [0, 2] and m.tables[0].blocks == [0, 1], (
+        "the child gets block 2 in place of block 1; the parent's table is untouched"
+    )
+    assert [m.allocator.refcount(b) for b in (0, 1, 2)] == [2, 1, 1], (
+        "the child let go of block 1 (the parent still holds it) and holds block 2"
+    )
+    assert m.take_copies() == [(1, 2)], "the storage must copy block 1 into block 2"
+    assert m.take_copies() == [], "each copy is handed out once"
+    assert m.copy_on_write(0, 2) is False  # the parent holds block 1 alone now
+    assert m.take_copies() == []
     assert m.slot_mapping(1, [2]) == [4] and m.slot_mapping(0, [2]) == [2]
 
 
@@ -212,18 +220,18 @@ def test_copy_on_write_out_of_blocks_is_transactional() -> None:
     m.fork(0, 1)
     before = snapshot(m)
     with pytest.raises(OutOfBlocks, match="needed 1, only 0 free") as err:
-        m.write(1, 0)
+        m.copy_on_write(1, 0)
     assert (err.value.needed, err.value.free) == (1, 0)
-    assert snapshot(m) == before
+    assert snapshot(m) == before, "a refused copy-on-write must change nothing"
     m.free(0)
-    assert m.write(1, 0) == (0, None)
+    assert m.copy_on_write(1, 0) is False and m.take_copies() == []
 
 
-def test_write_checks_the_position() -> None:
+def test_copy_on_write_checks_the_position() -> None:
     m = BlockManager(4, 2)
-    m.allocate(0, 3)
-    with pytest.raises(IndexError, match="position 3 is outside sequence 0"):
-        m.write(0, 3)
+    m.allocate(0, 3)  # two blocks: slots for positions 0..3
+    with pytest.raises(IndexError, match=r"position 4 is outside the blocks of sequence 0 \(4"):
+        m.copy_on_write(0, 4)
 
 
 # -- prefix caching --------------------------------------------------------------------------------
@@ -474,10 +482,10 @@ def test_truncate_of_shared_blocks_only_drops_a_reference() -> None:
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / write / truncate / free / prefix hits on 8 blocks,
-    against a toy storage.
+    """Random allocate / append / fork / copy-on-write / engine steps (`allocate_slots`) /
+    truncate / free / prefix hits on 8 blocks, against a toy storage.
 
-    The storage holds a value per physical slot and performs the copies that `write` asks for; the
+    The storage holds a value per physical slot and makes the copies that copy-on-write queues; the
     model remembers what each sequence wrote, so copy-on-write mistakes show up as wrong values.
     """
 
@@ -526,6 +534,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.m.fork(parent, child)
         self.written[child] = dict(self.written[parent])
 
+    def _make_copies(self) -> None:
+        """What the storage does before a forward pass: the copies copy-on-write queued."""
+        for source, destination in self.m.take_copies():
+            self.storage[destination] = list(self.storage[source])
+
     @precondition(lambda self: any(self.m.tables[s].num_tokens for s in self.written))
     @rule(data=st.data(), value=st.integers())
     def write(self, data, value: int) -> None:
@@ -533,13 +546,37 @@ class CacheMachine(RuleBasedStateMachine):
             st.sampled_from([s for s in sorted(self.written) if self.m.tables[s].num_tokens])
         )
         pos = data.draw(st.integers(0, self.m.tables[seq].num_tokens - 1))
-        result: list = []
-        if self._guarded(lambda: result.append(self.m.write(seq, pos))):
-            block, src = result[0]
-            if src is not None:
-                self.storage[block] = list(self.storage[src])
-            self.storage[block][pos % 3] = value
+        if self._guarded(lambda: self.m.copy_on_write(seq, pos)):
+            self._make_copies()
+            (slot,) = self.m.slot_mapping(seq, [pos])
+            self.storage[slot // 3][slot % 3] = value
             self.written[seq][pos] = value
+
+    @precondition(lambda self: self.written)
+    @rule(
+        data=st.data(),
+        new=st.integers(1, 7),
+        lookahead=st.integers(0, 3),
+        shrink=st.booleans(),
+        value=st.integers(),
+    )
+    def step(self, data, new: int, lookahead: int, shrink: bool, value: int) -> None:
+        """An engine step for one sequence: `allocate_slots`, the copies, the writes, `commit`."""
+        seq = data.draw(st.sampled_from(sorted(self.written)))
+        computed = self.m.num_tokens(seq)
+        before = snapshot(self.m)
+        granted = self.m.allocate_slots(seq, computed, new, lookahead, shrink=shrink)
+        if not granted:
+            assert snapshot(self.m) == before, "a refused allocate_slots changed something"
+            return
+        assert granted == new or (shrink and 0 < granted < new)
+        assert self.m.num_tokens(seq) == computed + granted + lookahead
+        self._make_copies()
+        slots = self.m.slot_mapping(seq, range(computed, computed + granted))
+        for pos, slot in zip(range(computed, computed + granted), slots):
+            self.storage[slot // 3][slot % 3] = value
+            self.written[seq][pos] = value
+        self.m.commit(seq, [], computed + granted)  # the lookahead slots are rolled back
 
     @precondition(lambda self: self.written)
     @rule(data=st.data())
@@ -595,9 +632,12 @@ TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-# -- the scheduler's seams: allocate_slots and commit ----------------------------------------------
+# -- the scheduler's seam: allocate_slots (exercise ch03.4, this chapter's core) -------------------
+
+ch03_4 = pytest.mark.exercise("ch03.4")
 
 
+@ch03_4
 def test_allocate_slots_creates_the_table_and_grows_it_lazily() -> None:
     m = BlockManager(4, 4)
     assert m.allocate_slots(0, 0, 6) == 6 and m.block_table(0) == [0, 1] and m.num_tokens(0) == 6
@@ -606,15 +646,124 @@ def test_allocate_slots_creates_the_table_and_grows_it_lazily() -> None:
     assert m.num_tokens(0) == 12 and m.block_table(0) == [0, 1, 2]
 
 
-def test_allocate_slots_is_all_or_nothing_unless_a_chunk_may_shrink() -> None:
+@ch03_4
+def test_allocate_slots_fills_the_slack_of_the_last_block_first() -> None:
+    m = BlockManager(8, 4)
+    m.allocate(0, 5)  # blocks [0, 1]: positions 5, 6, 7 are the slack of block 1
+    assert m.allocate_slots(0, 5, 3) == 3, "3 new tokens fit the slack: all granted"
+    assert m.block_table(0) == [0, 1] and m.num_free == 6, (
+        f"the slack of the last block held them: no new block, got table {m.block_table(0)}"
+    )
+    assert m.num_tokens(0) == 8, f"the table holds 5 + 3 tokens, got {m.num_tokens(0)}"
+    assert m.allocate_slots(0, 8, 1) == 1 and m.block_table(0) == [0, 1, 2], (
+        "the last block is full: the next token takes exactly one new block"
+    )
+    assert m.allocate_slots(0, 9, 7) == 7 and m.block_table(0) == [0, 1, 2, 3], (
+        "3 slots of slack and one new block for 7 tokens, not two new blocks"
+    )
+    assert m.num_tokens(0) == 16 and m.num_free == 4
+
+
+@ch03_4
+def test_allocate_slots_keeps_slots_the_table_already_holds() -> None:
+    m = BlockManager(8, 4)
+    m.allocate(0, 10)  # 10 slots held, only 6 computed: a chunk after a rolled-back draft, say
+    assert m.allocate_slots(0, 6, 2) == 2
+    assert m.num_tokens(0) == 10 and m.block_table(0) == [0, 1, 2], (
+        f"positions 6..7 lie in slots it holds: nothing taken, nothing given back, got "
+        f"{m.num_tokens(0)} tokens in {m.block_table(0)}"
+    )
+
+
+@ch03_4
+def test_allocate_slots_grows_into_a_contiguous_reservation_without_new_blocks() -> None:
+    m = BlockManager(8, 4, layout="contiguous", max_model_len=16)
+    assert m.allocate_slots(0, 0, 3) == 3 and m.block_table(0) == [0, 1, 2, 3]  # 16 slots reserved
+    assert m.allocate_slots(0, 3, 5) == 5 and m.num_tokens(0) == 8
+    assert m.block_table(0) == [0, 1, 2, 3] and m.num_free == 4, (
+        f"positions 3..7 lie in the reservation's slots: no new block, got {m.block_table(0)}"
+    )
+
+
+@ch03_4
+def test_allocate_slots_refuses_without_changing_anything() -> None:
     m = BlockManager(4, 4)
-    m.allocate_slots(0, 0, 9)  # blocks [0, 1, 2]: 3 slots of slack, one block free
+    m.allocate(0, 9)  # blocks [0, 1, 2]: 3 slots of slack, one block free
     before = snapshot(m)
-    assert m.allocate_slots(0, 9, 8) == 0 and snapshot(m) == before  # 8 > 3 + 4: refused
-    assert m.allocate_slots(1, 0, 5) == 0 and 1 not in m and snapshot(m) == before
-    assert m.allocate_slots(0, 9, 3, 5) == 0 and snapshot(m) == before  # lookahead never shrinks
-    assert m.allocate_slots(0, 9, 8, shrink=True) == 7 and m.num_tokens(0) == 16
-    assert m.allocate_slots(0, 16, 1, shrink=True) == 0  # nothing free: refused, not shrunk to 0
+    assert m.allocate_slots(0, 9, 8) == 0, "8 tokens need 3 slack slots + 2 blocks; 1 is free"
+    assert snapshot(m) == before, "a refusal must leave tables, counts and the pool as they were"
+    assert m.allocate_slots(0, 9, 3, 5) == 0, "3 tokens and 5 lookahead slots need 2 blocks"
+    assert snapshot(m) == before, "a refusal must leave tables, counts and the pool as they were"
+    assert m.allocate_slots(1, 0, 5) == 0 and 1 not in m, "a new table of 2 blocks: 1 is free"
+    assert snapshot(m) == before
+    assert m.allocate_slots(0, 9, 7) == 7 and m.num_tokens(0) == 16 and m.num_free == 0, (
+        "7 tokens fit exactly: 3 slack slots and the last free block"
+    )
+
+
+@ch03_4
+def test_allocate_slots_shrinks_a_prefill_chunk_to_what_fits() -> None:
+    m = BlockManager(4, 4)
+    m.allocate(0, 9)  # 3 slots of slack, one block free: room for 7 more tokens
+    assert m.allocate_slots(0, 9, 20, shrink=True) == 7, "shrink grants what fits: 3 + 4"
+    assert m.num_tokens(0) == 16 and m.block_table(0) == [0, 1, 2, 3]
+    before = snapshot(m)
+    assert m.allocate_slots(0, 16, 1, shrink=True) == 0, "nothing fits: refused, not 0 granted"
+    assert snapshot(m) == before
+
+
+@ch03_4
+def test_allocate_slots_never_shrinks_lookahead() -> None:
+    m = BlockManager(4, 4)
+    m.allocate(0, 9)  # room for 7 more tokens
+    assert m.allocate_slots(0, 9, 10, 2, shrink=True) == 5, (
+        "the 2 lookahead slots come first; the chunk shrinks to the 5 that remain"
+    )
+    assert m.num_tokens(0) == 16, "slots up to 9 + 5 + 2: the lookahead slots are reserved too"
+    m = BlockManager(4, 4)
+    m.allocate(0, 14)  # every block taken: 2 slots of slack left
+    before = snapshot(m)
+    assert m.allocate_slots(0, 14, 4, 3, shrink=True) == 0, (
+        "2 slots left, 3 lookahead slots needed: the lookahead never shrinks, so it is refused"
+    )
+    assert snapshot(m) == before
+
+
+@ch03_4
+def test_allocate_slots_copies_a_forks_shared_block_before_writing() -> None:
+    m = BlockManager(4, 4)
+    m.allocate(0, 6)  # blocks [0, 1]; block 1 is half full
+    m.fork(0, 1)  # parallel sampling: the child shares both
+    assert m.allocate_slots(1, 6, 1) == 1
+    assert m.block_table(1) == [0, 2] and m.block_table(0) == [0, 1], (
+        f"position 6 lies in shared block 1: the child must get a copy of it, got child "
+        f"{m.block_table(1)}, parent {m.block_table(0)}"
+    )
+    assert m.take_copies() == [(1, 2)], "the storage must copy block 1 into block 2 first"
+    assert [m.allocator.refcount(b) for b in (0, 1, 2)] == [2, 1, 1]
+    assert m.allocate_slots(0, 6, 1) == 1 and m.block_table(0) == [0, 1], (
+        "the parent holds block 1 alone now: it writes in place"
+    )
+    assert m.take_copies() == [] and m.num_free == 1
+
+
+@ch03_4
+def test_allocate_slots_counts_the_copy_of_a_shared_block() -> None:
+    m = BlockManager(3, 4)
+    m.allocate(0, 6)  # blocks [0, 1]; one block free
+    m.fork(0, 1)
+    before = snapshot(m)
+    assert m.allocate_slots(1, 6, 3) == 0, (
+        "positions 6..8 need a copy of block 1 and a new block for position 8: 2 blocks, 1 free"
+    )
+    assert snapshot(m) == before, "refused: no copy taken, nothing queued for the storage"
+    assert m.allocate_slots(1, 6, 3, shrink=True) == 2, (
+        "shrunk: the copy takes the free block, whose slots 6 and 7 are all that fit"
+    )
+    assert m.block_table(1) == [0, 2] and m.take_copies() == [(1, 2)] and m.num_free == 0
+
+
+# -- the scheduler's other seam: commit ------------------------------------------------------------
 
 
 def test_allocate_slots_shares_prefix_blocks() -> None:

@@ -250,7 +250,7 @@ def test_out_of_blocks_propagates_and_frees_the_sequence(target):
     prompt = ByteTokenizer().encode("ROMEO:\n", add_bos=True)  # 8 tokens
     manager, storage = BlockManager(3, 4), PagedKVStorage(target.config, 3, 4)
     manager.allocate(99, 4)  # someone else holds one block: 2 left, room for 8 tokens
-    with pytest.raises(OutOfBlocks):
+    with pytest.raises(OutOfBlocks, match="needed 1, only 0 free"):  # the first decode's block
         generate_paged(target, prompt, 10, manager, storage, seq_id=0)
     assert manager.num_free == 2 and list(manager.tables) == [99]
     manager.free(99)

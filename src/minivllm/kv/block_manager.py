@@ -15,10 +15,10 @@ Four ideas carry the whole file:
 - **Reference counts.** `fork` lets a child share every block of its parent (beam search, parallel
   sampling); a block returns to the pool only when its last holder lets go. Writing into a shared
   block first copies it (**copy-on-write**), so a sequence never sees another's tokens change.
-- **Transactional growth.** `allocate`, `append`, `write` and `allocate_slots` check everything
-  *before* they change anything: they either fully succeed or refuse (raise `OutOfBlocks(needed,
-  free)`, or return 0) with every structure exactly as it was, so the scheduler can preempt
-  someone and simply retry.
+- **Transactional growth.** `allocate`, `append`, `copy_on_write` and `allocate_slots` check
+  everything *before* they change anything: they either fully succeed or refuse (raise
+  `OutOfBlocks(needed, free)`, or return 0) with every structure exactly as it was, so the
+  scheduler can preempt someone and simply retry.
 - **Prefix caching.** A full block whose K/V are written gets a name from the prefix cache; a new
   prompt that starts the same way reuses those blocks instead of recomputing them. A freed block
   keeps its name until the pool hands it out again, so a later request can still hit it.
@@ -244,31 +244,39 @@ class BlockManager:
             list(parent.blocks), parent.num_tokens, list(parent.block_hashes)
         )
 
-    def write(self, seq_id: int, position: int) -> tuple[int, int | None]:
-        """Prepare to write token `position`: (block to write into, block to copy first or None).
+    def copy_on_write(self, seq_id: int, position: int) -> bool:
+        """Before the sequence writes token `position`: make the block that holds it its own.
 
-        A block held by one sequence is written in place. A shared block is copied first, so the
-        other holders keep their tokens: the caller (storage) must copy `src` into the new block
-        before it writes the new token.
+        A block it holds alone is written in place: False, nothing changes. A shared block (a
+        fork's last one, say) is swapped for a fresh one, and the copy (source, destination) is
+        queued for the storage, which makes it before the next forward pass (`take_copies`):
+        True. With no free block it raises OutOfBlocks and changes nothing. `allocate_slots`
+        calls it, for the engine and for chapter 03's one-sequence stage alike: the package's one
+        copy-on-write.
         """
         table = self._table(seq_id)
-        self._check_position(table, seq_id, position)
+        held = len(table.blocks) * self.block_size
+        if not 0 <= position < held:
+            raise IndexError(
+                f"position {position} is outside the blocks of sequence {seq_id} ({held} slots)"
+            )
         index = position // self.block_size
-        old = table.blocks[index]
-        # EXERCISE ch03.2: copy-on-write -- copy a shared block (refcount > 1) into a fresh one
+        # EXERCISE ch03.2: copy-on-write -- swap a shared block (refcount > 1) for a fresh copy
         ### BEGIN SOLUTION
+        old = table.blocks[index]
         if self.allocator.refcount(old) == 1:
-            return old, None  # ours alone: write in place
+            return False  # ours alone: write in place
         if self.num_free == 0:
             raise OutOfBlocks(1, 0)
-        # Order: copy -> decref old -> swap in new. The new block is taken (and the copy from `old`
-        # recorded) while we still hold `old`, so `old` cannot be freed and handed back to us as
-        # the "fresh" block before its tokens are copied. The swap comes last, so the table never
-        # points at a block we do not hold a reference to.
+        # Order: take new -> decref old -> swap in new. The new block is taken while we still hold
+        # `old`, so a pool with no free block refuses before anything changed, and `old` cannot be
+        # handed back to us as the "fresh" block. The swap comes last, so the table never points at
+        # a block we do not hold a reference to.
         new = self._new_block()
-        self.allocator.decref(old)
+        self.allocator.decref(old)  # others still hold it, so it stays in use
         table.blocks[index] = new
-        return new, old
+        self.pending_copies.append((old, new))  # the storage copies old into new before the pass
+        return True
         ### END SOLUTION
 
     def free(self, seq_id: int) -> None:
@@ -329,9 +337,12 @@ class BlockManager:
         hits (from `computed_prefix`), shared, not copied, and `num_computed_tokens` must be the
         tokens they hold. Returns the new tokens granted: all of them, or 0 = refused with nothing
         changed. With `shrink` (a prefill chunk of a sequence that has its table) it grants as
-        many as the free blocks hold; lookahead slots (draft tokens, chapter 06) never shrink.
-        This is where a smarter block layer plugs in (vLLM's `KVCacheManager.allocate_slots`:
-        several KV-cache groups, sliding windows); the scheduler only sees the number.
+        many as the free blocks hold; lookahead slots (draft tokens, chapter 06) never shrink. A
+        table grows lazily: first into the slack of its last block, then by new blocks. If the
+        block the step writes first is shared (a fork's), it is copied first (`copy_on_write`),
+        and that copy's block counts against what fits. This is where a smarter block layer plugs
+        in (vLLM's `KVCacheManager.allocate_slots`: several KV-cache groups, sliding windows); the
+        scheduler only sees the number.
         """
         if seq_id not in self.tables:
             return self._allocate_new(
@@ -339,42 +350,36 @@ class BlockManager:
             )
         if prefix_blocks:
             raise ValueError(f"sequence {seq_id} has a block table already: no prefix blocks")
-        bs, holds = self.block_size, self.num_tokens(seq_id)
+        table, bs = self._table(seq_id), self.block_size
+        # EXERCISE ch03.4: allocate_slots -- copy a shared block, then grow, all or nothing
+        ### BEGIN SOLUTION
         # A forked sequence (parallel sampling) may share the block it writes next with its
         # siblings: that block is copied first (copy-on-write), which takes one free block.
         shared = self._shared_block_at(seq_id, num_computed_tokens)
         # Slots it could have past its computed tokens: every slot of the blocks it holds (the
         # slack of its last block; a contiguous reservation) and every free block (but the copy's).
-        held = len(self._table(seq_id).blocks) * bs
+        held = len(table.blocks) * bs
         fits = held - num_computed_tokens + (self.num_free - shared) * bs
         granted = min(num_new_tokens, fits - num_lookahead_tokens) if shrink else num_new_tokens
         if granted <= 0 or granted + num_lookahead_tokens > fits:
-            return 0
+            return 0  # refused before anything changed
         if shared:
-            self._copy_on_write(seq_id, num_computed_tokens // bs)
+            self.copy_on_write(seq_id, num_computed_tokens)
         end = num_computed_tokens + granted + num_lookahead_tokens
-        if end > holds:  # first the slots of the blocks it holds, then new blocks (lazy growth)
-            self._table(seq_id).num_tokens = min(end, held)
+        if end > table.num_tokens:  # first the slots of the blocks it holds, then new blocks
+            table.num_tokens = min(end, held)
             if end > held:
-                self.append(seq_id, end - held)
+                self.append(seq_id, end - held)  # lazy growth: just the blocks the rest needs
         return granted
+        ### END SOLUTION
 
     def _shared_block_at(self, seq_id: int, position: int) -> bool:
-        """Is the block that holds `position` also in another sequence's table? Only a fork's
-        last, partly filled block can be: a block of computed prefix-cache hits is never written."""
+        """Is the block that holds `position` also in another sequence's table? In the engine only
+        a fork's last, partly filled block can be (a block of computed prefix-cache hits is never
+        written); chapter 03's stage also rewrites the last token of a wholly cached prompt."""
         blocks = self._table(seq_id).blocks
         index = position // self.block_size
         return index < len(blocks) and self.allocator.refcount(blocks[index]) > 1
-
-    def _copy_on_write(self, seq_id: int, index: int) -> None:
-        """Give the sequence its own copy of its shared block `index`; the storage copies the
-        contents later (`take_copies`). The caller has checked that a block is free."""
-        table = self._table(seq_id)
-        old = table.blocks[index]
-        new = self._new_block()  # taken while `old` is still held: it cannot be handed back
-        self.allocator.decref(old)  # others still hold it, so it stays in use
-        table.blocks[index] = new
-        self.pending_copies.append((old, new))
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies to make before the next forward pass; each is

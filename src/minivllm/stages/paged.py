@@ -6,10 +6,11 @@ copy-on-write); `attention/storage.py`'s `PagedKVStorage` owns the bytes. This m
 two for ONE sequence, before chapter 04's engine batches many:
 
 `PagedAttention` is the model's attention seam (see `model/transformer.py`) for one sequence over a
-shared pool: `prepare` grows the block table and computes the slot mapping for the new tokens, then
-each layer's call writes its k, v through the slots and attends over the history gathered through
-the block table (`paged_attention_reference`). `generate_paged` mirrors chapter 02's
-`generate_cached` token for token, and can skip a prompt prefix that the prefix cache already
+shared pool: `prepare` asks the block manager for the new tokens' slots with the engine's own call
+(`allocate_slots`, which also copies a shared block before it is written) and computes their slot
+mapping, then each layer's call writes its k, v through the slots and attends over the history
+gathered through the block table (`paged_attention_reference`). `generate_paged` mirrors chapter
+02's `generate_cached` token for token, and can skip a prompt prefix that the prefix cache already
 holds.
 """
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention.storage import PagedKVStorage
-from minivllm.kv.block_manager import BlockManager
+from minivllm.kv.block_manager import BlockManager, OutOfBlocks
 from minivllm.model.transformer import Transformer
 from minivllm.stages.contiguous import cached_causal_mask
 from minivllm.stages.naive import check_request, pick_token
@@ -61,23 +62,28 @@ class PagedAttention:
         self.length = 0  # tokens whose K/V are written, once the pass is done
 
     def prepare(self, start: int, num_new: int) -> None:
-        """Before a forward pass over `num_new` tokens at positions `start..`: grow the block table
-        (all or nothing; `OutOfBlocks` propagates), copy shared blocks we are about to write, map
-        the slots."""
+        """Before a forward pass over `num_new` tokens at positions `start..`: ask the block manager
+        for their slots exactly as the engine's scheduler does (`allocate_slots`: lazy growth, a
+        copy of a shared block first, all or nothing), make the copies it asks for, map the slots.
+        A refusal raises `OutOfBlocks`, nothing changed."""
         end = start + num_new
-        if self.seq_id not in self.manager:
-            self.manager.allocate(self.seq_id, end)
-        elif (held := self.manager.num_tokens(self.seq_id)) < end:
-            self.manager.append(self.seq_id, end - held)
-        positions = range(start, end)
-        for p in positions:
-            block, copy_from = self.manager.write(self.seq_id, p)
-            if copy_from is not None:  # copy-on-write: a shared block, now our own copy
-                self.storage.copy_block(copy_from, block)
+        if not self.manager.allocate_slots(self.seq_id, start, num_new):
+            raise OutOfBlocks(self._blocks_wanted(start, end), self.manager.num_free)
+        for source, destination in self.manager.take_copies():  # copy-on-write, before any write
+            self.storage.copy_block(source, destination)
         self.slots = torch.tensor(
-            self.manager.slot_mapping(self.seq_id, positions), dtype=torch.long
+            self.manager.slot_mapping(self.seq_id, range(start, end)), dtype=torch.long
         )
         self.start, self.length = start, end
+
+    def _blocks_wanted(self, start: int, end: int) -> int:
+        """New blocks a refused pass over positions `start..end-1` needed: those past the ones
+        the sequence holds, plus one if it writes first into a block it shares (the copy)."""
+        manager, size = self.manager, self.manager.block_size
+        table = manager.block_table(self.seq_id) if self.seq_id in manager else []
+        wanted = max(0, -(-end // size) - len(table))
+        first = start // size
+        return wanted + (first < len(table) and manager.allocator.refcount(table[first]) > 1)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
