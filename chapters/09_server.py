@@ -799,18 +799,19 @@ assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_beh
 # exercise's tests with `pytest tests --exercise ch09.3`.
 #
 # 1. **ch09.3 — the streamed answer** (this chapter's core). In `sse_stream`, inside the `try`
-#    that turns a failure into an error event, send the answer's chunks as its deltas arrive. Read
-#    the deltas with `async for` inside `async with stream`. For each one, count its tokens, find
-#    its choice's index (`stream.choices` lists them in order; `choice_of(delta)` is its own), and
-#    send `pieces.piece(i, delta)` as a chunk (`header.body([...])` through `sse_event`) unless it
-#    is `None`; after a delta with a `finish_reason`, send `pieces.finish(i, ...)` with OpenAI's
-#    name for the reason (`finish_reason`). After the stream ends, send the usage chunk — no
-#    choices, `usage=usage(prompt tokens, completion tokens)`, the prompt tokens summed over
-#    `stream.num_prompt_tokens` — when `include_usage` is set. The role chunk before and `[DONE]`
-#    after are already there. The tests drive it with a stand-in engine (chunks in order, finish
-#    chunks, usage, `[DONE]` last, and an abort when the client closes the stream after three
-#    events) and then through the server with the `openai` client. Three hints, from a nudge to
-#    nearly the answer, are folded below the list.
+#    that turns a failure into an error event and the `async with stream` that aborts the request
+#    when the client leaves, send the answer's chunks as its deltas arrive: read the deltas with
+#    `async for` over the stream. For each one, count its tokens, find its choice's index
+#    (`stream.choices` lists them in order; `choice_of(delta)` is its own), and send
+#    `pieces.piece(i, delta)` as a chunk (`header.body([...])` through `sse_event`) unless it is
+#    `None`; after a delta with a `finish_reason`, send `pieces.finish(i, ...)` with OpenAI's name
+#    for the reason (`finish_reason`). After the loop, send the usage chunk — no choices,
+#    `usage=` the counts through `usage`, the prompt tokens summed over `stream.num_prompt_tokens`
+#    — when `include_usage` is set. The role chunk before and `[DONE]` after are already there. The
+#    tests drive it with a stand-in engine (chunks in order, finish chunks, usage, `[DONE]` last,
+#    and an abort when the client closes the stream after three events) and then through the server
+#    with the `openai` client. Three hints, from a nudge to nearly the answer, are folded below the
+#    list.
 # 2. **ch09.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `,
 #    the payload, and the blank line that ends the event (`"\n\n"`). A `str` payload such as
 #    `[DONE]` goes in as it is; a `dict` as compact JSON — no space after `,` or `:` — with
@@ -857,10 +858,9 @@ assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_beh
 # :::{admonition} Hint 2 for ch09.3 — the approach
 # :class: dropdown
 # Before the loop, map each choice in `stream.choices` to its position with a dict, and start a
-# token count at zero. Put the `async for` inside `async with stream`: that is what aborts the
-# request when the client leaves. Per delta: add its `token_ids` to the count, look up its index,
-# yield the piece's chunk when there is one, then the finish chunk when the delta has a reason.
-# Only after the `async with` block, yield the usage chunk if it was asked for.
+# token count at zero. Per delta: add its `token_ids` to the count, look up its index, yield the
+# piece's chunk when there is one, then the finish chunk when the delta has a reason. Only after
+# the loop has ended, yield the usage chunk if it was asked for: the count is complete only then.
 # :::
 #
 # :::{admonition} Hint 3 for ch09.3 — nearly there

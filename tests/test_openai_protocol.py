@@ -483,6 +483,6 @@ def test_a_client_that_goes_away_mid_stream_aborts_the_request() -> None:
     events, engine = chat_stream(TWO_SAMPLES, include_usage=True, take=3)
     assert len(payloads(events)) == 3
     assert engine.aborted == [(7,)], (
-        f"closing the stream after 3 events must abort request 7 (leave `async with stream`); "
-        f"aborts seen: {engine.aborted}"
+        f"closing the stream after 3 events must abort request 7 (a closed generator leaves "
+        f"`async with stream`); aborts seen: {engine.aborted}"
     )

@@ -146,7 +146,7 @@ def verify(
             f"{logits.shape[0]} rows of logits for {len(rows)} sequences that need {sum(rows)}"
         )
     accepted, own = judge_rows(logits, metadata, proposals)
-    # EXERCISE ch06.3: the verify loop -- per sequence, drafts up to the first rejection, then own
+    # EXERCISE ch06.3: the verify loop -- each sequence: kept drafts, then the target's own token
     ### BEGIN SOLUTION
     runs, first = [], 0  # first: the row that checks the sequence's first draft
     for prop in proposals:

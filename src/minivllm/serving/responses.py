@@ -189,13 +189,13 @@ async def sse_stream(
     if first is not None:
         yield sse_event(first)
     try:
-        # EXERCISE ch09.3: the SSE stream -- a chunk per delta, a finish chunk per choice, usage
-        ### BEGIN SOLUTION
-        number = {choice: i for i, choice in enumerate(stream.choices)}  # choice -> its index
-        completion_tokens = 0
         # Leaving this block for any reason -- the end, an error, the client gone (Starlette
         # cancels the generator) -- aborts whatever is still running.
         async with stream:
+            # EXERCISE ch09.3: the SSE stream -- a chunk per delta, a finish chunk per choice, usage
+            ### BEGIN SOLUTION
+            number = {choice: i for i, choice in enumerate(stream.choices)}  # choice -> its index
+            completion_tokens = 0
             async for delta in stream:
                 completion_tokens += len(delta.token_ids)
                 i = number[choice_of(delta)]
@@ -204,10 +204,10 @@ async def sse_stream(
                 if delta.finish_reason is not None:
                     reason = finish_reason(delta.finish_reason)
                     yield sse_event(header.body([pieces.finish(i, reason)]))
-        if include_usage:
-            prompt_tokens = sum(stream.num_prompt_tokens.values())
-            yield sse_event(header.body([], usage=usage(prompt_tokens, completion_tokens)))
-        ### END SOLUTION
+            if include_usage:
+                prompt_tokens = sum(stream.num_prompt_tokens.values())
+                yield sse_event(header.body([], usage=usage(prompt_tokens, completion_tokens)))
+            ### END SOLUTION
     except EngineDeadError as error:
         # The 200 status has gone out already: the error becomes an event.
         yield sse_event(engine_dead(error).body)
