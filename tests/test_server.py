@@ -535,13 +535,15 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server) -> None:
         "ignore_eos": True,
         "stream": True,
     }
+    events = []
     with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as response:
-        for count, _ in enumerate(
-            line for line in response.iter_lines() if line.startswith("data: ")
-        ):
-            if count == 2:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+            if len(events) == 3:
                 assert engine_state(server)[1] > 0
                 break  # leaving the block closes the connection
+    assert len(events) == 3 and '"text"' in events[-1], f"the stream ended early: {events}"
     wait_until_idle(server)
     assert metric(server, 'minivllm:request_success_total{finished_reason="abort"}') == aborted + 1
 
