@@ -56,6 +56,7 @@ from minivllm.runner.speculative import (
     ModelDrafter,
     NgramDrafter,
     accept_or_resample,
+    verify,
 )
 from minivllm.sched.scheduler import Scheduler
 from minivllm.training.corpus import shipped_validation_text
@@ -306,6 +307,19 @@ show(Scheduler._lookahead)
 
 # %%
 show(ModelRunner.execute)
+
+# %% [markdown]
+#    **The {term}`verify step <verify pass>`.** `verify` first gives every logits row a verdict
+#    (`judge_rows`): whether the draft that row checks is kept — the acceptance rule above, or under
+#    greedy "is it the target's argmax" — and the token the target emits if the sequence's run
+#    stops at that row: the residual draw at a draft's row, the bonus at the sequence's last row.
+#    Then one loop walks each sequence's rows left to right: keep drafts while they are accepted,
+#    stop at the first rejection (the drafts after it continued a token that is not emitted), and
+#    end with the target's own token at the row where it stopped. The loop is this chapter's core
+#    exercise (ch06.3), folded here:
+
+# %%
+show(verify)
 
 # %% [markdown]
 # 3. **Rollback.** The scheduler's `update` appends the run and counts the accepted drafts as
@@ -673,9 +687,20 @@ for name in ["draft model", "n-gram"]:
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
 # `src/minivllm/runner/speculative.py` and `src/minivllm/kv/block_manager.py`; run one exercise's
-# tests with `pytest tests --exercise ch06.1`.
+# tests with `pytest tests --exercise ch06.3`.
 #
-# 1. **ch06.1 — the acceptance rule.** In `accept_or_resample`, decide each row on its own, with
+# 1. **ch06.3 — the verify loop** (this chapter's core). In `verify`, turn the rows' verdicts
+#    into runs. `accepted[r]` says whether the draft that logits row r checks is kept, `own[r]` is
+#    the token the target emits if the run stops at row r; sequence i owns `len(tokens) + 1`
+#    consecutive rows, in the order of `proposals`. For each sequence, keep its drafts while their
+#    rows accept them, stop at the first rejection, then append `own` of the row where you stopped
+#    — the replacement at a rejection, the bonus when every draft was kept — and return one run per
+#    sequence. Greedy and sampled requests both come through here. The tests check that a fully
+#    accepted round ends with the bonus token, that a rejection ends the run with the target's token
+#    and nothing after it, that greedy runs are the target's argmax chain, that a sequence's run is
+#    the same alone or in any batch, and that sampled runs depend only on (seed, position). Three
+#    hints, from a nudge to nearly the answer, are folded below the list.
+# 2. **ch06.1 — the acceptance rule.** In `accept_or_resample`, decide each row on its own, with
 #    its own two uniforms. Accept its draft $d$ iff $u < p(d)/q(d)$, with $u$ the row's `u_accept`
 #    (`p_draft` and `q_draft` are gathered for you): that is probability min(1, p/q), and *strictly*
 #    less, so u = 0 does not accept a draft the target gives probability 0; a draft with q = 0 is
@@ -688,7 +713,7 @@ for name in ["draft model", "n-gram"]:
 #    *Hint:* Test $u\,q < p$ instead of $u < p/q$: no division, but a q of 0 then needs its own
 #    refusal. `sample_from_probs` (ch04.2) already scales u by each row's total, so the residual
 #    need not be normalised; only a row whose residual sums to 0 needs p instead.
-# 2. **ch06.2 — {term}`KV rollback`.** In `BlockManager.truncate`, keep the blocks that hold the
+# 3. **ch06.2 — {term}`KV rollback`.** In `BlockManager.truncate`, keep the blocks that hold the
 #    first `num_tokens` slots, give the others back with `_release` in table order (so the next
 #    round grows back into the same blocks, in the same order), cut them from `table.blocks`, and
 #    set the table's token count. The checks above your code have already refused a bad
@@ -697,14 +722,14 @@ for name in ["draft model", "n-gram"]:
 #    *Hint:* The blocks to keep are the ch03.1 ceiling for `num_tokens`. `free` releases reversed
 #    (tail first); here the table's own order is the point. Truncating to 0 leaves an empty table
 #    that stays registered.
-# 3. *(Explore, no test.)* Make k adaptive: keep a running α per sequence and choose the k that
+# 4. *(Explore, no test.)* Make k adaptive: keep a running α per sequence and choose the k that
 #    maximises $E / (k c + v)$ with the $c$ and $v$ measured above ($c = D / k$). Where does it beat
 #    a fixed k = 4?
 #
 #    *Hint:* For a given α, scanning k = 1..8 with $E = (1 - \alpha^{k+1}) / (1 - \alpha)$ finds the
 #    best k ($E = k + 1$ at α = 1); update α from each round's accepted and reached drafts with a
 #    moving average. The gain shows where α changes along a sequence: try prompt lookup.
-# 4. *(Explore, no test.)* Measure α of the draft model against temperature (0, 0.5, 0.8, 1.2). Does
+# 5. *(Explore, no test.)* Measure α of the draft model against temperature (0, 0.5, 0.8, 1.2). Does
 #    sampling make the draft better or worse at guessing, and why does top-k on both models change
 #    it?
 #
@@ -712,6 +737,33 @@ for name in ["draft model", "n-gram"]:
 #    `acceptance(engine.trace)`. Think of α as $\sum_x \min(p(x), q(x))$: at temperature 0 it only
 #    asks whether the two argmaxes agree, and flattening both distributions changes how much their
 #    mass overlaps; top-k cuts both tails first.
+
+# %% [markdown]
+# The hints for ch06.3, the chapter's core, are folded: open one at a time.
+#
+# :::{admonition} Hint 1 for ch06.3 — a nudge
+# :class: dropdown
+# The verdicts are already made; what is left is bookkeeping. A sequence with k drafts owns k + 1
+# rows: the first checks its first draft, the last checks nothing and holds its bonus. Walk one
+# sequence at a time, remembering where its rows begin.
+# :::
+#
+# :::{admonition} Hint 2 for ch06.3 — the approach
+# :class: dropdown
+# Keep a running index of the sequence's first row. Go through its drafts in order: the j-th
+# draft's verdict is at that index plus j. While drafts are accepted, append them; at the first
+# rejected one, stop looking. Either way the row you are standing on when you stop (the rejected
+# draft's, or the last row) holds the token to append. Then move the index past all k + 1 rows —
+# not only past the ones you used.
+# :::
+#
+# :::{admonition} Hint 3 for ch06.3 — nearly there
+# :class: dropdown
+# With `run` the list of kept drafts, the row of the next verdict is the sequence's first row plus
+# `len(run)`: use it both to test `accepted` inside the loop (leave it with `break`) and, after
+# the loop, to pick the token from `own`. A `for ... else` is not needed: when nothing was
+# rejected, `len(run)` is k and that row is the bonus row.
+# :::
 
 # %% [markdown]
 # ## Summary

@@ -227,6 +227,18 @@ print(
 # %%
 show(endpoints.OpenAIServer.completions)
 
+# %% [markdown]
+# A streamed answer is an async generator of events, which Starlette sends as it yields them. It
+# reads the request's `RequestStream` inside `async with stream`, so that leaving early for any
+# reason aborts what still runs: a client that goes away makes Starlette cancel the generator, and
+# the engine frees that request's blocks before its next step. Each delta that carries text becomes
+# a chunk — the same `id` throughout, one choice in it, found by the delta's (request, sample) — and
+# a choice's last delta is followed by a chunk with its finish reason and no text. After the last
+# delta comes the usage chunk, if the client asked for one, with no choices; then `data: [DONE]`.
+# Once the 200 status has gone out an error cannot change it, so an error becomes an event of its
+# own, for this request only. The loop in the middle is this chapter's core exercise (ch09.3),
+# folded here:
+
 # %%
 show(responses.sse_stream)
 
@@ -783,10 +795,24 @@ assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_beh
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/serving/openai_protocol.py`; run one exercise's tests with
-# `pytest tests --exercise ch09.1`.
+# `src/minivllm/serving/responses.py` and `src/minivllm/serving/openai_protocol.py`; run one
+# exercise's tests with `pytest tests --exercise ch09.3`.
 #
-# 1. **ch09.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `,
+# 1. **ch09.3 — the streamed answer** (this chapter's core). In `sse_stream`, inside the `try`
+#    that turns a failure into an error event and the `async with stream` that aborts the request
+#    when the client leaves, send the answer's chunks as its deltas arrive: read the deltas with
+#    `async for` over the stream. For each one, count its tokens, find its choice's index
+#    (`stream.choices` lists them in order; `choice_of(delta)` is its own), and send
+#    `pieces.piece(i, delta)` as a chunk (`header.body([...])` through `sse_event`) unless it is
+#    `None`; after a delta with a `finish_reason`, send `pieces.finish(i, ...)` with OpenAI's name
+#    for the reason (`finish_reason`). After the loop, send the usage chunk — no choices,
+#    `usage=` the counts through `usage`, the prompt tokens summed over `stream.num_prompt_tokens`
+#    — when `include_usage` is set. The role chunk before and `[DONE]` after are already there. The
+#    tests drive it with a stand-in engine (chunks in order, finish chunks, usage, `[DONE]` last,
+#    and an abort when the client closes the stream after three events) and then through the server
+#    with the `openai` client. Three hints, from a nudge to nearly the answer, are folded below the
+#    list.
+# 2. **ch09.1 — the SSE chunk formatter.** In `sse_event`, return one Server-Sent Event: `data: `,
 #    the payload, and the blank line that ends the event (`"\n\n"`). A `str` payload such as
 #    `[DONE]` goes in as it is; a `dict` as compact JSON — no space after `,` or `:` — with
 #    non-ASCII text written as itself (`❤`, not `\u2764`), as the tests compare the exact string.
@@ -794,7 +820,7 @@ assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_beh
 #    *Hint:* `json.dumps` has a keyword argument for each of those two JSON requirements (see
 #    `help(json.dumps)`); its defaults put a space after each separator and escape every non-ASCII
 #    character. It already escapes newlines, so the event stays one `data:` line.
-# 2. **ch09.2 — a chat as a play.** In `render_chat`, render each message as `SPEAKER:` (its
+# 3. **ch09.2 — a chat as a play.** In `render_chat`, render each message as `SPEAKER:` (its
 #    `name`, or the default for its role), a newline, its speech, and a blank line; end with the
 #    header (`SPEAKER:` and a newline) of the speaker who answers. The speech is the message's text
 #    with leading and trailing whitespace stripped and every blank line inside it removed (a line of
@@ -803,14 +829,14 @@ assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_beh
 #    *Hint:* The module has the pieces: `SPEAKERS`, `END_OF_TURN` and `reply_speaker`;
 #    `message.text` joins content parts. After the strip, a single `re.sub` turns every run of
 #    newlines that holds a blank line into one newline.
-# 3. *(Explore, no test.)* Back-pressure: make the server answer 429 (OpenAI's "rate limit" status,
+# 4. *(Explore, no test.)* Back-pressure: make the server answer 429 (OpenAI's "rate limit" status,
 #    with a `retry-after` header) when the engine already has more than N requests waiting. Where
 #    should the check live so that it never races with the engine thread?
 #
 #    *Hint:* Look at how `AsyncEngine.add_request` reaches the engine: what it submits runs on the
 #    engine thread, between two steps. A count read anywhere else can be stale by the time the
 #    request is added.
-# 4. *(Explore, no test.)* Re-run the "many clients" cell with a long prompt (400 tokens) arriving
+# 5. *(Explore, no test.)* Re-run the "many clients" cell with a long prompt (400 tokens) arriving
 #    in the middle. What happens to the other clients'
 #    {term}`inter-token latency <inter-token latency (ITL)>` during its prefill, and how does
 #    `SchedulerConfig.max_num_batched_tokens` ({term}`chunked prefill`, chapter 04) change it?
@@ -818,6 +844,33 @@ assert not left_behind, [(t.name, getattr(t, "_target", None)) for t in left_beh
 #    *Hint:* Compare the prompt with the token budget: at the default of 512 the whole 400-token
 #    prefill fits in one step, which every running decode waits for. Record each client's gaps
 #    between tokens over time, and watch the long request's TTFT as you lower the budget.
+
+# %% [markdown]
+# The hints for ch09.3, the chapter's core, are folded: open one at a time.
+#
+# :::{admonition} Hint 1 for ch09.3 — a nudge
+# :class: dropdown
+# A generator sends an event by yielding it, so the body is one loop over the request's deltas
+# with a yield or two inside it. The helpers that shape a chunk already exist (`pieces`, `header`,
+# `sse_event`): your part is the order, the counting, and where the loop lives.
+# :::
+#
+# :::{admonition} Hint 2 for ch09.3 — the approach
+# :class: dropdown
+# Before the loop, map each choice in `stream.choices` to its position with a dict, and start a
+# token count at zero. Per delta: add its `token_ids` to the count, look up its index, yield the
+# piece's chunk when there is one, then the finish chunk when the delta has a reason. Only after
+# the loop has ended, yield the usage chunk if it was asked for: the count is complete only then.
+# :::
+#
+# :::{admonition} Hint 3 for ch09.3 — nearly there
+# :class: dropdown
+# A chunk is `sse_event(header.body([choice]))`, with `choice` from `pieces.piece(i, delta)` or
+# `pieces.finish(i, finish_reason(delta.finish_reason))`; the walrus operator lets you test the
+# piece for `None` as you take it. The usage chunk is `header.body` of an empty list with a
+# keyword `usage=`, the sum of `stream.num_prompt_tokens.values()` and your count going into
+# `usage`. The text-less delta still counts its tokens.
+# :::
 
 # %% [markdown]
 # ## Summary

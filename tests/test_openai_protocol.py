@@ -1,16 +1,21 @@
 """Chapter 09's wire format, with no server and no model: request checking with bounds, vLLM's
 fields mapped onto the engine's SamplingParams, unsupported and unknown fields refused (never
 ignored), the chat rendered as a play (ch09.2), response bodies and both logprobs shapes like
-OpenAI's, and the SSE formatter (ch09.1)."""
+OpenAI's, the SSE formatter (ch09.1), and a streamed answer from deltas to `[DONE]` over a
+stand-in engine (ch09.3: chunks in order, a finish chunk per choice, usage, an abort when the
+client goes)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 from pydantic import ValidationError
 
+from minivllm.engine.processing import TextDelta
 from minivllm.sched.sequence import SamplingParams
+from minivllm.serving.async_engine import RequestStream
 from minivllm.serving.limits import RequestError
 from minivllm.serving.openai_protocol import (
     DONE,
@@ -21,6 +26,7 @@ from minivllm.serving.openai_protocol import (
     CompletionRequest,
     ResponseHeader,
     chat_choice,
+    chat_delta,
     chat_logprobs,
     completion_choice,
     completion_logprobs,
@@ -32,6 +38,7 @@ from minivllm.serving.openai_protocol import (
     token_string,
     usage,
 )
+from minivllm.serving.responses import ChatPieces, sse_stream
 
 # -- sse_event (ch09.1) ----------------------------------------------------------------------------
 
@@ -354,3 +361,128 @@ def test_logprobs_in_openais_two_shapes() -> None:
         "refusal": None,
     }
     assert [token_string(t) for t in (10, 256, 257)] == ["\n", "<bos>", "<eos>"]
+
+
+# -- the streamed response: sse_stream (ch09.3) ----------------------------------------------------
+
+
+class StubEngine:
+    """Stands in for the AsyncEngine behind a RequestStream: it records the aborts it is asked
+    for."""
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[int, ...]] = []
+
+    def abort_stream(self, stream: RequestStream) -> None:
+        self.aborted.append(stream.request_ids)
+
+
+def chat_stream(
+    deltas: list[TextDelta], include_usage: bool, take: int | None = None, samples: int = 2
+) -> tuple[list[str], StubEngine]:
+    """The events of a streamed chat answer of `samples` choices to one 9-token prompt, its deltas
+    handed over as the engine would; with `take`, the client reads that many events and goes away
+    (Starlette then closes the generator, as here)."""
+
+    async def run() -> tuple[list[str], StubEngine]:
+        engine = StubEngine()
+        stream = RequestStream(engine)
+        stream.added([7], samples)
+        stream.num_prompt_tokens[7] = 9
+        for delta in deltas:
+            stream.put_nowait(delta)
+        header = ResponseHeader("chatcmpl-1", "chat.completion.chunk", 0, "target")
+        first = header.body([chat_delta(0, {"role": "assistant"}, None)])
+        events = sse_stream(stream, header, ChatPieces(None), include_usage, first)
+        received = []
+        async for event in events:
+            received.append(event)
+            if take is not None and len(received) == take:
+                await events.aclose()
+                break
+        return received, engine
+
+    return asyncio.run(run())
+
+
+def payloads(events: list[str]) -> list:
+    """Each event's payload (`[DONE]` as the string); an error event fails the test with its
+    message."""
+    for event in events:
+        assert event.startswith("data: ") and event.endswith("\n\n"), f"not an SSE event: {event!r}"
+    data = [e[len("data: ") : -2] for e in events]
+    parsed = [d if d == DONE else json.loads(d) for d in data]
+    errors = [p["error"]["message"] for p in parsed if isinstance(p, dict) and "error" in p]
+    assert not errors, f"the stream sent an error event: {errors[0]}"
+    return parsed
+
+
+def content(chunk: dict) -> tuple:
+    """(choice index, text or None, finish reason) of a one-choice chunk."""
+    (choice,) = chunk["choices"]
+    return choice["index"], choice["delta"].get("content"), choice["finish_reason"]
+
+
+# two samples of request 7, interleaved as the steps produce them; sample 1 has a step with a token
+# but no text yet (half a character), and each ends with its finish reason on its last delta
+TWO_SAMPLES = [
+    TextDelta(7, "O ", (79, 32), None, index=0),
+    TextDelta(7, "Ro", (82, 111), None, index=1),
+    TextDelta(7, "", (226,), None, index=1),
+    TextDelta(7, "me", (109, 101), None, index=0),
+    TextDelta(7, "é", (169,), "length", index=1),
+    TextDelta(7, "o", (111,), "stop", index=0),
+]
+
+
+@pytest.mark.exercise("ch09.3")
+def test_a_stream_sends_its_chunks_in_order_then_usage_then_done() -> None:
+    events, engine = chat_stream(TWO_SAMPLES, include_usage=True)
+    sent = payloads(events)
+    assert sent[-1] == DONE and DONE not in sent[:-1], "[DONE] must be the last event, once"
+    chunks = sent[:-1]
+    assert all(c["id"] == "chatcmpl-1" for c in chunks), "every chunk repeats the response's id"
+    assert content(chunks[0])[:2] == (0, None) and chunks[0]["choices"][0]["delta"] == {
+        "role": "assistant"
+    }
+    want = [
+        (0, "O ", None),
+        (1, "Ro", None),
+        (0, "me", None),
+        (1, "é", None),
+        (1, None, "length"),
+        (0, "o", None),
+        (0, None, "stop"),
+    ]
+    got = [content(c) for c in chunks[1:-1]]
+    assert got == want, (
+        f"after the role: a chunk per delta with text (none for the empty one), in the order they "
+        f"came, and a finish chunk right after a choice's last delta; want {want}, got {got}"
+    )
+    want_usage = {"prompt_tokens": 9, "completion_tokens": 9, "total_tokens": 18}
+    assert chunks[-1]["choices"] == [] and chunks[-1].get("usage") == want_usage, (
+        f"the usage chunk (no choices) counts every token, the text-less one too: want "
+        f"{want_usage}, got {chunks[-1]}"
+    )
+    assert engine.aborted == [], "a stream read to its end has nothing left to abort"
+
+
+@pytest.mark.exercise("ch09.3")
+def test_without_include_usage_the_finish_chunks_come_last_before_done() -> None:
+    sent = payloads(
+        chat_stream(TWO_SAMPLES[:1] + [TextDelta(7, "", (), "stop")], False, None, 1)[0]
+    )
+    got = [content(c) for c in sent[1:-1]]
+    assert got == [(0, "O ", None), (0, None, "stop")] and sent[-1] == DONE, (
+        f"want the text chunk, the finish chunk, then [DONE] and no usage; got {sent[1:]}"
+    )
+
+
+@pytest.mark.exercise("ch09.3")
+def test_a_client_that_goes_away_mid_stream_aborts_the_request() -> None:
+    events, engine = chat_stream(TWO_SAMPLES, include_usage=True, take=3)
+    assert len(payloads(events)) == 3
+    assert engine.aborted == [(7,)], (
+        f"closing the stream after 3 events must abort request 7 (a closed generator leaves "
+        f"`async with stream`); aborts seen: {engine.aborted}"
+    )

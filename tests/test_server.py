@@ -12,6 +12,9 @@ request is the same alone or in a crowd; every block comes back; a client that d
 aborted; a failed engine answers 503 and says so in /metrics. With speculative decoding, and with a
 cache small enough to force preemptions, greedy answers do not change. Bad requests, one by one:
 tests/test_hostile_requests.py.
+
+The tests marked ch09.3 grade the streamed path (`sse_stream`) end to end: a streamed answer is the
+whole one, chunk by chunk, and a client that leaves mid-stream is aborted.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ def metric(server: ServerThread, name: str) -> float:
 # -- the official client ---------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("ch09.3")
 def test_openai_completion_streamed_equals_non_streamed(client, server, target) -> None:
     args = dict(model="target", prompt="ROMEO:\n", max_tokens=24, temperature=0.8, seed=7)
     whole = client.completions.create(**args)
@@ -107,6 +111,7 @@ def test_openai_completion_streamed_equals_non_streamed(client, server, target) 
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+@pytest.mark.exercise("ch09.3")
 def test_openai_chat_streamed_equals_non_streamed(client, target) -> None:
     messages = [{"role": "user", "content": "What say you?"}]
     whole = client.chat.completions.create(
@@ -520,6 +525,7 @@ def wait_until_idle(server: ServerThread, seconds: float = 30) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.exercise("ch09.3")
 def test_a_client_that_disconnects_mid_stream_is_aborted(server) -> None:
     aborted = metric(server, 'minivllm:request_success_total{finished_reason="abort"}')
     body = {
@@ -529,13 +535,15 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server) -> None:
         "ignore_eos": True,
         "stream": True,
     }
+    events = []
     with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as response:
-        for count, _ in enumerate(
-            line for line in response.iter_lines() if line.startswith("data: ")
-        ):
-            if count == 2:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+            if len(events) == 3:
                 assert engine_state(server)[1] > 0
                 break  # leaving the block closes the connection
+    assert len(events) == 3 and '"text"' in events[-1], f"the stream ended early: {events}"
     wait_until_idle(server)
     assert metric(server, 'minivllm:request_success_total{finished_reason="abort"}') == aborted + 1
 

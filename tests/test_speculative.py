@@ -19,8 +19,11 @@ The load-bearing claims, each tested so that it could fail:
   preemption; prefix caching and speculation together keep the tokens.
 
 The tests marked ch06.1 grade `accept_or_resample` on hand-made rows (the chi-square tests count
-too: they run the rule through `verify`). `BlockManager.truncate` (ch06.2) is graded in
-test_block_allocator.py.
+too: they run the rule through `verify`). Those marked ch06.3 grade verify's loop on hand-made
+logits: all drafts kept -> the bonus token; the first rejection -> the resampled token there and
+nothing after it; greedy runs are the target's argmax chain; each sequence's run is its own
+whatever the batch; sampled runs are a function of (seed, position). `BlockManager.truncate`
+(ch06.2) is graded in test_block_allocator.py.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from minivllm.sched.sequence import SamplingParams, Sequence
 
 tok = ByteTokenizer()
 ch06_1 = pytest.mark.exercise("ch06.1")
+ch06_3 = pytest.mark.exercise("ch06.3")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -392,7 +396,7 @@ def test_the_chi_square_tests_reject_wrong_rules(monkeypatch, wrong) -> None:
         assert zero_cells_hit or goodness_of_fit(counts, probs) < 1e-6
 
 
-# -- verify on hand-made logits --------------------------------------------------------------------
+# -- verify on hand-made logits (ch06.3: each row's verdict becomes a run) -------------------------
 
 
 def greedy_seqs(n: int) -> list[Sequence]:
@@ -406,6 +410,139 @@ def one_hot_logits(choices: list[int], v: int = 10) -> torch.Tensor:
     return torch.eye(v)[choices] * 5.0
 
 
+def certain_logits(choices: list[int], v: int = 10) -> torch.Tensor:
+    """Rows whose sampling distribution is all on one token (-inf elsewhere): at any temperature
+    the target emits exactly that token, and keeps a draft of it with probability 1."""
+    logits = torch.full((len(choices), v), -torch.inf)
+    logits[torch.arange(len(choices)), choices] = 0.0
+    return logits
+
+
+def sampled_seqs(n: int, seed0: int = 0, length: int = START) -> list[Sequence]:
+    params = SamplingParams(max_tokens=64, temperature=0.8)
+    return [
+        Sequence(i, [BOS_ID] * length, params, seed=seed0 + i, eos_token_id=EOS_ID)
+        for i in range(n)
+    ]
+
+
+@ch06_3
+@pytest.mark.parametrize("temperature", [0, 0.8], ids=["greedy", "sampled"])
+def test_all_drafts_accepted_the_run_ends_with_the_bonus_token(temperature: float) -> None:
+    seqs = greedy_seqs(1) if temperature == 0 else sampled_seqs(1)
+    # each draft is the target's only choice at its row; the last row (the bonus) picks 9
+    runs = verify(
+        certain_logits([4, 5, 6, 9]), SamplingMetadata.from_sequences(seqs), [Proposal((4, 5, 6))]
+    )
+    assert runs == [[4, 5, 6, 9]], (
+        f"three drafts the target certainly keeps, then the bonus row's 9: want [[4, 5, 6, 9]], "
+        f"got {runs}"
+    )
+
+
+@ch06_3
+@pytest.mark.parametrize("temperature", [0, 0.8], ids=["greedy", "sampled"])
+def test_the_first_rejection_ends_the_run_with_the_resampled_token(temperature: float) -> None:
+    seqs = greedy_seqs(3) if temperature == 0 else sampled_seqs(3)
+    proposals = [Proposal((4, 5, 6))] * 3
+    # The target gives draft 5 no chance (it wants 7 there); draft 6 after it would be kept, but
+    # it was built on a token that is not emitted, so it must not be.
+    choices = [4, 7, 6, 9] + [8, 5, 6, 9] + [4, 5, 3, 9]
+    runs = verify(certain_logits(choices), SamplingMetadata.from_sequences(seqs), proposals)
+    want = [[4, 7], [8], [4, 5, 3]]
+    assert runs == want, (
+        f"rejected at draft 2, 1 and 3: the kept drafts, then the target's token at the rejected "
+        f"row, nothing after it: want {want}, got {runs}"
+    )
+
+
+@ch06_3
+def test_greedy_runs_are_exactly_the_targets_argmax_chain() -> None:
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(6 * 5, 50, generator=generator)
+    argmax = logits.argmax(dim=-1).view(6, 5).tolist()
+    # sequence i's drafts agree with the argmax for its first i tokens, then one wrong guess
+    proposals = [
+        Proposal(tuple(row[:i]) + tuple((row[i] + 1) % 50 for _ in range(min(1, 4 - i))))
+        for i, row in enumerate(argmax[:5])
+    ] + [Proposal(tuple(argmax[5][:4]))]
+    rows_of = [len(p.tokens) + 1 for p in proposals]
+    ends = np.cumsum(rows_of)
+    logits = torch.cat([logits[5 * i : 5 * i + n] for i, n in enumerate(rows_of)])
+    runs = verify(logits, SamplingMetadata.from_sequences(greedy_seqs(6)), proposals)
+    for i, (run, end, n) in enumerate(zip(runs, ends, rows_of)):
+        want = logits[end - n : end].argmax(dim=-1).tolist()[: min(i, 4) + 1]
+        assert run == want, (
+            f"sequence {i}: its first {min(i, 4)} drafts are the argmax, so greedy speculation "
+            f"must emit the argmax chain {want}, as plain greedy decoding would; got {run}"
+        )
+
+
+@ch06_3
+def test_each_sequences_run_is_its_own_whatever_the_batch() -> None:
+    """A rejection in one sequence never cuts another's run, and a sequence's run is the same
+    alone, first or last in a batch, next to greedy and sampled neighbours."""
+    q = torch.from_numpy(np.stack([Q1, Q1, Q1]))
+    p = log(np.stack([P1, P1, P1, P1]))
+    params = [SamplingParams(temperature=t) for t in (0.8, 0, 1.0, 0.8, 0)]
+    seqs = [
+        Sequence(i, [BOS_ID] * (START + i), params[i], seed=100 + i, eos_token_id=EOS_ID)
+        for i in range(5)
+    ]
+    proposals = [
+        Proposal((0, 4, 5), q),
+        Proposal((0, 0)),
+        Proposal((1, 0, 2), q),
+        Proposal(()),
+        Proposal((3,)),
+    ]
+    logits = [p[: len(prop.tokens) + 1] for prop in proposals]
+    alone = [
+        verify(rows_i, SamplingMetadata.from_sequences([s]), [prop])[0]
+        for rows_i, s, prop in zip(logits, seqs, proposals)
+    ]
+    together = verify(torch.cat(logits), SamplingMetadata.from_sequences(seqs), proposals)
+    assert together == alone, f"runs in one batch {together} != each verified alone {alone}"
+    order = [4, 2, 0, 3, 1]
+    reversed_batch = verify(
+        torch.cat([logits[i] for i in order]),
+        SamplingMetadata.from_sequences([seqs[i] for i in order]),
+        [proposals[i] for i in order],
+    )
+    assert reversed_batch == [alone[i] for i in order], (
+        f"the batch in order {order} gave {reversed_batch}, not the same runs reordered"
+    )
+    assert alone[1] == [0, 0, 0], "greedy: drafts (0, 0) are the argmax of P1, then the bonus 0"
+    assert alone[4] == [0], "greedy: draft 3 is not the argmax of P1 (0), which replaces it"
+
+
+@ch06_3
+def test_sampled_runs_are_a_function_of_seed_and_position() -> None:
+    """The same (seed, position) gives the same run under another sequence id and in another
+    batch; another position or another seed gives other draws."""
+    n, q = 300, torch.from_numpy(Q1)[None]
+    logits = log(np.broadcast_to(P1, (2 * n, len(P1))))
+    proposals = [Proposal((1,), q)] * n  # a draft of 1 is kept with probability p/q = 1/3
+
+    def runs(seqs: list[Sequence]) -> list[list[int]]:
+        return verify(logits, SamplingMetadata.from_sequences(seqs), proposals)
+
+    base = runs(sampled_seqs(n, seed0=40))
+    renamed = sampled_seqs(n, seed0=40)
+    for s in renamed:
+        s.seq_id += 1000
+    assert runs(renamed) == base, "a sequence's id, not only its seed and position, changed it"
+    kept = sum(len(run) == 2 for run in base)
+    assert 50 < kept < 150, f"{kept} of {n} drafts kept, where p/q = 1/3 keeps about {n // 3}"
+    for other, what in [
+        (sampled_seqs(n, seed0=40, length=START + 1), "position"),
+        (sampled_seqs(n, seed0=40 + n), "seed"),
+    ]:
+        same = sum(a == b for a, b in zip(runs(other), base))
+        assert same < 0.8 * n, f"{same} of {n} runs unchanged with another {what}"
+
+
+@ch06_3
 def test_greedy_verify_keeps_drafts_while_they_are_the_argmax() -> None:
     proposals = [Proposal((4, 5, 6)), Proposal((4, 5, 6)), Proposal((7,)), Proposal(())]
     greedy = SamplingMetadata.from_sequences(greedy_seqs(4))
@@ -421,6 +558,7 @@ def test_greedy_verify_keeps_drafts_while_they_are_the_argmax() -> None:
         verify(one_hot_logits(choices[:-1]), greedy, proposals)
 
 
+@ch06_3
 def test_sampled_verify_without_drafts_is_the_ordinary_sampler() -> None:
     generator = torch.Generator().manual_seed(3)
     logits = torch.randn(64, 259, generator=generator)
@@ -437,6 +575,7 @@ def test_sampled_verify_without_drafts_is_the_ordinary_sampler() -> None:
     assert [run for run in runs] == [[t] for t in want]
 
 
+@ch06_3
 def test_sampled_verify_uses_the_request_streams() -> None:
     """accept at (seed, position) with STREAM_ACCEPT, resample with STREAM_RESIDUAL, bonus with
     stream 0."""

@@ -145,20 +145,52 @@ def verify(
         raise ValueError(
             f"{logits.shape[0]} rows of logits for {len(rows)} sequences that need {sum(rows)}"
         )
+    accepted, own = judge_rows(logits, metadata, proposals)
+    # EXERCISE ch06.3: the verify loop -- each sequence: kept drafts, then the target's own token
+    ### BEGIN SOLUTION
+    runs, first = [], 0  # first: the row that checks the sequence's first draft
+    for prop in proposals:
+        run = []
+        for token in prop.tokens:
+            if not accepted[first + len(run)]:
+                break  # the drafts after a rejection were built on a token that is not emitted
+            run.append(token)
+        # the row after the kept drafts: its replacement at a rejection, the bonus after them all
+        run.append(own[first + len(run)])
+        runs.append(run)
+        first += len(prop.tokens) + 1
+    ### END SOLUTION
+    return runs
+
+
+def judge_rows(
+    logits: torch.Tensor, metadata: SamplingMetadata, proposals: SequenceOf[Proposal]
+) -> tuple[list[bool], list[int]]:
+    """Per row of the verify pass's logits (laid out as `verify` says): `accepted`, whether the
+    draft the row checks is kept (False on each sequence's last row, which checks none), and `own`,
+    the token the target emits if the sequence's run stops at that row: at a draft's row the
+    replacement drawn from the residual (ch06.1), at the last row the bonus token. Greedy rows
+    compare each draft with the target's argmax, which is also every row's own token."""
+    rows = [len(p.tokens) + 1 for p in proposals]
+    checked = [t for prop in proposals for t in (*prop.tokens, -1)]  # -1: a bonus row checks none
     if metadata.all_greedy and not metadata.rules:
-        return _verify_greedy(logits.argmax(dim=-1).tolist(), proposals)
+        choices = logits.argmax(dim=-1).tolist()
+        return [c == d for c, d in zip(choices, checked)], choices
     # One metadata row per logits row: sequence i's rows draw positions num_tokens + 0 .. + n - 1.
     expanded = metadata.select(
         [i for i, n in enumerate(rows) for _ in range(n)], [j for n in rows for j in range(n)]
     )
     if expanded.all_greedy:  # with logit rules (position-only under speculation, e.g. min_tokens)
-        return _verify_greedy(expanded.processed(logits).argmax(dim=-1).tolist(), proposals)
+        choices = expanded.processed(logits).argmax(dim=-1).tolist()
+        return [c == d for c, d in zip(choices, checked)], choices
     p = expanded.probs(logits)
     ends = np.cumsum(rows).tolist()  # sequence i's rows end at ends[i]; the last is its bonus row
     bonus_rows = [end - 1 for end in ends]
     draft_rows = [r for end, n in zip(ends, rows) for r in range(end - n, end - 1)]
-    bonus = sample_from_probs(p[bonus_rows], expanded.select(bonus_rows).uniforms()).tolist()
-    accepted, resampled = [], []
+    accepted, own = [False] * len(checked), [0] * len(checked)
+    bonus = sample_from_probs(p[bonus_rows], expanded.select(bonus_rows).uniforms())
+    for row, token in zip(bonus_rows, bonus.tolist()):
+        own[row] = token
     if draft_rows:
         q = torch.cat([prop.draft_probs(logits.shape[-1]) for prop in proposals if prop.tokens])
         drafted = torch.tensor([t for prop in proposals for t in prop.tokens], dtype=torch.long)
@@ -170,44 +202,9 @@ def verify(
             torch.from_numpy(drafts.uniforms(STREAM_ACCEPT)),
             torch.from_numpy(drafts.uniforms(STREAM_RESIDUAL)),
         )
-        accepted, resampled = ok.tolist(), again.tolist()
-    return _assemble(proposals, accepted, resampled, bonus)
-
-
-def _verify_greedy(choices: list[int], proposals: SequenceOf[Proposal]) -> list[list[int]]:
-    """All greedy: keep drafts while each is the target's argmax; then the argmax after the last
-    kept."""
-    runs, base = [], 0
-    for prop in proposals:
-        run = []
-        for i, token in enumerate(prop.tokens):
-            if choices[base + i] != token:
-                break
-            run.append(token)
-        run.append(choices[base + len(run)])
-        runs.append(run)
-        base += len(prop.tokens) + 1
-    return runs
-
-
-def _assemble(
-    proposals: SequenceOf[Proposal], accepted: list[bool], resampled: list[int], bonus: list[int]
-) -> list[list[int]]:
-    """Per sequence: drafts up to the first rejection, then the resampled token there (or the
-    bonus)."""
-    runs, base = [], 0
-    for prop, bonus_token in zip(proposals, bonus):
-        run = []
-        for i, token in enumerate(prop.tokens):
-            if not accepted[base + i]:
-                run.append(resampled[base + i])
-                break
-            run.append(token)
-        else:
-            run.append(bonus_token)
-        runs.append(run)
-        base += len(prop.tokens)
-    return runs
+        for row, kept, token in zip(draft_rows, ok.tolist(), again.tolist()):
+            accepted[row], own[row] = kept, token
+    return accepted, own
 
 
 # -- drafters --------------------------------------------------------------------------------------

@@ -188,31 +188,39 @@ async def sse_stream(
     `[DONE]`."""
     if first is not None:
         yield sse_event(first)
-    number = {choice: i for i, choice in enumerate(stream.choices)}
-    completion_tokens = 0
     try:
+        # Leaving this block for any reason -- the end, an error, the client gone (Starlette
+        # cancels the generator) -- aborts whatever is still running.
         async with stream:
+            # EXERCISE ch09.3: the SSE stream -- a chunk per delta, a finish chunk per choice, usage
+            ### BEGIN SOLUTION
+            number = {choice: i for i, choice in enumerate(stream.choices)}  # choice -> its index
+            completion_tokens = 0
             async for delta in stream:
                 completion_tokens += len(delta.token_ids)
                 i = number[choice_of(delta)]
-                if (piece := pieces.piece(i, delta)) is not None:
+                if (piece := pieces.piece(i, delta)) is not None:  # None: no text this step
                     yield sse_event(header.body([piece]))
                 if delta.finish_reason is not None:
                     reason = finish_reason(delta.finish_reason)
                     yield sse_event(header.body([pieces.finish(i, reason)]))
-        if include_usage:
-            yield sse_event(
-                header.body(
-                    [], usage=usage(sum(stream.num_prompt_tokens.values()), completion_tokens)
-                )
-            )
+            if include_usage:
+                prompt_tokens = sum(stream.num_prompt_tokens.values())
+                yield sse_event(header.body([], usage=usage(prompt_tokens, completion_tokens)))
+            ### END SOLUTION
     except EngineDeadError as error:
         # The 200 status has gone out already: the error becomes an event.
         yield sse_event(engine_dead(error).body)
     except Exception as error:  # this request alone failed; the engine goes on
         logger.exception("a streamed request failed")
-        yield sse_event(error_body(f"the request failed: {error!r}", "server_error"))
+        yield sse_event(error_body(failure(error), "server_error"))
     yield sse_event(DONE)
+
+
+def failure(error: Exception) -> str:
+    """An error event's message, with the exception's type as Python prints it last in a
+    traceback."""
+    return f"the request failed: {type(error).__name__}: {error}"
 
 
 async def anthropic_stream(
@@ -277,7 +285,7 @@ async def native_stream(stream: RequestStream) -> AsyncIterator[str]:
         yield sse_event(engine_dead(error).body)
     except Exception as error:  # this request alone failed; the engine goes on
         logger.exception("a streamed /generate failed")
-        yield sse_event(error_body(f"the request failed: {error!r}", "server_error"))
+        yield sse_event(error_body(failure(error), "server_error"))
     yield sse_event(DONE)
 
 
