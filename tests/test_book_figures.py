@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import struct
+from pathlib import Path
 from types import SimpleNamespace
 
 import matplotlib
@@ -17,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from matplotlib.colors import to_rgba  # noqa: E402
 
 from minivllm.book import use_book_style  # noqa: E402
 from minivllm.book.figures.blocks import block_legend, draw_block_pool, draw_block_tables  # noqa: E402
@@ -32,6 +34,14 @@ from minivllm.book.figures.readable import (  # noqa: E402
     overlapping_tick_labels,
     small_text,
 )
+from minivllm.book.figures.roadmap import (  # noqa: E402
+    BUILT,
+    CHAPTERS,
+    CURRENT,
+    LATER,
+    roadmap,
+)
+from minivllm.book.figures.roadmap import STYLE as ROADMAP_STYLE  # noqa: E402
 from minivllm.book.figures.sampling import (  # noqa: E402
     draw_next_token_probs,
     tick_label,
@@ -50,6 +60,8 @@ from minivllm.book.figures.timelines import (  # noqa: E402
 from minivllm.book.stepper import Stepper  # noqa: E402
 from minivllm.engine.trace import StepRecord  # noqa: E402
 from minivllm.kv.block_manager import BlockManager  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -348,3 +360,65 @@ def test_tables_drawn_with_one_width_share_their_cells() -> None:
     draw_block_tables(top, before)
     draw_block_tables(bottom, after)  # each as wide as its own table: the cells differ
     assert top.get_xlim() != bottom.get_xlim()
+
+
+def toc_chapters() -> list[tuple[str, str]]:
+    """(slug, part caption) of every chapter in the book's table of contents, in order."""
+    import yaml
+
+    toc = yaml.safe_load((ROOT / "book" / "_toc.yml").read_text())
+    return [
+        (entry["file"].removeprefix("chapters/"), part["caption"])
+        for part in toc["parts"]
+        for entry in part["chapters"]
+        if entry["file"].startswith("chapters/")
+    ]
+
+
+def test_the_roadmap_names_every_chapter_of_the_toc_and_the_chapters_folder_in_order() -> None:
+    assert [(c.slug, c.part) for c in CHAPTERS] == toc_chapters()
+    on_disk = sorted(path.stem for path in (ROOT / "chapters").glob("[0-9][0-9]_*.py"))
+    assert [c.slug for c in CHAPTERS] == on_disk
+    assert [c.number for c in CHAPTERS] == list(range(len(CHAPTERS)))
+
+
+def roadmap_boxes(fig) -> list[tuple[str, object, object]]:
+    """(slug, box, label) of each chapter the roadmap draws, in reading order (rows top to bottom,
+    each left to right)."""
+    ax = fig.axes[0]
+    boxes = {p.get_gid().removeprefix("roadmap-"): p for p in ax.patches if p.get_gid()}
+    labels = {t.get_gid().removeprefix("roadmap-label-"): t for t in ax.texts if t.get_gid()}
+    order = sorted(boxes, key=lambda slug: (-boxes[slug].get_y(), boxes[slug].get_x()))
+    return [(slug, boxes[slug], labels[slug]) for slug in order]
+
+
+@pytest.mark.parametrize("chapter", [0, 3, 11])
+def test_the_roadmap_reads_in_order_with_the_current_chapter_highlighted(chapter) -> None:
+    fig = roadmap(chapter)
+    drawn = roadmap_boxes(fig)
+    assert [slug for slug, _, _ in drawn] == [slug for slug, _ in toc_chapters()]
+    for slug, box, label in drawn:
+        number = int(slug[:2])
+        assert f"{number:02d}" in label.get_text()
+        expected = BUILT if number < chapter else CURRENT if number == chapter else LATER
+        assert box.get_facecolor() == to_rgba(ROADMAP_STYLE[expected]["facecolor"])
+        assert (label.get_fontweight() == "bold") == (number == chapter)
+        assert ("✓" in label.get_text()) == (number < chapter)
+    assert small_text(fig) == []
+    assert fig.get_figwidth() == PAGE_WIDTH and fig.get_figheight() <= 2  # wide and low
+    assert f"chapter {chapter:02d}" in fig.texts[0].get_text()
+
+
+def test_the_roadmaps_labels_sit_inside_their_boxes() -> None:
+    fig = roadmap(4)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for slug, box, label in roadmap_boxes(fig):
+        outer, inner = box.get_window_extent(renderer), label.get_window_extent(renderer)
+        assert outer.x0 < inner.x0 and inner.x1 < outer.x1, slug
+        assert outer.y0 < inner.y0 and inner.y1 < outer.y1, slug
+
+
+def test_the_roadmap_refuses_a_chapter_the_book_has_not() -> None:
+    with pytest.raises(ValueError, match="chapter 12 is not one of the book's chapters"):
+        roadmap(12)
