@@ -28,6 +28,11 @@
 #
 # The code lives in `src/minivllm/model/tokenizer.py`; its tests are in `tests/test_tokenizer.py`.
 
+# %% tags=["remove-input"]
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(1)
+
 # %%
 import random
 import re

@@ -25,6 +25,11 @@
 # costs in memory when a server holds many sequences at once, and finds the problem that chapter 03
 # solves.
 
+# %% tags=["remove-input"]
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(2)
+
 # %%
 import time
 

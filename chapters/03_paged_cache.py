@@ -26,6 +26,11 @@
 # each sequence blocks one at a time as it grows, and keep a **{term}`block table`** that maps the
 # sequence's logical blocks to physical ones, wherever they are.
 
+# %% tags=["remove-input"]
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(3)
+
 # %%
 
 import matplotlib.pyplot as plt

@@ -25,6 +25,11 @@
 # it later (recomputation, one of the two recovery policies of {cite}`kwon2023pagedattention`; the
 # other swaps the blocks out to host memory).
 
+# %% tags=["remove-input"]
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(5)
+
 # %%
 import copy
 import time

@@ -27,6 +27,11 @@
 # {term}`draft model` or with {term}`prompt lookup <prompt lookup (n-gram drafting)>`
 # {cite}`saxena2023promptlookup` as the {term}`drafter`.
 
+# %% tags=["remove-input"]
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(6)
+
 # %%
 import copy
 import time

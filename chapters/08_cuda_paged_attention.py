@@ -26,6 +26,11 @@
 # executes every CUDA thread as a Python thread: thousands of times slower, but the very same code,
 # and every thread's every read can be watched. What they do on a GPU comes from recorded runs.
 
+# %% tags=["remove-input"]
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(8)
+
 # %%
 import json
 import math

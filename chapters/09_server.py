@@ -26,6 +26,11 @@
 # against it unchanged, and so that a thousand clients share one continuously batched engine
 # {cite}`yu2022orca,kwon2023pagedattention` instead of queueing for it.
 
+# %% tags=["remove-input"]
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(9)
+
 # %%
 import asyncio
 import json

@@ -30,6 +30,11 @@
 # the weights folder the engine serves is served by vLLM, token for token, with
 # `--tensor-parallel-size` and many machines.
 
+# %% tags=["remove-input"]
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(11)
+
 # %%
 import json
 import time

@@ -8,6 +8,7 @@ fails until it is named here.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -64,16 +65,26 @@ def state(chapter: Chapter, current: int) -> str:
     return CURRENT if chapter.number == current else LATER
 
 
-def roadmap(chapter: int) -> Figure:
+class RoadmapFigure(Figure):
+    """A figure that shows itself as a PNG when it is a cell's value. The roadmap's cell comes
+    before the chapter imports pyplot, so Jupyter's inline display of figures is not set up yet."""
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png", dpi=self.dpi)
+        return buffer.getvalue()
+
+
+def roadmap(chapter: int) -> RoadmapFigure:
     """The roadmap as seen from chapter `chapter` (its number): two rows of six boxes, read left to
-    right and top to bottom. The figure is returned, not left to pyplot, so a cell ending in
-    `roadmap(3)` shows it once."""
+    right and top to bottom. The figure is the cell's value, not left to pyplot, so a cell ending
+    in `roadmap(3)` shows it once."""
     numbers = [c.number for c in CHAPTERS]
     if chapter not in numbers:
         raise ValueError(f"chapter {chapter} is not one of the book's chapters {numbers}")
     rows = -(-len(CHAPTERS) // PER_ROW)
     # Not a pyplot figure: the cell's value shows it, and pyplot does not show it a second time.
-    fig = Figure(figsize=(PAGE_WIDTH, 0.3 + 0.66 * rows), dpi=100)
+    fig = RoadmapFigure(figsize=(PAGE_WIDTH, 0.3 + 0.66 * rows), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     fig.subplots_adjust(left=0.005, right=0.995, bottom=0.01, top=1 - 0.3 / fig.get_figheight())
