@@ -19,9 +19,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
-from minivllm.book import use_book_style  # noqa: E402
-from minivllm.book.figures.blocks import block_legend, draw_block_pool, draw_block_tables  # noqa: E402
+from minivllm.book import FREE_COLOR, use_book_style  # noqa: E402
+from minivllm.book.figures.blocks import (  # noqa: E402
+    block_legend,
+    draw_block_pool,
+    draw_block_tables,
+    label_color,
+)
 from minivllm.book.figures.kernels import (  # noqa: E402
     draw_cache_reads,
     draw_execution_model,
@@ -293,6 +299,88 @@ def test_a_stepper_is_page_wide_with_a_slider_step_and_tick_per_frame() -> None:
     assert page.count("<option") == 10  # one tick per frame
     assert page.count("<button") == 2  # one frame back, one forward
     assert "(frame <span>5</span> of 10)" in page
+
+
+def test_a_stepper_refuses_a_frame_with_text_under_10_pt() -> None:
+    def draw(step: int):
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 2))
+        ax.set_title(f"step {step}", fontsize=11 if step < 2 else 9.5)
+        ax.legend(handles=[Patch(color="C0", label="held")], fontsize=10)
+        return fig
+
+    assert len(Stepper(draw, steps=[0, 1]).frames) == 2
+    with pytest.raises(ValueError, match=r"step 2 has 1 texts under 10.0 pt.*'step 2' at 9.5 pt"):
+        Stepper(draw, steps=[0, 1, 2])
+
+
+def test_a_frame_shrunk_to_the_page_counts_its_text_at_the_shrunk_size() -> None:
+    def draw(step: int):
+        fig, ax = plt.subplots(figsize=(2 * PAGE_WIDTH, 2))  # shown at half size
+        ax.axis("off")
+        ax.set_title(f"step {step}", fontsize=16)
+        return fig
+
+    with pytest.raises(ValueError, match="'step 0' at 8.0 pt"):
+        Stepper(draw, steps=[0])
+
+
+STEPPER_CELL = re.compile(r"^# %%(?P<meta>[^\n]*)\n(?P<code>(?:(?!# %%).*\n)*?)Stepper\(", re.M)
+
+
+def test_every_chapter_stepper_is_a_captioned_numbered_figure() -> None:
+    """A stepper's caption and its number come from its cell's mystnb figure metadata: a caption
+    that says what to drag, and a name (which numbers it and lets the prose refer to it)."""
+    found = 0
+    for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py")):
+        for cell in STEPPER_CELL.finditer(path.read_text()):
+            found += 1
+            meta = cell.group("meta")
+            assert '"caption": "' in meta and "slider" in meta, (path.name, meta)
+            assert re.search(r'"name": "fig-\d\d-[\w-]+"', meta), (path.name, meta)
+    assert found >= 2  # chapters 03 and 05
+
+
+def burst_frame(tokens: list[int]):
+    """Chapter 05's stepper frame for sequences of `tokens` tokens: the pool and the tables side
+    by side, the tables laid out for a run whose longest table has 10 blocks and whose most tables
+    are 8."""
+    manager = BlockManager(num_blocks=24, block_size=16)
+    for seq_id, count in enumerate(tokens):
+        manager.allocate(seq_id, count)
+    fig = plt.figure(figsize=(PAGE_WIDTH, 4.1), layout="constrained")
+    pool_ax, table_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [6.1, 10 + 1.6]})
+    draw_block_pool(pool_ax, manager, columns=6, title="step 1", label_points=10)
+    draw_block_tables(table_ax, manager, width=10, rows=8, label_points=10)
+    block_legend(fig, tables=True, loc="outside lower center")
+    fig.canvas.draw()
+    return fig, table_ax
+
+
+def test_a_burst_frame_keeps_one_cell_size_and_its_labels_in_their_cells_at_10_pt() -> None:
+    """Chapter 05's stepper: every frame's cells the same size and its first table in the same
+    place, whatever it holds (the slider flips between frames, so a cell that grew, shrank or
+    moved would jump), each label inside its cell, nothing under 10 pt."""
+    sizes, tops = set(), set()
+    for tokens in ([160, 60, 20], [16] * 8, [100]):
+        fig, table_ax = burst_frame(tokens)
+        assert small_text(fig, 10) == []
+        renderer = fig.canvas.get_renderer()
+        cells = [p.get_window_extent(renderer) for p in table_ax.patches]
+        labels = [t for t in table_ax.texts if t.get_text().startswith("→")]
+        assert len(labels) == len(cells) == sum(-(-n // 16) for n in tokens)
+        for cell, label in zip(cells, labels):
+            box = label.get_window_extent(renderer)
+            assert cell.x0 <= box.x0 and box.x1 <= cell.x1, label.get_text()
+            assert cell.y0 <= box.y0 and box.y1 <= cell.y1, label.get_text()
+        sizes |= {(round(cell.width), round(cell.height)) for cell in cells}
+        tops.add(round(max(cell.y1 for cell in cells)))  # the first table: at the top, always
+    assert len(sizes) == 1 and len(tops) == 1
+
+
+def test_a_cells_label_is_black_or_white_whichever_reads_better() -> None:
+    assert label_color("#393b79") == "white"  # the palette's indigo
+    assert label_color("#bcbd22") == "black"  # its olive
+    assert label_color(FREE_COLOR) == "black"
 
 
 def forked_pool(samples: int = 4) -> BlockManager:
