@@ -28,7 +28,7 @@
 #
 # The code lives in `src/minivllm/model/tokenizer.py`; its tests are in `tests/test_tokenizer.py`.
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 01 highlighted: the chapters before it built, those after it to come"}}
 from minivllm.book.figures.roadmap import roadmap
 
 roadmap(1)

@@ -25,7 +25,7 @@
 # it later (recomputation, one of the two recovery policies of {cite}`kwon2023pagedattention`; the
 # other swaps the blocks out to host memory).
 
-# %% tags=["remove-input"]
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 05 highlighted: the chapters before it built, those after it to come"}}
 from minivllm.book.figures.roadmap import roadmap
 
 roadmap(5)

@@ -510,3 +510,21 @@ def test_the_roadmaps_labels_sit_inside_their_boxes() -> None:
 def test_the_roadmap_refuses_a_chapter_the_book_has_not() -> None:
     with pytest.raises(ValueError, match="chapter 12 is not one of the book's chapters"):
         roadmap(12)
+
+
+ROADMAP_CELL = re.compile(
+    r'^# %% tags=\["remove-input"\] mystnb=\{"image": \{"alt": "(?P<alt>[^"]+)"\}\}\n'
+    r"from minivllm\.book\.figures\.roadmap import roadmap\n\nroadmap\((?P<chapter>\d+)\)\n",
+    re.M,
+)
+
+
+def test_every_chapter_opens_with_its_own_roadmap_its_code_removed_from_the_page() -> None:
+    for chapter in CHAPTERS:
+        source = (ROOT / "chapters" / f"{chapter.slug}.py").read_text()
+        cells = re.split(r"^(?=# %%)", source, flags=re.M)
+        first_code = next(i for i, cell in enumerate(cells) if cell.startswith("# %%") and i > 1)
+        cell = ROADMAP_CELL.match(cells[first_code])
+        assert cell, f"{chapter.slug}: its first code cell is not the roadmap"
+        assert int(cell.group("chapter")) == chapter.number
+        assert f"chapter {chapter.number:02d} highlighted" in cell.group("alt")
