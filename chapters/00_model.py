@@ -30,6 +30,11 @@
 # it write, and then watch the simplest way of generating text get slower with every token — the
 # problem the next three chapters solve.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 00 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(0)
+
 # %%
 import json
 

@@ -28,6 +28,11 @@
 #
 # The code lives in `src/minivllm/model/tokenizer.py`; its tests are in `tests/test_tokenizer.py`.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 01 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(1)
+
 # %%
 import random
 import re

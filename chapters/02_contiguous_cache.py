@@ -25,6 +25,11 @@
 # costs in memory when a server holds many sequences at once, and finds the problem that chapter 03
 # solves.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 02 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(2)
+
 # %%
 import time
 

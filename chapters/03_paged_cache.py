@@ -26,6 +26,11 @@
 # each sequence blocks one at a time as it grows, and keep a **{term}`block table`** that maps the
 # sequence's logical blocks to physical ones, wherever they are.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 03 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(3)
+
 # %%
 
 import matplotlib.pyplot as plt

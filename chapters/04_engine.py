@@ -27,6 +27,11 @@
 # scheduling {cite}`yu2022orca`, over vLLM's paged cache {cite}`kwon2023pagedattention`, with long
 # prompts cut into chunks that share a step with decodes {cite}`agrawal2023sarathi`.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 04 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(4)
+
 # %%
 import time
 

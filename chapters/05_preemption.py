@@ -25,6 +25,11 @@
 # it later (recomputation, one of the two recovery policies of {cite}`kwon2023pagedattention`; the
 # other swaps the blocks out to host memory).
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 05 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(5)
+
 # %%
 import copy
 import time
@@ -316,17 +321,23 @@ while burst_engine.has_unfinished():
     progress.append([seq.num_output_tokens for seq in burst_engine.scheduler.running])
 
 
+# Every frame's tables as wide as the run's longest table and as tall as its most tables, and the
+# two panels as wide as their cells: one cell size in both panels and every frame, labels 10 pt.
+widest = max(len(t.blocks) for manager, _ in burst_snapshots for t in manager.tables.values())
+most = max(len(manager.tables) for manager, _ in burst_snapshots)
+
+
 def draw_burst_step(fig, manager, record):
-    pool_ax, table_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.5]})
-    draw_block_pool(pool_ax, manager, columns=6, title=f"step {record.step}")
-    draw_block_tables(table_ax, manager)
+    pool_ax, table_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [6.1, widest + 1.6]})
+    draw_block_pool(pool_ax, manager, columns=6, title=f"step {record.step}", label_points=10)
+    draw_block_tables(table_ax, manager, width=widest, rows=most, label_points=10)
     events = f"preempted {list(record.preempted)}  " if record.preempted else ""
     events += f"resumed {list(record.resumed)}  " if record.resumed else ""
     table_ax.set_title(f"{events}waiting {list(record.waiting)}", fontsize=10)
 
 
 def burst_figure(step: int):
-    fig = plt.figure(figsize=(7.5, 3.8), layout="constrained")
+    fig = plt.figure(figsize=(7.5, 4.1), layout="constrained")
     draw_burst_step(fig, *burst_snapshots[step - 1])
     block_legend(fig, tables=True, loc="outside lower center")
     return fig
@@ -348,7 +359,7 @@ Stepper(burst_figure, steps=frames, start=first_preemption)
 # %% tags=["hide-input"] mystnb={"figure": {"caption": "Four moments of the burst with preemption: just before the first preemption, at it, at the first resumption, and near the end; each shows the pool, the block tables and the queues.", "name": "fig-05-burst-moments"}}
 first_resume = next(r.step for _, r in burst_snapshots if r.resumed)
 moments = [first_preemption - 1, first_preemption, first_resume, len(burst_snapshots) - 5]
-fig = plt.figure(figsize=(7.5, 13), layout="constrained")
+fig = plt.figure(figsize=(7.5, 15), layout="constrained")
 for subfig, step in zip(fig.subfigures(len(moments), 1), moments):
     draw_burst_step(subfig, *burst_snapshots[step - 1])
 block_legend(fig, tables=True, loc="outside lower center")

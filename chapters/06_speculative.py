@@ -27,6 +27,11 @@
 # {term}`draft model` or with {term}`prompt lookup <prompt lookup (n-gram drafting)>`
 # {cite}`saxena2023promptlookup` as the {term}`drafter`.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 06 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(6)
+
 # %%
 import copy
 import time

@@ -28,6 +28,11 @@
 # reading this on, in Python compiled to machine code by numba. Chapter 08 writes the same
 # algorithm for a GPU, in CUDA's execution model.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 07 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(7)
+
 # %%
 import json
 import time

@@ -26,6 +26,11 @@
 # executes every CUDA thread as a Python thread: thousands of times slower, but the very same code,
 # and every thread's every read can be watched. What they do on a GPU comes from recorded runs.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 08 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(8)
+
 # %%
 import json
 import math

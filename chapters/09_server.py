@@ -26,6 +26,11 @@
 # against it unchanged, and so that a thousand clients share one continuously batched engine
 # {cite}`yu2022orca,kwon2023pagedattention` instead of queueing for it.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 09 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(9)
+
 # %%
 import asyncio
 import json

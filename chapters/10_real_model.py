@@ -34,6 +34,11 @@
 # in a second. Their answers are noise; everything else is what a downloaded model goes through. At
 # the end, a cell runs the model you point `MINIVLLM_MODEL` at.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 10 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(10)
+
 # %%
 import json
 import os

@@ -30,6 +30,11 @@
 # the weights folder the engine serves is served by vLLM, token for token, with
 # `--tensor-parallel-size` and many machines.
 
+# %% tags=["remove-input"] mystnb={"image": {"alt": "The roadmap of the engine, chapter 11 highlighted: the chapters before it built, those after it to come"}}
+from minivllm.book.figures.roadmap import roadmap
+
+roadmap(11)
+
 # %%
 import json
 import time

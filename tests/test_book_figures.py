@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import struct
+from pathlib import Path
 from types import SimpleNamespace
 
 import matplotlib
@@ -17,9 +18,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from matplotlib.colors import to_rgba  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
-from minivllm.book import use_book_style  # noqa: E402
-from minivllm.book.figures.blocks import block_legend, draw_block_pool, draw_block_tables  # noqa: E402
+from minivllm.book import FREE_COLOR, use_book_style  # noqa: E402
+from minivllm.book.figures.blocks import (  # noqa: E402
+    block_legend,
+    draw_block_pool,
+    draw_block_tables,
+    label_color,
+)
 from minivllm.book.figures.kernels import (  # noqa: E402
     draw_cache_reads,
     draw_execution_model,
@@ -32,6 +40,14 @@ from minivllm.book.figures.readable import (  # noqa: E402
     overlapping_tick_labels,
     small_text,
 )
+from minivllm.book.figures.roadmap import (  # noqa: E402
+    BUILT,
+    CHAPTERS,
+    CURRENT,
+    LATER,
+    roadmap,
+)
+from minivllm.book.figures.roadmap import STYLE as ROADMAP_STYLE  # noqa: E402
 from minivllm.book.figures.sampling import (  # noqa: E402
     draw_next_token_probs,
     tick_label,
@@ -50,6 +66,8 @@ from minivllm.book.figures.timelines import (  # noqa: E402
 from minivllm.book.stepper import Stepper  # noqa: E402
 from minivllm.engine.trace import StepRecord  # noqa: E402
 from minivllm.kv.block_manager import BlockManager  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -283,6 +301,88 @@ def test_a_stepper_is_page_wide_with_a_slider_step_and_tick_per_frame() -> None:
     assert "(frame <span>5</span> of 10)" in page
 
 
+def test_a_stepper_refuses_a_frame_with_text_under_10_pt() -> None:
+    def draw(step: int):
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 2))
+        ax.set_title(f"step {step}", fontsize=11 if step < 2 else 9.5)
+        ax.legend(handles=[Patch(color="C0", label="held")], fontsize=10)
+        return fig
+
+    assert len(Stepper(draw, steps=[0, 1]).frames) == 2
+    with pytest.raises(ValueError, match=r"step 2 has 1 texts under 10.0 pt.*'step 2' at 9.5 pt"):
+        Stepper(draw, steps=[0, 1, 2])
+
+
+def test_a_frame_shrunk_to_the_page_counts_its_text_at_the_shrunk_size() -> None:
+    def draw(step: int):
+        fig, ax = plt.subplots(figsize=(2 * PAGE_WIDTH, 2))  # shown at half size
+        ax.axis("off")
+        ax.set_title(f"step {step}", fontsize=16)
+        return fig
+
+    with pytest.raises(ValueError, match="'step 0' at 8.0 pt"):
+        Stepper(draw, steps=[0])
+
+
+STEPPER_CELL = re.compile(r"^# %%(?P<meta>[^\n]*)\n(?P<code>(?:(?!# %%).*\n)*?)Stepper\(", re.M)
+
+
+def test_every_chapter_stepper_is_a_captioned_numbered_figure() -> None:
+    """A stepper's caption and its number come from its cell's mystnb figure metadata: a caption
+    that says what to drag, and a name (which numbers it and lets the prose refer to it)."""
+    found = 0
+    for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py")):
+        for cell in STEPPER_CELL.finditer(path.read_text()):
+            found += 1
+            meta = cell.group("meta")
+            assert '"caption": "' in meta and "slider" in meta, (path.name, meta)
+            assert re.search(r'"name": "fig-\d\d-[\w-]+"', meta), (path.name, meta)
+    assert found >= 2  # chapters 03 and 05
+
+
+def burst_frame(tokens: list[int]):
+    """Chapter 05's stepper frame for sequences of `tokens` tokens: the pool and the tables side
+    by side, the tables laid out for a run whose longest table has 10 blocks and whose most tables
+    are 8."""
+    manager = BlockManager(num_blocks=24, block_size=16)
+    for seq_id, count in enumerate(tokens):
+        manager.allocate(seq_id, count)
+    fig = plt.figure(figsize=(PAGE_WIDTH, 4.1), layout="constrained")
+    pool_ax, table_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [6.1, 10 + 1.6]})
+    draw_block_pool(pool_ax, manager, columns=6, title="step 1", label_points=10)
+    draw_block_tables(table_ax, manager, width=10, rows=8, label_points=10)
+    block_legend(fig, tables=True, loc="outside lower center")
+    fig.canvas.draw()
+    return fig, table_ax
+
+
+def test_a_burst_frame_keeps_one_cell_size_and_its_labels_in_their_cells_at_10_pt() -> None:
+    """Chapter 05's stepper: every frame's cells the same size and its first table in the same
+    place, whatever it holds (the slider flips between frames, so a cell that grew, shrank or
+    moved would jump), each label inside its cell, nothing under 10 pt."""
+    sizes, tops = set(), set()
+    for tokens in ([160, 60, 20], [16] * 8, [100]):
+        fig, table_ax = burst_frame(tokens)
+        assert small_text(fig, 10) == []
+        renderer = fig.canvas.get_renderer()
+        cells = [p.get_window_extent(renderer) for p in table_ax.patches]
+        labels = [t for t in table_ax.texts if t.get_text().startswith("→")]
+        assert len(labels) == len(cells) == sum(-(-n // 16) for n in tokens)
+        for cell, label in zip(cells, labels):
+            box = label.get_window_extent(renderer)
+            assert cell.x0 <= box.x0 and box.x1 <= cell.x1, label.get_text()
+            assert cell.y0 <= box.y0 and box.y1 <= cell.y1, label.get_text()
+        sizes |= {(round(cell.width), round(cell.height)) for cell in cells}
+        tops.add(round(max(cell.y1 for cell in cells)))  # the first table: at the top, always
+    assert len(sizes) == 1 and len(tops) == 1
+
+
+def test_a_cells_label_is_black_or_white_whichever_reads_better() -> None:
+    assert label_color("#393b79") == "white"  # the palette's indigo
+    assert label_color("#bcbd22") == "black"  # its olive
+    assert label_color(FREE_COLOR) == "black"
+
+
 def forked_pool(samples: int = 4) -> BlockManager:
     """Chapter 08's parallel sampling: one prompt's blocks shared by every sample, each sample
     with a block of its own."""
@@ -348,3 +448,83 @@ def test_tables_drawn_with_one_width_share_their_cells() -> None:
     draw_block_tables(top, before)
     draw_block_tables(bottom, after)  # each as wide as its own table: the cells differ
     assert top.get_xlim() != bottom.get_xlim()
+
+
+def toc_chapters() -> list[tuple[str, str]]:
+    """(slug, part caption) of every chapter in the book's table of contents, in order."""
+    import yaml
+
+    toc = yaml.safe_load((ROOT / "book" / "_toc.yml").read_text())
+    return [
+        (entry["file"].removeprefix("chapters/"), part["caption"])
+        for part in toc["parts"]
+        for entry in part["chapters"]
+        if entry["file"].startswith("chapters/")
+    ]
+
+
+def test_the_roadmap_names_every_chapter_of_the_toc_and_the_chapters_folder_in_order() -> None:
+    assert [(c.slug, c.part) for c in CHAPTERS] == toc_chapters()
+    on_disk = sorted(path.stem for path in (ROOT / "chapters").glob("[0-9][0-9]_*.py"))
+    assert [c.slug for c in CHAPTERS] == on_disk
+    assert [c.number for c in CHAPTERS] == list(range(len(CHAPTERS)))
+
+
+def roadmap_boxes(fig) -> list[tuple[str, object, object]]:
+    """(slug, box, label) of each chapter the roadmap draws, in reading order (rows top to bottom,
+    each left to right)."""
+    ax = fig.axes[0]
+    boxes = {p.get_gid().removeprefix("roadmap-"): p for p in ax.patches if p.get_gid()}
+    labels = {t.get_gid().removeprefix("roadmap-label-"): t for t in ax.texts if t.get_gid()}
+    order = sorted(boxes, key=lambda slug: (-boxes[slug].get_y(), boxes[slug].get_x()))
+    return [(slug, boxes[slug], labels[slug]) for slug in order]
+
+
+@pytest.mark.parametrize("chapter", [0, 3, 11])
+def test_the_roadmap_reads_in_order_with_the_current_chapter_highlighted(chapter) -> None:
+    fig = roadmap(chapter)
+    drawn = roadmap_boxes(fig)
+    assert [slug for slug, _, _ in drawn] == [slug for slug, _ in toc_chapters()]
+    for slug, box, label in drawn:
+        number = int(slug[:2])
+        assert f"{number:02d}" in label.get_text()
+        expected = BUILT if number < chapter else CURRENT if number == chapter else LATER
+        assert box.get_facecolor() == to_rgba(ROADMAP_STYLE[expected]["facecolor"])
+        assert (label.get_fontweight() == "bold") == (number == chapter)
+        assert ("✓" in label.get_text()) == (number < chapter)
+    assert small_text(fig) == []
+    assert fig.get_figwidth() == PAGE_WIDTH and fig.get_figheight() <= 2  # wide and low
+    assert f"chapter {chapter:02d}" in fig.texts[0].get_text()
+
+
+def test_the_roadmaps_labels_sit_inside_their_boxes() -> None:
+    fig = roadmap(4)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for slug, box, label in roadmap_boxes(fig):
+        outer, inner = box.get_window_extent(renderer), label.get_window_extent(renderer)
+        assert outer.x0 < inner.x0 and inner.x1 < outer.x1, slug
+        assert outer.y0 < inner.y0 and inner.y1 < outer.y1, slug
+
+
+def test_the_roadmap_refuses_a_chapter_the_book_has_not() -> None:
+    with pytest.raises(ValueError, match="chapter 12 is not one of the book's chapters"):
+        roadmap(12)
+
+
+ROADMAP_CELL = re.compile(
+    r'^# %% tags=\["remove-input"\] mystnb=\{"image": \{"alt": "(?P<alt>[^"]+)"\}\}\n'
+    r"from minivllm\.book\.figures\.roadmap import roadmap\n\nroadmap\((?P<chapter>\d+)\)\n",
+    re.M,
+)
+
+
+def test_every_chapter_opens_with_its_own_roadmap_its_code_removed_from_the_page() -> None:
+    for chapter in CHAPTERS:
+        source = (ROOT / "chapters" / f"{chapter.slug}.py").read_text()
+        cells = re.split(r"^(?=# %%)", source, flags=re.M)
+        first_code = next(i for i, cell in enumerate(cells) if cell.startswith("# %%") and i > 1)
+        cell = ROADMAP_CELL.match(cells[first_code])
+        assert cell, f"{chapter.slug}: its first code cell is not the roadmap"
+        assert int(cell.group("chapter")) == chapter.number
+        assert f"chapter {chapter.number:02d} highlighted" in cell.group("alt")

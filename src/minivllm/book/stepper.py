@@ -4,6 +4,11 @@ a range slider flipping between them (chapters 03 and 05).
 An ipywidgets slider redraws on a live kernel and loads its JavaScript from a CDN, so in the HTML
 book (read offline, or with no kernel behind it) it is a blank box. `Stepper` renders to HTML that
 carries its frames and its few lines of script inline: it needs no kernel and no network.
+
+A stepper is read frame by frame, closely: its text is at least `MIN_POINTS` (10 pt) on the page,
+one point over the book's floor for figures, and a frame with smaller text is refused when it is
+drawn, naming the text, rather than shipped to the page. Its caption and number come from the
+chapter cell's `mystnb` figure metadata, as any figure's do.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from collections.abc import Callable, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from minivllm.book.figures.readable import small_text
+
 _ids = itertools.count()
+MIN_POINTS = 10.0
 
 
 def figure_png(fig: Figure, dpi: int = 100) -> bytes:
@@ -30,9 +38,24 @@ def figure_png(fig: Figure, dpi: int = 100) -> bytes:
     return buffer.getvalue()
 
 
+def readable(fig: Figure, step: int, min_points: float) -> Figure:
+    """`fig` if every text it draws is at least `min_points` on the page; an error naming the
+    smallest ones if not."""
+    small = sorted(small_text(fig, min_points), key=lambda text_size: text_size[1])
+    if small:
+        plt.close(fig)
+        shown = ", ".join(f"{text!r} at {size} pt" for text, size in small[:5])
+        raise ValueError(
+            f"the frame for step {step} has {len(small)} texts under {min_points} pt on the page "
+            f"(a stepper's text must be readable frame by frame): {shown}"
+        )
+    return fig
+
+
 class Stepper:
     """Frames `draw(step)` for each of `steps`, behind a slider labelled with the step; it opens at
-    `start` (a step from `steps`). `draw` returns a matplotlib figure."""
+    `start` (a step from `steps`). `draw` returns a matplotlib figure, drawn as wide as the page
+    (wider is shrunk to fit, text and all) with every text at least `min_points` there."""
 
     def __init__(
         self,
@@ -40,6 +63,7 @@ class Stepper:
         steps: Sequence[int],
         start: int | None = None,
         label: str = "step",
+        min_points: float = MIN_POINTS,
     ) -> None:
         self.steps = list(steps)
         if not self.steps:
@@ -48,7 +72,10 @@ class Stepper:
             raise ValueError(f"start={start} is not one of the steps {self.steps[:5]}...")
         self.start = self.steps.index(start) if start is not None else 0
         self.label = label
-        self.frames = [base64.b64encode(figure_png(draw(step))).decode() for step in self.steps]
+        self.frames = [
+            base64.b64encode(figure_png(readable(draw(step), step, min_points))).decode()
+            for step in self.steps
+        ]
 
     def _repr_html_(self) -> str:
         name = f"minivllm-stepper-{next(_ids)}"

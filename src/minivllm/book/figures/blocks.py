@@ -7,6 +7,7 @@ one sequence (prefix sharing, fork) is hatched and labelled with its reference c
 from __future__ import annotations
 
 from matplotlib.axes import Axes
+from matplotlib.colors import to_rgb
 from matplotlib.legend_handler import HandlerTuple
 from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 
@@ -34,6 +35,20 @@ def _label_size(ax: Axes, x_span: float, y_span: float) -> float:
     return max(MIN_POINTS, min(13.0, points_per_unit / 2.6))
 
 
+def label_color(fill: str) -> str:
+    """Black or white, whichever reads better on `fill` (the higher WCAG contrast ratio): black
+    on the palette's light colours, white on its dark ones (indigo, blue, brown, red)."""
+    luminance = relative_luminance(fill)
+    on_black, on_white = (luminance + 0.05) / 0.05, 1.05 / (luminance + 0.05)
+    return "black" if on_black >= on_white else "white"
+
+
+def relative_luminance(color: str) -> float:
+    """WCAG 2's relative luminance of an sRGB colour: 0 for black, 1 for white."""
+    channels = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in to_rgb(color)]
+    return 0.2126 * channels[0] + 0.7152 * channels[1] + 0.0722 * channels[2]
+
+
 def _cell(
     ax: Axes, x: float, y: float, color: str, label: str, size: float, shared: bool = False
 ) -> None:
@@ -52,16 +67,22 @@ def _cell(
         ha="center",
         va="center",
         fontsize=size,
+        color="black" if shared else label_color(color),
         bbox=plate if shared else None,
         zorder=3,
     )
 
 
 def draw_block_pool(
-    ax: Axes, manager: BlockManager, columns: int = 8, title: str = "block pool"
+    ax: Axes,
+    manager: BlockManager,
+    columns: int = 8,
+    title: str = "block pool",
+    label_points: float | None = None,
 ) -> dict[int, tuple]:
     """The physical pool as a grid, block 0 top left; returns each block's cell centre (for
-    arrows)."""
+    arrows). `label_points` fixes the cells' label size (by default it is fitted to the cells as
+    the axes stands before any layout engine has run)."""
     owners, centres = block_owners(manager), {}
     num_blocks = manager.allocator.num_blocks
     rows = -(-num_blocks // columns)
@@ -69,7 +90,7 @@ def draw_block_pool(
     ax.set_ylim(-0.1, rows)
     ax.set_aspect("equal")
     ax.axis("off")
-    size = _label_size(ax, columns + 0.1, rows + 0.1)
+    size = label_points or _label_size(ax, columns + 0.1, rows + 0.1)
     for block in range(num_blocks):
         x, y = block % columns, rows - 1 - block // columns
         holders = owners.get(block, [])
@@ -93,20 +114,25 @@ def draw_block_tables(
     pool_ax: Axes | None = None,
     pool_centres: dict[int, tuple] | None = None,
     width: int = 1,
+    rows: int = 1,
+    label_points: float | None = None,
 ) -> None:
     """One row per sequence: its logical blocks, each labelled with the physical block it maps to.
     With `pool_ax`, an arrow runs from every logical block to its physical block. The drawing is at
     least `width` logical blocks wide: two tables drawn one above the other with the same `width`
-    get the same cells, lined up, so what one has more of shows as a gap in the other."""
+    get the same cells, lined up, so what one has more of shows as a gap in the other (and the
+    frames of a stepper drawn with one `width` and `rows` -- at least that many rows, from the top
+    -- keep their cells' size). `label_points` fixes the labels' size, as in `draw_block_pool`."""
     seq_ids = sorted(manager.tables)
     width = max([width, *(len(manager.tables[s].blocks) for s in seq_ids)])
     ax.set_xlim(-1.6, max(width, 1))
-    ax.set_ylim(-0.1, max(len(seq_ids), 1))
+    height = max(rows, len(seq_ids), 1)
+    ax.set_ylim(-0.1, height)
     ax.set_aspect("equal")
     ax.axis("off")
-    size = _label_size(ax, max(width, 1) + 1.6, max(len(seq_ids), 1) + 0.1)
+    size = label_points or _label_size(ax, max(width, 1) + 1.6, height + 0.1)
     for row, seq_id in enumerate(seq_ids):
-        y = len(seq_ids) - 1 - row
+        y = height - 1 - row
         ax.text(-0.2, y + 0.46, f"seq {seq_id}", ha="right", va="center", fontsize=size)
         for logical, block in enumerate(manager.tables[seq_id].blocks):
             _cell(ax, logical, y, sequence_color(seq_id), f"→{block}", size)
