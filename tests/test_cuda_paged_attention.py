@@ -164,6 +164,7 @@ V3_CASES = [
 ]
 
 
+@pytest.mark.exercise("ch08.3")
 @pytest.mark.parametrize("block_size, head_dim, group, dtype", V3_CASES)
 def test_v3_matches_the_reference(block_size, head_dim, group, dtype) -> None:
     lens = [1, block_size + 3]
@@ -171,6 +172,7 @@ def test_v3_matches_the_reference(block_size, head_dim, group, dtype) -> None:
     assert relative_error(case, grouped=True) <= TOLERANCE[dtype]
 
 
+@pytest.mark.exercise("ch08.3")
 @pytest.mark.parametrize(
     "lanes_per_token, threads",
     [
@@ -185,6 +187,8 @@ def test_v3_teams_and_warps_merge_their_softmax_states(lanes_per_token, threads)
     assert error <= TOLERANCE[torch.float32]
 
 
+@pytest.mark.exercise("ch08.3")
+@pytest.mark.exercise("ch08.2")
 @pytest.mark.parametrize(
     "partition_size, dtype",
     [
