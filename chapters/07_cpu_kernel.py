@@ -311,7 +311,10 @@ show(_attend_units)
 # The compiled entry point takes one layer's whole batch. It first writes the new rows' keys and
 # values to their slots (the {term}`slot mapping` of chapter 04 — the same call, no separate
 # scatter), then gives each thread its list. (Its twin `_paged_attention_serial` runs all the units
-# on the calling thread, for a process that has one core; chapter 11 has such processes.)
+# on the calling thread, for a process that has one core; chapter 11 has such processes.) It returns
+# whether every thread finished its list: an exception raised on one of numba's workqueue threads
+# never reaches the caller, so the Python side that launches it, `_launch`, runs an unfinished
+# launch again on one thread, where the exception is raised.
 
 # %%
 show(_paged_attention_kernel)
@@ -521,11 +524,25 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # %% [markdown]
 # ## Exercises
 #
-# These explore the kernel on your machine; no test grades them. The kernel's code is
-# `src/minivllm/attention/numba_cpu.py`; time any change with the cells of **Measure** above
-# (alternate the versions, take medians). Each has a hint, and a worked answer folded below it.
+# The kernel's code is `src/minivllm/attention/numba_cpu.py`. The first exercise is graded: its
+# solution lives there between `### BEGIN SOLUTION` and `### END SOLUTION`; run its tests with
+# `pytest tests --exercise ch07.1`. The others explore the kernel on your machine and no test
+# grades them; time any change with the cells of **Measure** above (alternate the versions, take
+# medians). Each has a hint, and a worked answer folded below it.
 #
-# 1. **One pass with an online softmax.** The kernel keeps every score of a unit in a scratch row
+# 1. **ch07.1 — the kernel's softmax** (this chapter's core). Write the loop body of
+#    `_softmax_rows`: query vector `v`'s row of scores, `row`, sees its first `seen` keys (a row of
+#    a prefill tile sees one more than the row before it). Turn `row[:seen]` into its softmax —
+#    the largest score subtracted first, so that no exponential overflows, the exponentials taken
+#    by `_exp_in_place` (it wants its arguments at most 0), each divided by their sum — and set
+#    `row[seen:width]` to 0, so that the values pass adds nothing for the keys the row must not
+#    see. The tests run the whole kernel, parallel and serial, plain and SIMD, against a float64
+#    reference, with scores large enough to overflow an exponential taken without the max. The
+#    kernel is compiled, so a change costs a minute of compiling on its first call. (numba's
+#    threads cannot pass an exception on: `_launch` reruns on one thread a launch whose threads
+#    stopped early, so an error in your code reaches you.) Three hints, from a nudge to nearly the
+#    answer, are folded below the list.
+# 2. **One pass with an online softmax.** The kernel keeps every score of a unit in a scratch row
 #    and walks the blocks twice. Rewrite `_attend` as one pass with the *online* softmax chapter 08
 #    builds its GPU kernels on — per query vector a running max $m$ and sum $\ell$, the accumulator
 #    rescaled by $e^{m - m'}$ whenever a block raises the max to $m'$ — keeping `_scores_simd` and
@@ -536,7 +553,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 #    every accumulator, an `exp` for the correction — now runs once per block instead of once per
 #    row. Count how many times per unit each happens at a context of 250 tokens and blocks of 16.
 #
-# :::{admonition} A worked answer to exercise 1
+# :::{admonition} A worked answer to exercise 2
 # :class: dropdown
 # Per block: score the block into a 16-float row, take its max $b$, set $m' = \max(m, b)$, scale
 # the accumulators and $\ell$ by $e^{m - m'}$ (once per query vector), exponentiate the row
@@ -549,7 +566,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # has no room for a row per query (chapter 08).
 # :::
 #
-# 2. **Dealt by count, not by cost.** Replace `plan_work`'s deal by cost with an even split by count
+# 3. **Dealt by count, not by cost.** Replace `plan_work`'s deal by cost with an even split by count
 #    (the first bar of the work-plan figure) and time a decode step with two 128-token prefill
 #    chunks in it, both ways. How much of the step does the uneven split cost?
 #
@@ -558,7 +575,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 #    `numba_cpu.plan_work`. Count the busier thread's cost with `unit_cost`, as the figure's cell
 #    does, before you time anything.
 #
-# :::{admonition} A worked answer to exercise 2
+# :::{admonition} A worked answer to exercise 3
 # :class: dropdown
 # Sort the units as numba's `prange` would see them (decodes first, then the chunks' tiles) and
 # cut the list in half: `bounds = [0, len(work) // 2, len(work)]`. Both 128-token chunks, eight
@@ -569,7 +586,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # matmuls, does not change.
 # :::
 #
-# 3. **Where the SIMD lanes go.** Print the machine code of `_scores_plain` and `_scores_simd`
+# 4. **Where the SIMD lanes go.** Print the machine code of `_scores_plain` and `_scores_simd`
 #    (`_scores_plain.inspect_asm()` gives one string per compiled signature) and count the
 #    vector shuffles and additions that reduce a dot product's lanes, per key, in each.
 #
@@ -577,7 +594,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 #    inside the innermost loop; the plain loop reduces after every key, the vector path once per
 #    eight keys (`sum8x8`).
 #
-# :::{admonition} A worked answer to exercise 3
+# :::{admonition} A worked answer to exercise 4
 # :class: dropdown
 # The plain loop's dot product ends in a horizontal reduction of one 8-lane register — an
 # `vextractf128`, then shuffles and adds down to one lane — after every key: about three additions
@@ -586,6 +603,35 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # eight with `sum8x8`'s seven additions and its shuffles: under one addition per key. The exact
 # instructions depend on your CPU (AVX-512 machines use 16 lanes and `zmm` registers), which is
 # why the chapter measures the two rather than quoting an instruction count.
+# :::
+
+# %% [markdown]
+# The hints for ch07.1, the chapter's core, are folded: open one at a time.
+#
+# :::{admonition} Hint 1 for ch07.1 — a nudge
+# :class: dropdown
+# Softmax is unchanged when the same number is subtracted from every score, and $e^x$ of a float32
+# overflows past $x \approx 88$. Subtract the row's largest score and every exponent is at most 0,
+# which is also what `_exp_in_place` needs. Only the first `seen` entries of the row are scores this
+# vector may use; the rest, up to `width`, must come out as zero weights.
+# :::
+#
+# :::{admonition} Hint 2 for ch07.1 — the approach
+# :class: dropdown
+# Four loops over `range(seen)` and one more: find the largest of `row[:seen]` (start from
+# `row[0]`, as `seen` is at least 1), subtract it from each entry, call `_exp_in_place` on the row's
+# first `seen` entries with the `exponent_bits` scratch, add them up in a float32, and multiply each
+# by one over the total (one division, `seen` multiplications). Then a loop from `seen` to `width`
+# writes zeros. Plain loops: numba compiles them to machine code, LLVM vectorises them.
+# :::
+#
+# :::{admonition} Hint 3 for ch07.1 — nearly there
+# :class: dropdown
+# `largest` starts as the row's first score and takes `max` with each of the others up to `seen`;
+# each of those entries then loses `largest`. `_exp_in_place`, given the row, `seen` and the
+# scratch, turns them into exponentials in place. A `total` that starts at `np.float32(0.0)` sums them, `inverse` is
+# `np.float32(1.0)` over it, and each of the `seen` entries is multiplied by `inverse`. Last, the
+# entries from `seen` up to `width` are set to `0.0`.
 # :::
 
 # %% [markdown]

@@ -428,9 +428,9 @@ for partition in (16, 24):
 
 # %%
 v3_lines = source(grouped_decode_kernel).splitlines()
-one_pass = (  # from the pass's comment to the last update of the running max
+one_pass = (  # from the pass's comment to the online-softmax update's last line (exercise ch08.3)
     next(n for n, line in enumerate(v3_lines, 1) if "# One pass: each round" in line),
-    next(n for n, line in enumerate(v3_lines, 1) if line.strip() == "run_max[g] = new_max"),
+    next(n for n, line in enumerate(v3_lines, 1) if "# Merge the teams" in line) - 2,
 )
 show(grouped_decode_kernel, lines=one_pass)
 
@@ -863,11 +863,20 @@ if engine_run:
 # ## Exercises
 #
 # Solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/attention/cuda/kernels.py`; run one exercise's tests with
-# `pytest tests --exercise ch08.1`.
+# `src/minivllm/attention/cuda/grouped.py` (ch08.3) and `src/minivllm/attention/cuda/kernels.py`
+# (ch08.1, ch08.2); run one exercise's tests with `pytest tests --exercise ch08.3`.
 # They run in the simulator, so no GPU is needed.
 #
-# 1. **ch08.1 — the block-table address.** In `cache_slot`, return `(block, offset)`: the physical
+# 1. **ch08.3 — v3's online softmax** (this chapter's core). In `grouped_decode_kernel`'s pass,
+#    after each round's scores, fold every live team's token into its running state: for each
+#    query head `g` of the group, `score[g]` joins the running max `run_max[g]` and the running sum
+#    `run_sum[g]`, and the team's lanes add the token's `value_part`, weighted, into their slice of
+#    the head's output `out_part[g * per_lane : (g + 1) * per_lane]` — the $m'$, $\ell'$, $a'$
+#    update of the v3 section, one token at a time. A team past the end of the partition (`live`
+#    false) adds nothing. The tests run v3 in the simulator against a float64 reference over block
+#    sizes, head sizes, groups and dtypes, with teams and warps that merge their states, and split
+#    into partitions. Three hints, from a nudge to nearly the answer, are folded below the list.
+# 2. **ch08.1 — the block-table address.** In `cache_slot`, return `(block, offset)`: the physical
 #    block that holds token `position`, read from the sequence's {term}`block table` row `table`,
 #    and the offset of the token within that block. The tests run the whole v1 kernel, which calls
 #    it for every token, against a float64 reference.
@@ -875,7 +884,7 @@ if engine_run:
 #    *Hint:* It is `BlockManager.slot_mapping`'s arithmetic (chapter 03) stopped one step early: the
 #    logical block index picks the table entry and the remainder is the offset. Return the two; do
 #    not fold them into one slot.
-# 2. **ch08.2 — the {term}`log-sum-exp merge`.** In `merge_partitions`, for each element `d` the
+# 3. **ch08.2 — the {term}`log-sum-exp merge`.** In `merge_partitions`, for each element `d` the
 #    loop gives your thread, write `out[seq, head, d]`: the partitions' normalised outputs
 #    `partial_out[seq, head, p, d]` averaged with weights $\ell_p e^{m_p - m}$, where $\ell_p$ is
 #    `exp_sums[seq, head, p]`, $m_p$ is `max_logits[seq, head, p]` and $m$ their maximum (already
@@ -887,7 +896,7 @@ if engine_run:
 #    average: accumulate the weighted outputs and the weights, and divide once at the end. Skip an
 #    empty partition with an `if` rather than trust its zero weight: zero times a never-written
 #    value is not always zero.
-# 3. *(Explore, no test.)* v1 keeps one score per token in shared memory. How long a context fits in
+# 4. *(Explore, no test.)* v1 keeps one score per token in shared memory. How long a context fits in
 #    an H100 block's 48 KiB of default dynamic shared memory? Rewrite `attend_range` with an
 #    *online* softmax (a running max and sum, rescaling the accumulator when the max grows) so its
 #    shared memory no longer grows with the context.
@@ -895,13 +904,40 @@ if engine_run:
 #    *Hint:* `shared_bytes(head_dim, threads, tokens)` gives the bytes; solve it for `tokens`. For
 #    the rewrite, apply v3's $m'$, $\ell'$, $a'$ update after each round of `num_warps` scores,
 #    so only one round's scores ever sit in shared memory.
-# 4. *(Explore, no test.)* Every lane calls `cache_slot` for every token, reading the block table
+# 5. *(Explore, no test.)* Every lane calls `cache_slot` for every token, reading the block table
 #    over and over. Change the score loop so a warp takes a whole block of 16 tokens at a time and
 #    looks the block up once; use `kernel_trace.recorded` on the block table to count the reads
 #    before and after.
 #
 #    *Hint:* Deal *blocks* to the warps round-robin and loop over the offsets inside (the range may
 #    start or end mid-block); keep every warp running the same number of rounds.
+
+# %% [markdown]
+# The hints for ch08.3, the chapter's core, are folded: open one at a time.
+#
+# :::{admonition} Hint 1 for ch08.3 — a nudge
+# :class: dropdown
+# The state starts at $m = -\infty$, $\ell = 0$, $a = 0$, so the first token needs no special case:
+# $e^{-\infty} = 0$ wipes the empty state. Each new score can only raise the max, and whatever was
+# summed against the old max must be brought to the new one before the token is added.
+# :::
+#
+# :::{admonition} Hint 2 for ch08.3 — the approach
+# :class: dropdown
+# Only when `live`: per head `g`, take the larger of the running max and `score[g]`, then two
+# exponentials of differences from it — one of the old max (the factor that rescales what is
+# already summed), one of the score (this token's weight). Scale the running sum and every element
+# of the head's slice of `out_part` by the first, add the weight to the sum and weight times
+# `value_part[i]` to element `i`, and store the new max last: the factor needs the old one.
+# :::
+#
+# :::{admonition} Hint 3 for ch08.3 — nearly there
+# :class: dropdown
+# Per head: `new_max` is `max(run_max[g], score[g])`; `rescale` is `math.exp` of the old max minus
+# it and `weight` is `math.exp` of the score minus it. The sum becomes sum times `rescale` plus
+# `weight`; for `i` in `range(per_lane)`, element `g * per_lane + i` of `out_part` becomes itself
+# times `rescale` plus `weight * value_part[i]`. Then `run_max[g]` takes `new_max`.
+# :::
 
 # %% [markdown]
 # ## Summary

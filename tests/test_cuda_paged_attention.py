@@ -164,6 +164,7 @@ V3_CASES = [
 ]
 
 
+@pytest.mark.exercise("ch08.3")
 @pytest.mark.parametrize("block_size, head_dim, group, dtype", V3_CASES)
 def test_v3_matches_the_reference(block_size, head_dim, group, dtype) -> None:
     lens = [1, block_size + 3]
@@ -171,6 +172,7 @@ def test_v3_matches_the_reference(block_size, head_dim, group, dtype) -> None:
     assert relative_error(case, grouped=True) <= TOLERANCE[dtype]
 
 
+@pytest.mark.exercise("ch08.3")
 @pytest.mark.parametrize(
     "lanes_per_token, threads",
     [
@@ -185,17 +187,19 @@ def test_v3_teams_and_warps_merge_their_softmax_states(lanes_per_token, threads)
     assert error <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize(
-    "partition_size, dtype",
-    [
-        (24, torch.float32),  # one partition covers every context: no merge kernel
-        (8, torch.float32),  # 3 partitions; the short sequence has 1 real and 2 empty ones
-        (8, torch.float16),
-    ],
-)
-def test_v3_split_kv_merges_partitions(partition_size, dtype) -> None:
-    case = make_case((4, 2, 32), 8, [19, 6], dtype, seed=partition_size)
-    error = relative_error(case, partition_size=partition_size, grouped=True)
+@pytest.mark.exercise("ch08.3")
+def test_v3_one_partition_over_every_context_needs_no_merge() -> None:
+    case = make_case((4, 2, 32), 8, [19, 6], torch.float32, seed=24)
+    assert relative_error(case, partition_size=24, grouped=True) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.exercise("ch08.3")
+@pytest.mark.exercise("ch08.2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_v3_split_kv_merges_partitions(dtype) -> None:
+    # 3 partitions of 8 tokens; the short sequence has 1 real and 2 empty ones
+    case = make_case((4, 2, 32), 8, [19, 6], dtype, seed=8)
+    error = relative_error(case, partition_size=8, grouped=True)
     assert error <= TOLERANCE[dtype]
 
 

@@ -21,6 +21,7 @@ import torch
 from numba import njit
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from minivllm.attention import numba_cpu
 from minivllm.attention.numba_cpu import (
     QUERY_TILE,
     paged_attention_cpu,
@@ -102,6 +103,7 @@ def numba_threads(request):
     numba.set_num_threads(threads)
 
 
+@pytest.mark.exercise("ch07.1")
 @pytest.mark.parametrize("simd", [False, True], ids=["plain", "simd"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
@@ -118,6 +120,7 @@ def test_kernel_matches_the_reference(
     assert relative_error(*inputs, simd=simd) <= 1e-5
 
 
+@pytest.mark.exercise("ch07.1")
 def test_the_serial_and_parallel_kernels_agree_bit_for_bit() -> None:
     # The same units, in the same order within each, on one thread or two: the same floats.
     inputs = random_batch([1, 1, 5, 40], [9, 70, 21, 60], 8, 2, 32, 16, seed=3)
@@ -132,6 +135,7 @@ def test_the_serial_and_parallel_kernels_agree_bit_for_bit() -> None:
     assert np.array_equal(serial, parallel)
 
 
+@pytest.mark.exercise("ch07.1")
 @pytest.mark.parametrize("block_size, head_dim", [(4, 32), (16, 24), (2, 8)])
 def test_shapes_the_vector_paths_cannot_take_run_the_plain_loops(block_size, head_dim) -> None:
     assert not simd_fits(head_dim, block_size)
@@ -141,6 +145,7 @@ def test_shapes_the_vector_paths_cannot_take_run_the_plain_loops(block_size, hea
         paged_attention_cpu(*inputs, simd=True)
 
 
+@pytest.mark.exercise("ch07.1")
 @pytest.mark.parametrize("simd", [False, True], ids=["plain", "simd"])
 def test_slots_past_a_context_are_never_read(simd: bool) -> None:
     # The vector path scores keys eight at a time, so it computes scores past a context's end
@@ -155,6 +160,19 @@ def test_slots_past_a_context_are_never_read(simd: bool) -> None:
     assert relative_error(q, key_cache, value_cache, tables, lens, starts, simd=simd) <= 1e-5
 
 
+def test_a_parallel_launch_whose_threads_stopped_early_is_not_returned_as_a_result() -> None:
+    # numba's workqueue threads drop an exception they raise: the parallel kernel says so by its
+    # result, and `_launch` reruns the work on the calling thread, where an exception is raised.
+    # Here the serial rerun succeeds, so the launch cannot say what went wrong, but it must not
+    # pass the output off as computed.
+    inputs = random_batch([1, 2], [5, 9], 4, 2, 32, 8)
+    work = plan_work(inputs[4], inputs[5], 2, 2)
+    empty_rows = np.empty((0, 2, 32), dtype=np.float32)
+    args = (np.empty_like(inputs[0]), inputs[0], empty_rows, empty_rows, np.empty(0, np.int64))
+    with pytest.raises(RuntimeError, match="stopped early"):
+        numba_cpu._launch(lambda *_: False, *args, *inputs[1:], *work, np.float32(0.2), True)
+
+
 def test_the_vector_vocabulary_lane_by_lane() -> None:
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((8, 8), dtype=np.float32)
@@ -165,11 +183,13 @@ def test_the_vector_vocabulary_lane_by_lane() -> None:
     assert np.isnan(fused[:4]).all() and np.isnan(fused[12:]).all()  # store8 wrote its 8 only
 
 
+@pytest.mark.exercise("ch07.1")
 def test_a_long_context_and_a_single_sequence() -> None:
     inputs = random_batch([1], [1000], 8, 2, 32, 16, seed=7)
     assert relative_error(*inputs) <= 1e-5
 
 
+@pytest.mark.exercise("ch07.1")
 def test_values_far_from_zero_do_not_overflow_the_softmax() -> None:
     q, key_cache, value_cache, tables, lens, starts = random_batch([1, 5], [40, 9], 4, 2, 32, 16)
     q *= 30.0  # scores of several hundred: exp() would overflow without the running max

@@ -113,6 +113,64 @@ def test_a_probe_keeps_each_region_after_a_line_that_records_its_exercise() -> N
         assert namespace["top"]() == 42 and probe.entered == {"ch09.1", "ch09.2"}
 
 
+KERNELS_MODULE = textwrap.dedent("""\
+    import numpy as np
+    from numba import cuda, njit
+
+
+    @njit(cache=False)
+    def halve(x):
+        # EXERCISE ch09.3: halve x in place
+        ### BEGIN SOLUTION
+        for i in range(x.shape[0]):
+            x[i] /= 2
+        ### END SOLUTION
+
+
+    @cuda.jit(device=True)
+    def twice(x):
+        # EXERCISE ch09.4: twice x
+        ### BEGIN SOLUTION
+        return 2 * x
+        ### END SOLUTION
+
+
+    def launch(x):
+        # KERNEL LAUNCH: the probe line for the compiled regions goes here
+        halve(x)
+        return x
+""")
+
+
+def test_a_region_numba_compiles_is_probed_where_python_launches_it() -> None:
+    # numba cannot compile a call to Python inside @njit: that region's probe line goes after the
+    # KERNEL LAUNCH comment; a cuda.jit region (run as Python by the simulator) keeps its own.
+    text, found = student.stub_source(KERNELS_MODULE, "kernels.py", probe=True)
+    assert [e.id for e in found] == ["ch09.3", "ch09.4"]
+    probe_line = "__import__('_exercise_probe').enter"
+    assert f"    {probe_line}('ch09.4')\n    return 2 * x\n" in text
+    assert f"the compiled regions goes here\n    {probe_line}('ch09.3')\n    halve(x)" in text
+    assert text.count(probe_line) == 2
+    probe = type(sys)("_exercise_probe")
+    exec(student.PROBE_SOURCE, probe.__dict__)
+    namespace: dict = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "_exercise_probe", probe)
+        exec(compile(text, "kernels.py", "exec"), namespace)
+        halved = namespace["launch"](namespace["np"].array([2.0, 6.0]))
+    assert halved.tolist() == [1.0, 3.0] and probe.entered == {"ch09.3"}  # compiled and probed
+    # a student copy stubs the region inside the compiled function as any other
+    stubbed = student.stub_source(KERNELS_MODULE, "kernels.py", only={"ch09.3"})[0]
+    assert '    raise NotImplementedError("exercise ch09.3: halve x in place")\n' in stubbed
+
+
+def test_a_compiled_region_without_a_kernel_launch_line_is_refused() -> None:
+    without = KERNELS_MODULE.replace("# KERNEL LAUNCH: the probe line", "# the probe line")
+    with pytest.raises(student.MarkerError, match=r"kernels.py:7: .*no '# KERNEL LAUNCH' line"):
+        student.stub_source(without, "kernels.py", probe=True)
+    assert student.stub_source(without, "kernels.py")[1]  # a student copy needs no launch line
+
+
 def test_source_without_regions_is_unchanged() -> None:
     plain = "x = 1  # EXERCISEs live elsewhere\n# exercise for the reader\n"
     assert student.stub_source(plain, "plain.py") == (plain, [])
@@ -464,7 +522,10 @@ def reports(exercises: list, tmp_path_factory: pytest.TempPathFactory) -> Report
     student.make_student_copy(ROOT, copy)
     student.make_probe_copy(ROOT, probe)
     student.make_student_copy(ROOT, assigned, only=set(ASSIGNED))
-    for project in (copy, probe, assigned):
+    # the probe copy and an assignment without ch07.1 compile the reference's CPU kernels: they
+    # load them; the copy with every exercise stubbed, ch07.1's in the kernels, compiles its own
+    assert not student.seed_kernel_cache(ROOT, copy, numba_cache(copy))
+    for project in (probe, assigned):
         assert student.seed_kernel_cache(ROOT, project, numba_cache(project))
     with ThreadPoolExecutor(3) as pool:
         # in file order: which test first computes a value a module fixture keeps is then fixed,
@@ -594,7 +655,7 @@ ENGINE = (
     "an end-to-end run of the engine with the shipped model, the point of the test: loading it "
     "(ch10.3), RMSNorm and RoPE (ch00.1, ch00.2), the streaming decoder (ch01.1), block growth "
     "(ch03.1), the batch flattening (ch04.3) and, sampling, top-k/top-p and the inverse-CDF draw "
-    "(ch04.1, ch04.2)"
+    "(ch04.1, ch04.2); on a CPU its attention is chapter 07's kernel, whose softmax is ch07.1"
 )
 RESIDUAL_DRAW = (
     "the acceptance rule's reference solution draws the replacement token from norm(max(0, p - q)) "
@@ -602,7 +663,7 @@ RESIDUAL_DRAW = (
     "the drafter and target's sampler (top-k/top-p, ch04.1) and the sequences' decoder (ch01.1)"
 )
 _SCHEDULER_ONLY = {"ch01.1", "ch03.1"}
-_ENGINE_ALL = {"ch00.1", "ch00.2", "ch01.1", "ch03.1", "ch10.3"}
+_ENGINE_ALL = {"ch00.1", "ch00.2", "ch01.1", "ch03.1", "ch07.1", "ch10.3"}
 ALLOWED_CHAINS: dict[str, tuple[set[str], str]] = {
     "tests/test_engine.py::test_build_batch_follows_the_schedulers_plans": (
         _SCHEDULER_ONLY,
@@ -787,12 +848,20 @@ def test_student_book_shows_no_solution(exercises: list, reports: Reports) -> No
     text = "\n".join(html.unescape(re.sub(r"<[^>]+>", "", p.read_text())) for p in pages)
     assert "minivllm-solution" not in "".join(p.read_text() for p in pages)
     reference = {p: p.read_text() for p in (ROOT / "src").rglob("*.py")}
+    solution = r"### BEGIN SOLUTION\n(.*?)### END SOLUTION"
+    # a line the package also has outside every region (a loop header) is shown anyway
+    outside = {
+        line.strip()
+        for source in reference.values()
+        for line in re.sub(solution, "", source, flags=re.S).splitlines()
+    }
     bodies = [
         line.strip()
         for source in reference.values()
-        for region in re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", source, re.S)
+        for region in re.findall(solution, source, re.S)
         for line in region.splitlines()
         if len(line.strip()) > 24  # a distinctive line, not `return x`
+        and line.strip() not in outside
     ]
     assert bodies
     leaked = [line for line in bodies if line in text]

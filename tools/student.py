@@ -26,7 +26,10 @@ One exercise may span several regions (they repeat its id).
 
 A probe copy keeps every solution and puts one line in front of each region, at the same
 indentation: `__import__('_exercise_probe').enter('ch00.1')`. Graded there, the report says which
-exercises' regions each test entered (see `_region_probe`).
+exercises' regions each test entered (see `_region_probe`). A region inside a function numba
+compiles for the CPU (`@njit`) cannot call Python: its file marks the Python line that launches its
+kernels with a `# KERNEL LAUNCH` comment, and the probe line goes there instead (a launch counts as
+entering every such region of the file).
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ def enter(exercise_id: str) -> None:
         with open(log, "a", encoding="utf-8") as file:
             file.write(exercise_id + "\\n")
 '''
+# Where Python launches a file's CPU-compiled kernels: a probe copy records there the regions
+# inside them (`_jitted_regions`).
+KERNEL_LAUNCH = re.compile(r"^(?P<indent>\s*)# KERNEL LAUNCH\b")
 # In a student copy: the exercises it stubs, one id a line (`--grade` grades these by default).
 ASSIGNED = Path("tools") / "assigned_exercises.txt"
 # The dependency map, as data: which exercises' regions each chapter and each exercise's tests
@@ -151,6 +157,8 @@ def stub_source(
     """
     out: list[str] = []
     found: list[Exercise] = []
+    jitted = _jitted_regions(text) if probe else {}  # regions in numba-compiled code, by line
+    launches = 0  # KERNEL LAUNCH lines seen
     above: Exercise | None = None  # the EXERCISE comment on the line just above, if any
     opened = 0  # line of the open region's BEGIN, 0 when outside a region
     kept = False  # the open region is not assigned: its lines stay
@@ -168,7 +176,7 @@ def stub_source(
             opened, kept = number, probe or (only is not None and comment.id not in only)
             found.append(comment)
             indent = line[: len(line) - len(line.lstrip())]
-            if probe:
+            if probe and comment.line not in jitted:
                 out.append(f"{indent}__import__({PROBE_MODULE!r}).enter({comment.id!r})\n")
             if kept:
                 continue
@@ -185,9 +193,45 @@ def stub_source(
             if NEAR_MISS.match(marker):
                 above = _exercise_comment(line, where, number)
             out.append(line)
+            if jitted and (launch := KERNEL_LAUNCH.match(line)):
+                launches += 1
+                ids = sorted(set(jitted.values()), key=_exercise_order)
+                out += [
+                    f"{launch['indent']}__import__({PROBE_MODULE!r}).enter({i!r})\n" for i in ids
+                ]
     if opened:
         raise MarkerError(f"{where}:{opened}: {BEGIN} without {END}")
+    if jitted and not launches:
+        raise MarkerError(
+            f"{where}:{min(jitted)}: a region inside a numba-compiled function, and no "
+            "'# KERNEL LAUNCH' line where Python launches the kernels for the probe to go"
+        )
     return "".join(out), found
+
+
+def _jitted_regions(text: str) -> dict[int, str]:
+    """The EXERCISE comments of `text` inside a function numba compiles for the CPU (decorated
+    `njit`, `jit`, `numba.njit` or `numba.jit`, called or not), line -> exercise id. `cuda.jit`
+    kernels are not among them: graded in the simulator, they run as Python, probe line and all."""
+    import ast
+
+    def numba_cpu(decorator: ast.expr) -> bool:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+            return target.value.id == "numba" and target.attr in ("njit", "jit")
+        return isinstance(target, ast.Name) and target.id in ("njit", "jit")
+
+    spans = [
+        (node.lineno, node.end_lineno or node.lineno)
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and any(numba_cpu(d) for d in node.decorator_list)
+    ]
+    return {
+        number: match["id"]
+        for number, line in enumerate(text.splitlines(), start=1)
+        if (match := EXERCISE.match(line)) and any(a <= number <= b for a, b in spans)
+    }
 
 
 def _exercise_comment(line: str, where: str, number: int) -> Exercise:
@@ -673,21 +717,45 @@ def dependency_table(blocks: dict[str, dict], only: list[str] | None = None) -> 
     return "\n".join(rows)
 
 
-# The CPU attention kernels numba compiles (`cache=True`): no exercise region, so every copy holds
-# them byte for byte, and may load what the reference compiled instead of compiling them again.
+# The CPU attention kernels numba compiles (`cache=True`). Copies that keep their exercise's
+# solution hold them unchanged (see `seed_kernel_cache`), and may load what the reference compiled
+# instead of compiling them again.
 KERNELS = Path("src") / "minivllm" / "attention" / "numba_cpu.py"
+
+
+def _compiled_code(text: str) -> list[str]:
+    """`text` without solution markers and probe lines: what a copy keeping every solution
+    compiles."""
+    probe_line = f"__import__({PROBE_MODULE!r}).enter("
+    return [
+        line
+        for line in text.splitlines()
+        if line.strip() not in (BEGIN, END) and not line.strip().startswith(probe_line)
+    ]
 
 
 def seed_kernel_cache(root: Path, project: Path, cache_dir: Path) -> bool:
     """Put the reference's compiled CPU kernels where numba, run in `project` with
     NUMBA_CACHE_DIR=`cache_dir`, looks for them (compiling them here first if needed: what
-    the engine does when it starts). A minute of compiling saved per graded copy; numba checks the
-    source's size and time (copies keep both) and recompiles anything that does not match. False
-    if the copy's kernels differ from the reference's."""
+    the engine does when it starts). A minute of compiling saved per graded copy. False, and
+    nothing put, if the copy's kernels differ from the reference's (a stubbed exercise there).
+
+    numba finds a function's cache files by its name and line, and trusts them while the source
+    file's stamp (numba 0.68: the SHA-256 of its bytes) is the one they were saved with. A copy
+    that only took solution markers out, or put probe lines in, compiles the same code: its index
+    files get the copy's stamp. That holds while the markers' removal moves no compiled function to
+    another line, which numba_cpu.py keeps by having its region in its last compiled function; if
+    it did move one, numba would find no cache file for it and compile it, as without the seed."""
     source, copied = root / KERNELS, project / KERNELS
-    if not copied.is_file() or copied.read_bytes() != source.read_bytes():
+    if not copied.is_file():
         return False
-    from numba.core import caching, config
+    reference, copy = (path.read_text(encoding="utf-8") for path in (source, copied))
+    if copy != reference and _compiled_code(copy) != _compiled_code(reference):
+        return False
+    import hashlib
+    import pickle
+
+    from numba.core import caching, config, serialize
 
     from minivllm.attention import numba_cpu
 
@@ -701,9 +769,22 @@ def seed_kernel_cache(root: Path, project: Path, cache_dir: Path) -> bool:
     )
     target = cache_dir / where(str(copied.resolve()))
     target.mkdir(parents=True, exist_ok=True)
-    for path in compiled.glob(f"{source.stem}.*.nb[ic]"):
-        shutil.copy2(path, target / path.name)
-    return True
+    # An index file: numba's version, pickled, then (source stamp, overloads) pickled; the stamp
+    # says which version of the source it was compiled from (older ones may linger).
+    current, stamp = (hashlib.sha256(path.read_bytes()).digest() for path in (source, copied))
+    seeded = False
+    for path in compiled.glob(f"{source.stem}.*.nbi"):
+        with path.open("rb") as index:
+            version, (saved, overloads) = pickle.load(index), pickle.loads(index.read())
+        if saved != current:
+            continue
+        for data in {*overloads.values()}:  # the compiled code, one file per signature
+            shutil.copy2(path.parent / data, target / data)
+        with (target / path.name).open("wb") as index:  # as `IndexDataCacheFile._save_index`
+            pickle.dump(version, index, protocol=-1)
+            index.write(serialize.dumps((stamp, overloads)))
+        seeded = True
+    return seeded  # False: no index of this source's stamp (numba's stamp is not a SHA-256)
 
 
 def chapters_entered(blocks: dict[str, dict]) -> dict[str, list[str]]:

@@ -141,29 +141,6 @@ def _scores_simd(scores, queries, vectors, keys, kv_head, n, base):
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
-def _softmax_rows(scores, vectors, group, first_seen, width, exponent_bits):
-    """Row v of `scores` becomes the softmax of its first `first_seen + v // group` scores -- the
-    tile's query row `v // group` sees one key more than the row before (causal) -- and zero for
-    the rest of its `width`."""
-    for v in range(vectors):
-        row, seen = scores[v], first_seen + v // group
-        largest = row[0]  # subtracted first, so no exponential overflows
-        for j in range(1, seen):
-            largest = max(largest, row[j])
-        for j in range(seen):
-            row[j] -= largest
-        _exp_in_place(row, seen, exponent_bits)
-        total = np.float32(0.0)
-        for j in range(seen):
-            total += row[j]
-        inverse = np.float32(1.0) / total
-        for j in range(seen):
-            row[j] *= inverse
-        for j in range(seen, width):
-            row[j] = 0.0
-
-
-@njit(cache=True, fastmath=FASTMATH, inline="always")
 def _values_plain(acc, scores, vectors, values, kv_head, n, base):
     """`acc[v] += scores[v, base + j] * value j` over the first `n` values of one block: each value
     row is read once, for every query vector."""
@@ -362,12 +339,16 @@ def _paged_attention_kernel(
 ):
     """`work` rows are (sequence, first row, end row, K/V head) relative to the sequence's new
     rows; thread i does `work[work_start[i]:work_start[i + 1]]` (see `plan_work`). `simd`: the
-    vector paths (`simd_fits` says when the shapes allow them)."""
+    vector paths (`simd_fits` says when the shapes allow them). Returns whether every thread
+    finished its share: numba's workqueue threads drop an exception they raise (see `_launch`)."""
     _write_new_rows(k_new, v_new, slot_mapping, key_cache, value_cache)
     metadata = (block_tables, context_lens, query_start)
+    finished = np.zeros(work_start.shape[0] - 1, dtype=np.bool_)
     for thread in prange(work_start.shape[0] - 1):
         share = work[work_start[thread] : work_start[thread + 1]]
         _attend_units(out, q, key_cache, value_cache, *metadata, share, scale, simd)
+        finished[thread] = True  # not reached if the share raised
+    return finished.all()
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True)
@@ -390,15 +371,58 @@ def _paged_attention_serial(
     """The kernel on the calling thread alone: no parallel region to start (numba's workqueue
     wakes its threads for each one, tens of microseconds on a VM), for a process that runs on one
     core -- a forward worker (`minivllm.runner.workers`) or a one-thread engine. Same arguments,
-    same work, same results."""
+    same work, same results (and True: an exception here reaches the caller)."""
     _write_new_rows(k_new, v_new, slot_mapping, key_cache, value_cache)
     metadata = (block_tables, context_lens, query_start)
     _attend_units(out, q, key_cache, value_cache, *metadata, work, scale, simd)
+    return True
+
+
+# The last compiled function of the file, for the exercise in it: a copy that takes its markers
+# out keeps every compiled function on its line, and numba names its cache files by that line
+# (tools/student.py `seed_kernel_cache`).
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _softmax_rows(scores, vectors, group, first_seen, width, exponent_bits):
+    """Row v of `scores` becomes the softmax of its first `first_seen + v // group` scores -- the
+    tile's query row `v // group` sees one key more than the row before (causal) -- and zero for
+    the rest of its `width`."""
+    for v in range(vectors):
+        row, seen = scores[v], first_seen + v // group
+        # EXERCISE ch07.1: the kernel's softmax -- row[:seen] becomes its softmax, row[seen:width] 0
+        ### BEGIN SOLUTION
+        largest = row[0]  # subtracted first, so no exponential overflows
+        for j in range(1, seen):
+            largest = max(largest, row[j])
+        for j in range(seen):
+            row[j] -= largest
+        _exp_in_place(row, seen, exponent_bits)
+        total = np.float32(0.0)
+        for j in range(seen):
+            total += row[j]
+        inverse = np.float32(1.0) / total
+        for j in range(seen):
+            row[j] *= inverse
+        for j in range(seen, width):
+            row[j] = 0.0
+        ### END SOLUTION
 
 
 def _kernel_for(num_threads: int):
     """The parallel kernel, or the serial one when there is one thread to run it on."""
     return _paged_attention_serial if num_threads == 1 else _paged_attention_kernel
+
+
+def _launch(kernel, *args) -> None:
+    """Run `kernel` (`_kernel_for`'s) on `args`, one launch at a time in the process. An exception
+    raised in a parallel region is lost -- numba's workqueue threads cannot hand it to the caller
+    (numba issue 2811); only the thread's unfinished share tells -- so the same work runs again on
+    this thread, where it is raised. Writing the new rows twice writes the same values."""
+    # KERNEL LAUNCH: where a probe copy (tools/student.py) records this file's compiled regions
+    with _LAUNCH:
+        if kernel(*args):
+            return
+        _paged_attention_serial(*args)
+    raise RuntimeError("a thread of the parallel kernel stopped early; on one thread it did not")
 
 
 def simd_fits(head_dim: int, block_size: int) -> bool:
@@ -544,10 +568,10 @@ def paged_attention_cpu(
     threads = default_threads() if threads is None else threads
     work = plan_work(context_lens, query_start, key_cache.shape[2], threads)
     args = (key_cache, value_cache, block_tables, context_lens, query_start, *work)
-    with _LAUNCH:
-        _kernel_for(threads)(
-            out, q, k_new, v_new, slot_mapping, *args, np.float32(scale), fits and simd is not False
-        )
+    simd = fits and simd is not False
+    _launch(
+        _kernel_for(threads), out, q, k_new, v_new, slot_mapping, *args, np.float32(scale), simd
+    )
     return out
 
 
@@ -622,18 +646,6 @@ class NumbaPagedAttention:
             _check(q, key_cache, value_cache, *metadata, k, v, self.slot_mapping)
             self.checked = True
         out = np.empty_like(q)
-        with _LAUNCH:
-            self.kernel(
-                out,
-                q,
-                k,
-                v,
-                self.slot_mapping,
-                key_cache,
-                value_cache,
-                *metadata,
-                *self.work,
-                self.scale,
-                self.simd,
-            )
+        args = (out, q, k, v, self.slot_mapping, key_cache, value_cache, *metadata, *self.work)
+        _launch(self.kernel, *args, self.scale, self.simd)
         return torch.from_numpy(out)

@@ -176,6 +176,8 @@ def grouped_decode_kernel(
                     dot += cuda.shfl_xor_sync(FULL_MASK, dot, offset)
                     offset //= 2
                 score[g] = dot
+            # EXERCISE ch08.3: online softmax -- fold score[g] into run_max, run_sum and out_part
+            ### BEGIN SOLUTION
             if live:
                 for g in range(group):
                     # Online softmax: a new max rescales what was summed so far.
@@ -187,6 +189,7 @@ def grouped_decode_kernel(
                         k = g * per_lane + i
                         out_part[k] = out_part[k] * rescale + weight * value_part[i]
                     run_max[g] = new_max
+            ### END SOLUTION
 
         # Merge the teams by the log-sum-exp rule: each posts its state per query head to shared
         # memory (one barrier, where shuffles would take a round per halving), then each thread
