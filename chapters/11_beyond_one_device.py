@@ -355,7 +355,8 @@ print(f"either half alone is far off: {(halves[0] - whole).abs().max() > 1e-2}")
 
 # %% [markdown]
 # In the package, `model/parallel.py`. A `Shard` says which heads, hidden units and vocabulary rows
-# a rank holds; with fewer K/V heads than ranks, a rank holds the one head its query heads read:
+# a rank holds; with fewer K/V heads than ranks, a rank holds the one head its query heads read.
+# This and its companion `Shard.query_heads` are exercise ch11.2:
 
 # %%
 show(Shard.kv_heads)
@@ -607,8 +608,9 @@ for pair, agreement in peer["greedy_agreement"].items():
 #
 # ## Exercises
 #
-# The solution lives between `### BEGIN SOLUTION` and `### END SOLUTION` in
-# `src/minivllm/model/parallel.py`; run its tests with `pytest tests --exercise ch11.1`.
+# The solutions live between `### BEGIN SOLUTION` and `### END SOLUTION` in
+# `src/minivllm/model/parallel.py`; run an exercise's tests with `pytest tests --exercise ch11.1`
+# (or `ch11.2`).
 #
 # 1. **ch11.1 — the row-parallel all-reduce** (this chapter's core). Write
 #    `RowParallelLinear.forward`: this rank's partial product of its columns of the weight and its
@@ -624,21 +626,31 @@ for pair, agreement in peer["greedy_agreement"].items():
 #
 #    *Hint:* The receiver must know how much to receive: send a fixed-size header of lengths
 #    first (one small broadcast), then the tensor. `pack_int64` in the benchmark is the sender.
-# 3. *(Explore, no test.)* At TP 16, Llama 3 8B replicates each K/V head on two ranks. How many
-#    bytes of K/V per token does the whole group hold, against TP 8? Then reduce the vocabulary
-#    gather: rank 0 needs only the argmax for greedy requests. What could each rank send instead of
-#    its logits, and what breaks for sampled requests?
+# 3. **ch11.2 — the rank layout.** Write `Shard.query_heads` and `Shard.kv_heads`, the
+#    `(first, count)` of the heads rank `rank` of `world` holds. Query heads split into equal,
+#    contiguous shares, in rank order. K/V heads do too while there are at least as many as ranks;
+#    with fewer, a rank holds the one K/V head its query heads read, so each is replicated on
+#    $W$ / `n_kv_heads` ranks. Heads that cannot be laid out so — query heads that do not divide
+#    by $W$, K/V heads that are neither a multiple of $W$ nor a divisor of it — raise a
+#    `ValueError` naming the ranks. The tests lay out 8 query heads and 2 K/V heads at TP 1, 2, 4
+#    and 8 rank by rank, check on other shapes (Llama 3 8B's at TP 16, one K/V head for all) that
+#    every rank holds exactly the K/V heads its queries read, and that every rank's slices of the
+#    tiny checkpoints tile each tensor. Then, with your layout: how many bytes of K/V per token
+#    does the whole group hold at TP 16 for Llama 3 8B, against TP 8?
 #
-#    *Hint:* `Shard.kv_heads` gives each rank's heads; sum over the ranks. For the gather: each
-#    rank's best id and its logit, two numbers per row; a temperature needs the whole
-#    distribution's normaliser.
+#    *Hint:* Query head $h$ reads K/V head $h$ // (`n_heads` / `n_kv_heads`). With fewer K/V heads
+#    than ranks, find the K/V head of the rank's first query head — or, the same number, scale the
+#    rank by `n_kv_heads` / $W$, multiplying before dividing so it stays an integer.
 # 4. *(Explore, no test.)* Megatron's sequence parallelism replaces each all-reduce by a
 #    reduce-scatter (each rank gets $T/W$ rows of the sum) and an all-gather before the next
 #    column-parallel layer, so the norms run on $T/W$ rows only. Count the bytes per rank of both
-#    schemes for a ring, and say which work it saves.
+#    schemes for a ring, and say which work it saves. Then reduce the vocabulary gather: rank 0
+#    needs only the argmax for greedy requests. What could each rank send instead of its logits,
+#    and what breaks for sampled requests?
 #
 #    *Hint:* A ring all-reduce *is* a reduce-scatter followed by an all-gather: $2(W-1)/W$ of the
-#    tensor per rank either way.
+#    tensor per rank either way. For the gather: each rank's best id and its logit, two numbers
+#    per row; a temperature needs the whole distribution's normaliser.
 # 5. *(Explore, no test.)* After each pass, `engine.runner.workers.part_seconds` holds each
 #    forward worker's time for its part. Step a `decode_engine(target, "numba",
 #    forward_processes=2)` and collect them: are the parts even? Then add four requests with

@@ -129,6 +129,7 @@ def no_children_left(timeout: float = 10.0) -> bool:
 # -- without processes -------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("ch11.2")  # the rank layout decides every slice
 @pytest.mark.parametrize("name", ["target", *FAMILIES])
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_ranks_slices_tile_every_tensor(folders, name, world) -> None:

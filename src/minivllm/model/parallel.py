@@ -84,17 +84,32 @@ class Shard:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world}")
 
     def query_heads(self, config: ModelConfig) -> tuple[int, int]:
-        """(first, count) of this rank's query heads."""
+        """(first, count) of this rank's query heads: an equal, contiguous share (ValueError if
+        they do not split over the ranks)."""
+        # EXERCISE ch11.2: rank layout -- this rank's equal, contiguous share of the query heads
+        ### BEGIN SOLUTION
+        if config.n_heads % self.world:
+            raise ValueError(f"{config.n_heads} query heads do not split over {self.world} ranks")
         count = config.n_heads // self.world
         return self.rank * count, count
+        ### END SOLUTION
 
     def kv_heads(self, config: ModelConfig) -> tuple[int, int]:
         """(first, count) of this rank's K/V heads: its share, or -- with fewer K/V heads than
-        ranks -- the one head its query heads read (the same head on W / n_kv_heads ranks)."""
-        if config.n_kv_heads >= self.world:
-            count = config.n_kv_heads // self.world
+        ranks -- the one head its query heads read (the same head on W / n_kv_heads ranks).
+        ValueError unless the K/V heads are a multiple of the ranks or divide them."""
+        # EXERCISE ch11.2: rank layout -- a share of the K/V heads, or the one its query heads read
+        ### BEGIN SOLUTION
+        kv, world = config.n_kv_heads, self.world
+        if kv >= world:
+            if kv % world:
+                raise ValueError(f"{kv} K/V heads do not split over {world} ranks")
+            count = kv // world
             return self.rank * count, count
-        return self.rank * config.n_kv_heads // self.world, 1
+        if world % kv:  # a rank's query heads would read parts of two K/V heads
+            raise ValueError(f"{kv} K/V heads do not divide {world} ranks")
+        return self.rank * kv // world, 1
+        ### END SOLUTION
 
     def vocab_rows(self, config: ModelConfig) -> tuple[int, int, int]:
         """(first row, rows of the checkpoint, rows held) of the vocabulary: every rank holds
