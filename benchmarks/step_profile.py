@@ -48,10 +48,11 @@ median over every profiled step of every round.
 The roofline: the script measures this machine's stream bandwidth (a large float32 copy and add,
 GB/s of bytes read and written) and matmul FLOP/s (a large float32 GEMM; and the small-M GEMMs of
 this model at each batch size, reported beside it), then gives each component the bytes it must
-move and the FLOPs it must do, from the shapes, and the time neither limit allows it to beat:
-max(bytes / bandwidth, FLOPs / peak), with each limit the best of its readings (at the start
-and after every round: the machine is shared). Host components move a few hundred bytes of
-metadata: their floor is essentially zero, so their ratio is not given. Writes
+move and the FLOPs it must do, from the shapes (`minivllm.book.roofline`, which chapter 07 uses),
+and the time neither limit allows it to beat: max(bytes / bandwidth, FLOPs / peak), with each
+limit the best of its readings (at the start and after every round: the machine is shared). Host
+components move a few hundred bytes of metadata: their floor is essentially zero, so their ratio
+is not given. Writes
 benchmarks/results/step_profile.json with the machine (CPU model and flags, load before and after,
 torch, threads), the limits' readings, the tables and
 "what the table says", computed from them.
@@ -110,23 +111,6 @@ VLLM_SCOPES = {
 
 
 # -- attribution: shared by both sides (no minivllm import: vLLM's venv runs it too) ---------------
-def matmul_names(config: dict) -> dict[tuple[int, int], str]:
-    """(out_features, in_features) of each projection of the model -> its component."""
-    d, hd = config["hidden_size"], config["head_dim"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    ff = config["intermediate_size"]
-    names = {
-        ((heads + 2 * kv_heads) * hd, d): "qkv matmul",
-        (d, heads * hd): "o matmul",
-        (2 * ff, d): "gate/up matmul",
-        (d, ff): "down matmul",
-        (config["vocab_size"], d): "LM head",
-    }
-    if len(names) != 5:
-        raise ValueError(f"two projections of this model share a shape: {names}")
-    return names
-
-
 def op_component(name: str) -> str:
     """What an op the forward calls outside every named range does."""
     op = name.split("::")[-1]
@@ -308,8 +292,8 @@ def vllm_worker(spec_path: Path) -> None:
         seed=0,
     )
     engine = llm.llm_engine
-    config = json.loads((Path(spec["model"]) / "config.json").read_text())
-    shapes = matmul_names(config)
+    # each projection's shape -> its component, from the minivllm side (no minivllm here)
+    shapes = {(n_out, n_in): name for n_out, n_in, name in spec["matmul_shapes"]}
     patches = vllm_patches(shapes)
     results = {}
     for batch in spec["batches"]:
@@ -417,6 +401,7 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
     """minivllm's engine, per batch size as the vLLM worker does it."""
     import torch.nn.functional as F
 
+    from minivllm.book.roofline import matmul_names, model_dims
     from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.model import fused, transformer
@@ -425,7 +410,7 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
     from minivllm.sched.scheduler import SchedulerConfig
     from minivllm.sched.sequence import SamplingParams
 
-    shapes = matmul_names(hf_config(model))
+    shapes = matmul_names(model_dims(model))
     results = {}
     for key, prompts in prompts_by_batch.items():
         batch = int(key)
@@ -493,54 +478,16 @@ def torch_range(name: str):
         yield
 
 
-def hf_config(model) -> dict:
-    c = model.config
-    return {
-        "hidden_size": c.d_model,
-        "head_dim": c.head_dim,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "intermediate_size": c.d_ff,
-        "vocab_size": c.vocab_size,
-        "num_hidden_layers": c.n_layers,
-    }
-
-
 # -- the machine's limits and each component's floor -----------------------------------------------
-def best_seconds(function, repeats: int) -> float:
-    function()  # first touch: pages, thread pool
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def stream_seconds(n: int) -> tuple[float, float]:
-    """Best seconds of a copy and of an add of `n`-element float32 tensors."""
-    import torch
-
-    a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
-    return best_seconds(lambda: c.copy_(a), 5), best_seconds(lambda: torch.add(a, b, out=c), 5)
-
-
 def measure_machine(config: dict, batches: list[int]) -> dict:
-    """Stream bandwidth (float32 copy and add of 64 Mi elements: bytes read + written per second)
-    and matmul FLOP/s (a 2048^3 float32 GEMM; and this model's gate/up GEMM at each batch size),
-    best of several runs: the machine's limits, as this process sees them with its threads."""
+    """`measure_limits` at full size (float32 copy and add of 64 Mi elements, a 2048^3 GEMM), and
+    this model's gate/up GEMM at each batch size: the machine's limits, as this process sees them
+    with its threads."""
     import torch
 
-    n = 64 * 2**20
-    copy_s, add_s = stream_seconds(n)
-    # the target model's weights (14 MB) and K/V may stay in the caches between steps: a copy
-    # of 2 Mi elements (8 MiB each way) says how fast they are read from there
-    cached = 2 * 2**20
-    small_a, small_c = torch.rand(cached), torch.empty(cached)
-    cache_copy_s = best_seconds(lambda: [small_c.copy_(small_a) for _ in range(10)], 5) / 10
-    size = 2048
-    x, w = torch.rand(size, size), torch.rand(size, size)
-    gemm_s = best_seconds(lambda: torch.mm(x, w), 3)
+    from minivllm.book.roofline import best_seconds, measure_limits
+
+    limits = measure_limits(elements=64 * 2**20, gemm_size=2048)
     d, ff = config["hidden_size"], config["intermediate_size"]
     weight = torch.rand(2 * ff, d)
     small = {}
@@ -551,11 +498,7 @@ def measure_machine(config: dict, batches: list[int]) -> dict:
         )
         small[str(m)] = round(2 * m * d * 2 * ff * calls / seconds / 1e9, 2)
     return {
-        "copy_GBps": round(2 * 4 * n / copy_s / 1e9, 2),
-        "add_GBps": round(3 * 4 * n / add_s / 1e9, 2),
-        "bandwidth_GBps": round(max(2 * 4 * n / copy_s, 3 * 4 * n / add_s) / 1e9, 2),
-        "cache_copy_GBps": round(2 * 4 * cached / cache_copy_s / 1e9, 2),
-        "gemm_2048_GFLOPs": round(2 * size**3 / gemm_s / 1e9, 2),
+        **limits,
         "small_m_gemm_GFLOPs": {
             "shape": f"[M, {d}] x [{d}, {2 * ff}] (the gate/up projection), M = batch",
             **small,
@@ -571,34 +514,6 @@ def best_limits(a: dict, b: dict) -> dict:
     }
 
 
-def floors(config: dict, batch: int, context_sum: float) -> dict[str, tuple[float, float]]:
-    """(bytes, FLOPs) each forward component must move and do at this batch, float32, one token
-    per sequence attending `context_sum` cached tokens in all; sampling reads the logits."""
-    f = 4  # bytes per float32
-    d, hd, layers = config["hidden_size"], config["head_dim"], config["num_hidden_layers"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    ff, vocab = config["intermediate_size"], config["vocab_size"]
-    out: dict[str, tuple[float, float]] = {}
-    for (n_out, n_in), name in matmul_names(config).items():
-        times = 1 if name == "LM head" else layers
-        bytes_ = f * (n_out * n_in + batch * n_in + batch * n_out)
-        out[name] = (times * bytes_, times * 2.0 * batch * n_in * n_out)
-    kv_bytes = f * 2 * kv * hd * (context_sum + batch)  # read every cached row, write the new ones
-    out["attention"] = (
-        layers * (kv_bytes + f * 2 * batch * heads * hd),
-        layers * 4.0 * context_sum * heads * hd,  # q.k and p.v
-    )
-    out["norms"] = ((2 * layers + 1) * f * (2 * batch * d + d), (2 * layers + 1) * 4.0 * batch * d)
-    rope = 2 * batch * (heads + 2 * kv) * hd  # q and k read and written (+ cos, sin)
-    out["RoPE"] = (layers * f * rope, layers * 3.0 * batch * (heads + kv) * hd)
-    out["SiLU*mul"] = (layers * f * 3 * batch * ff, layers * 5.0 * batch * ff)
-    out["residual adds"] = (2 * layers * f * 3 * batch * d, 2 * layers * 1.0 * batch * d)
-    out["embedding"] = (f * 2 * batch * d, 0.0)
-    out["other ops"] = (f * 2 * batch * vocab, 0.0)  # the logits rows, copied out once
-    out["sampling"] = (f * batch * vocab, 1.0 * batch * vocab)  # greedy: one pass over the logits
-    return out
-
-
 # -- the report ------------------------------------------------------------------------------------
 def median_of(steps: list[dict[str, float]], key: str) -> float:
     return statistics.median(s.get(key, 0.0) for s in steps)
@@ -607,16 +522,17 @@ def median_of(steps: list[dict[str, float]], key: str) -> float:
 def table(engine: str, batch: int, record: dict, limits: dict, config: dict, context_sum: float):
     """The rows of one engine at one batch size: measured ms (median over profiled steps),
     roofline ms, ratio."""
+    from minivllm.book.roofline import floor_seconds, floors
+
     steps = record["profiled"]
-    bandwidth = limits["bandwidth_GBps"] * 1e9
-    peak = limits["gemm_2048_GFLOPs"] * 1e9
+    bandwidth, peak = limits["bandwidth_GBps"], limits["gemm_2048_GFLOPs"]
     floor = floors(config, batch, context_sum)
     rows = []
     for component in COMPONENTS:
         measured = median_of(steps, component)
         if component in floor:
             bytes_, flops = floor[component]
-            roof = max(bytes_ / bandwidth, flops / peak) * 1e3
+            roof = floor_seconds(bytes_, flops, bandwidth, peak) * 1e3
         else:
             bytes_ = flops = roof = None
         rows.append(
@@ -631,8 +547,8 @@ def table(engine: str, batch: int, record: dict, limits: dict, config: dict, con
         )
     roof_total = sum(r["roofline_ms"] or 0.0 for r in rows)
     # the same floor were every byte read at the cache-resident copy's speed (JSON only)
-    cache_bandwidth = limits["cache_copy_GBps"] * 1e9
-    roof_cache = 1e3 * sum(max(b / cache_bandwidth, f / peak) for b, f in floor.values())
+    cache_bandwidth = limits["cache_copy_GBps"]
+    roof_cache = 1e3 * sum(floor_seconds(b, f, cache_bandwidth, peak) for b, f in floor.values())
     profiled = median_of(steps, "step (profiled)")
     wall = statistics.median(record["wall_ms"])
     rows.append(
@@ -833,6 +749,7 @@ def main() -> int:
     import torch
     from _common import machine_record, make_workload, write_results
 
+    from minivllm.book.roofline import matmul_names, model_dims
     from minivllm.model.checkpoint import load_model
     from minivllm.model.fused import fuse_model
 
@@ -843,7 +760,7 @@ def main() -> int:
     load_before = load_str()
     torch.set_num_threads(args.threads)
     model = fuse_model(load_model(TARGET, "float32"), in_place=True)
-    config = hf_config(model)
+    config = model_dims(model)
     prompts = {str(b): [r.prompt_ids for r in make_workload(b, SEED)] for b in args.batches}
     print(
         f"target model, float32, batches {args.batches}, {args.warmup} warm-up + {args.steps} "
@@ -861,6 +778,9 @@ def main() -> int:
         "warmup": args.warmup,
         "steps": args.steps,
         "prompts": prompts,
+        "matmul_shapes": [
+            [n_out, n_in, name] for (n_out, n_in), name in matmul_names(config).items()
+        ],
     }
     records: dict[str, dict[str, list]] = {e: {} for e in engines}
     runs, vllm_meta = [], {}

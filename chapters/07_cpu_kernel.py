@@ -35,6 +35,7 @@ roadmap(7)
 
 # %%
 import json
+import os
 import time
 
 import matplotlib.pyplot as plt
@@ -64,6 +65,13 @@ from minivllm.attention.torch_backend import DecodeAttention
 from minivllm.book import show, use_book_style
 from minivllm.book.figures.kernels import draw_work_plan
 from minivllm.book.kernel_check import random_inputs, reference_attention
+from minivllm.book.roofline import (
+    attention_traffic,
+    floor_seconds,
+    floors,
+    measure_limits,
+    model_dims,
+)
 from minivllm.book.stats import speed_change, within
 from minivllm.book.step_timing import decode_engine, time_decode_steps
 from minivllm.model.checkpoint import load_model
@@ -422,7 +430,13 @@ assert same == len(prompts)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-timing = time_decode_steps({"torch": torch_engine, "numba": decode_engine(target, "numba")})
+engines = {"torch": torch_engine, "numba": decode_engine(target, "numba")}
+# each sequence's tokens as the timed steps begin: the roofline below needs them
+contexts_before = {
+    name: [seq.num_tokens for seq in engine.scheduler.running] for name, engine in engines.items()
+}
+STEPS, ROUNDS = 10, 3
+timing = time_decode_steps(engines, steps=STEPS, rounds=ROUNDS)
 for name, t in timing.items():
     print(
         f"{name:>5}: step {t['step_ms']:5.1f} ms, attention {t['attention_ms']:5.1f} ms "
@@ -431,6 +445,84 @@ for name, t in timing.items():
 attention = speed_change(timing["torch"]["attention_ms"] / timing["numba"]["attention_ms"])
 step = speed_change(timing["torch"]["step_ms"] / timing["numba"]["step_ms"])
 print(f"on the kernel: attention {attention}, the step {step}")
+
+# %% [markdown]
+# ### Measure: against this machine's limits
+#
+# How close is either step to what the hardware allows? A decode step must read every weight once
+# and every cached K/V row once, and do its matmuls' and attention's arithmetic. A part of it that
+# must move $b$ bytes and do $f$ FLOPs cannot take less than $\max(b / B,\ f / P)$ on a machine
+# that streams $B$ bytes and multiplies at $P$ FLOPs a second: its *roofline* floor
+# {cite}`williams2009roofline`. `book/roofline.py` counts each part from the model's shapes;
+# attention's share, over a paged cache with grouped-query heads, is exercise ch07.2:
+
+# %%
+show(attention_traffic)
+
+# %% [markdown]
+# The bytes and FLOPs of each engine's timed steps (every sequence at its context midway through
+# them; they do not depend on the machine):
+
+# %%
+dims = model_dims(target)
+element_bytes = torch_engine.config.dtype.itemsize
+step_floors = {}
+for name, before in contexts_before.items():
+    midway = sum(before) + len(before) * (STEPS * ROUNDS - 1) / 2
+    step_floors[name] = floors(dims, len(before), midway, element_bytes)
+    step_bytes = sum(b for b, _ in step_floors[name].values())
+    step_flops = sum(f for _, f in step_floors[name].values())
+    attention_bytes, attention_flops = step_floors[name]["attention"]
+    print(
+        f"{name:>5} engine, {len(before)} decodes at {midway / len(before):.0f} tokens on average: "
+        f"{step_bytes / 2**20:.1f} MiB and {step_flops / 1e9:.3f} GFLOP a step "
+        f"({step_flops / step_bytes:.1f} FLOPs per byte); attention "
+        f"{attention_bytes / 2**20:.1f} MiB, {attention_flops / 1e9:.3f} GFLOP"
+    )
+
+# %% [markdown]
+# The limits, measured now in a few seconds (a float32 copy and add of 64 MiB arrays, larger than
+# the caches; a float32 GEMM), and each step against its floor:
+
+# %% tags=["hide-input"] mystnb={"figure": {"caption": "One decode step of 64 sequences on each backend, and its attention, against the roofline floor of the same work on this machine: the time the bytes and FLOPs of the step could take at the measured stream bandwidth and GEMM rate. Measured now, so the bars vary from run to run.", "name": "fig-07-roofline"}}
+# NBVAL_IGNORE_OUTPUT
+limits = measure_limits(elements=16 * 2**20, gemm_size=2048, repeats=3)
+bandwidth, peak = limits["bandwidth_GBps"], limits["gemm_2048_GFLOPs"]
+print(
+    f"this machine, now: stream bandwidth {bandwidth:.1f} GB/s, GEMM {peak:.1f} GFLOP/s "
+    f"(balance {peak / bandwidth:.1f} FLOPs per byte); load average {os.getloadavg()[0]:.1f}"
+)
+bars = {}
+for name, floor in step_floors.items():
+    roof_ms = {
+        "step": 1e3 * sum(floor_seconds(b, f, bandwidth, peak) for b, f in floor.values()),
+        "attention": 1e3 * floor_seconds(*floor["attention"], bandwidth, peak),
+    }
+    for part in ("step", "attention"):
+        measured = timing[name][f"{part}_ms"]
+        bars[f"{name}: {part}"] = (measured, roof_ms[part])
+        print(
+            f"{name:>5} {part:>9}: {measured:6.2f} ms measured, roofline {roof_ms[part]:.3f} ms: "
+            f"{measured / roof_ms[part]:.1f}x the roofline"
+        )
+fig, ax = plt.subplots(figsize=(7.5, 2.4))
+rows = np.arange(len(bars))
+ax.barh(rows + 0.2, [m for m, _ in bars.values()], 0.4, color="#1f77b4", label="measured")
+floor_bars = [r for _, r in bars.values()]
+ax.barh(rows - 0.2, floor_bars, 0.4, color="white", edgecolor="black", hatch="//", label="floor")
+ax.set_yticks(rows, list(bars))
+ax.invert_yaxis()
+ax.set_xlabel("ms per decode step")
+ax.legend(loc="lower right", fontsize="small")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# A bar's distance from its floor is the room a faster step could still win. The floor reads
+# every byte once at full stream speed and does every FLOP at the big GEMM's rate, with nothing
+# between operations: no Python, no per-call overhead, and no gather's extra copies — the part
+# the kernel took out of the attention bars. `benchmarks/step_profile.py` splits the step
+# component by component under torch.profiler, against the same floors, beside vLLM's CPU build.
 
 # %% [markdown]
 # The rest of the step is mostly the model's matmuls, which no attention kernel touches. The
@@ -469,7 +561,6 @@ assert same_logits
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import os
 import statistics
 import subprocess
 import sys
@@ -524,11 +615,12 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # %% [markdown]
 # ## Exercises
 #
-# The kernel's code is `src/minivllm/attention/numba_cpu.py`. The first exercise is graded: its
-# solution lives there between `### BEGIN SOLUTION` and `### END SOLUTION`; run its tests with
-# `pytest tests --exercise ch07.1`. The others explore the kernel on your machine and no test
-# grades them; time any change with the cells of **Measure** above (alternate the versions, take
-# medians). Each has a hint, and a worked answer folded below it.
+# The kernel's code is `src/minivllm/attention/numba_cpu.py`, the roofline's
+# `src/minivllm/book/roofline.py`. The first two exercises are graded: each solution lives there
+# between `### BEGIN SOLUTION` and `### END SOLUTION`; run their tests with
+# `pytest tests --exercise ch07.1` (or `ch07.2`). The others explore the kernel on your machine and
+# no test grades them; time any change with the cells of **Measure** above (alternate the
+# versions, take medians). Each has a hint, and a worked answer folded below it.
 #
 # 1. **ch07.1 — the kernel's softmax** (this chapter's core). Write the loop body of
 #    `_softmax_rows`: query vector `v`'s row of scores, `row`, sees its first `seen` keys (a row of
@@ -542,7 +634,29 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 #    threads cannot pass an exception on: `_launch` reruns on one thread a launch whose threads
 #    stopped early, so an error in your code reaches you.) Three hints, from a nudge to nearly the
 #    answer, are folded below the list.
-# 2. **One pass with an online softmax.** The kernel keeps every score of a unit in a scratch row
+# 2. **ch07.2 — what attention must move.** Write the body of `attention_traffic` in
+#    `book/roofline.py`, the count the roofline above uses for attention: the bytes and FLOPs of
+#    one decode step over a paged cache, every layer, each sequence's new token attending its
+#    `contexts[i]` cached tokens. Per layer and sequence: each cached token's K and V rows are read
+#    once, in `kv_heads` heads of `head_dim` elements of `element_bytes` bytes; the new token's K
+#    and V are written once; its query is read and its output written, `heads` heads each; and
+#    the scores and the weighted values are one multiply-add (two FLOPs) per element of every
+#    query head, for every cached token. The tests count small cases by hand: one head per K/V
+#    head against grouped-query heads, sequences of different contexts, bfloat16 against float32.
+#
+#    *Hint:* Under grouped-query attention the bytes follow `kv_heads` and the FLOPs follow
+#    `heads`: the query heads of a group share every K/V row they read. Count one layer, one
+#    sequence first, then add over `contexts` and multiply by `layers`.
+#
+# :::{admonition} A second hint for ch07.2
+# :class: dropdown
+# One token's K and V in one layer is two rows of `kv_heads * head_dim` elements; a query, or an
+# output, is one row of `heads * head_dim`. A sequence at context $n$ costs $n + 1$ K/V rows
+# (read, and its new one written) and two query-sized rows, and $4 n \cdot$ `heads` $\cdot$
+# `head_dim` FLOPs. Return the pair as floats.
+# :::
+#
+# 3. **One pass with an online softmax.** The kernel keeps every score of a unit in a scratch row
 #    and walks the blocks twice. Rewrite `_attend` as one pass with the *online* softmax chapter 08
 #    builds its GPU kernels on — per query vector a running max $m$ and sum $\ell$, the accumulator
 #    rescaled by $e^{m - m'}$ whenever a block raises the max to $m'$ — keeping `_scores_simd` and
@@ -553,7 +667,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 #    every accumulator, an `exp` for the correction — now runs once per block instead of once per
 #    row. Count how many times per unit each happens at a context of 250 tokens and blocks of 16.
 #
-# :::{admonition} A worked answer to exercise 2
+# :::{admonition} A worked answer to exercise 3
 # :class: dropdown
 # Per block: score the block into a 16-float row, take its max $b$, set $m' = \max(m, b)$, scale
 # the accumulators and $\ell$ by $e^{m - m'}$ (once per query vector), exponentiate the row
@@ -566,7 +680,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # has no room for a row per query (chapter 08).
 # :::
 #
-# 3. **Dealt by count, not by cost.** Replace `plan_work`'s deal by cost with an even split by count
+# 4. **Dealt by count, not by cost.** Replace `plan_work`'s deal by cost with an even split by count
 #    (the first bar of the work-plan figure) and time a decode step with two 128-token prefill
 #    chunks in it, both ways. How much of the step does the uneven split cost?
 #
@@ -575,7 +689,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 #    `numba_cpu.plan_work`. Count the busier thread's cost with `unit_cost`, as the figure's cell
 #    does, before you time anything.
 #
-# :::{admonition} A worked answer to exercise 3
+# :::{admonition} A worked answer to exercise 4
 # :class: dropdown
 # Sort the units as numba's `prange` would see them (decodes first, then the chunks' tiles) and
 # cut the list in half: `bounds = [0, len(work) // 2, len(work)]`. Both 128-token chunks, eight
@@ -586,7 +700,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # matmuls, does not change.
 # :::
 #
-# 4. **Where the SIMD lanes go.** Print the machine code of `_scores_plain` and `_scores_simd`
+# 5. **Where the SIMD lanes go.** Print the machine code of `_scores_plain` and `_scores_simd`
 #    (`_scores_plain.inspect_asm()` gives one string per compiled signature) and count the
 #    vector shuffles and additions that reduce a dot product's lanes, per key, in each.
 #
@@ -594,7 +708,7 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 #    inside the innermost loop; the plain loop reduces after every key, the vector path once per
 #    eight keys (`sum8x8`).
 #
-# :::{admonition} A worked answer to exercise 4
+# :::{admonition} A worked answer to exercise 5
 # :class: dropdown
 # The plain loop's dot product ends in a horizontal reduction of one 8-lane register — an
 # `vextractf128`, then shuffles and adds down to one lane — after every key: about three additions

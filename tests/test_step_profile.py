@@ -19,12 +19,11 @@ from step_profile import (  # noqa: E402
     COMPONENTS,
     MATMULS,
     TARGET,
-    floors,
-    hf_config,
     minivllm_run,
     table,
 )
 
+from minivllm.book.roofline import floors, model_dims  # noqa: E402
 from minivllm.model import fused, transformer  # noqa: E402
 from minivllm.model.checkpoint import load_model  # noqa: E402
 from minivllm.model.fused import fuse_model  # noqa: E402
@@ -46,7 +45,7 @@ def test_one_profiled_step_is_attributed_to_every_component() -> None:
     parts = sum(v for k, v in step.items() if k in COMPONENTS)
     assert parts == pytest.approx(step["step (profiled)"], rel=0.02)
 
-    config = hf_config(model)
+    config = model_dims(model)
     limits = {"bandwidth_GBps": 10.0, "cache_copy_GBps": 50.0, "gemm_2048_GFLOPs": 100.0}
     rows = {r["component"]: r for r in table("minivllm", 1, record, limits, config, 100.0)}
     # q/k/v at batch 1 is a read of its weights: 6 layers x 384 x 256 floats, bandwidth-bound
