@@ -644,55 +644,118 @@ def test_a_partial_refresh_keeps_the_other_chapters_entries() -> None:
 # -- each exercise assignable alone, from one grading of the probe copy ---------------------------
 
 # Chains the book means: tests of one exercise that run another exercise's solution, by test
-# function (parameters stripped), with why. Stubbing an exercise named here alone also fails these
-# tests. Any other test that enters a foreign region fails the check below.
+# function (parameters stripped) or by whole test file, with why. Stubbing an exercise named here
+# alone also fails these tests. Any other test that enters a foreign region fails the check below.
+# The core exercises are the engine's own path, so their tests build on the chapters' small ones.
+ALLOCATE = (
+    "allocate_slots (ch03.4) grows a block table through append, which counts new blocks with "
+    "blocks_needed (ch03.1), and separates a fork with copy_on_write (ch03.2): the chapter's core "
+    "is built on its two small exercises"
+)
+ADMISSION = (
+    "the scheduler's admission loop (ch04.4) asks BlockManager.allocate_slots (ch03.4), which "
+    "grows tables by blocks_needed (ch03.1); random workloads run out of blocks and preempt "
+    "(ch05.1, ch05.2, ch05.3)"
+)
 SCHEDULER = (
-    "the pure scheduler grows each sequence's block table by BlockManager.blocks_needed (ch03.1) "
-    "and appends every sampled token to the sequence's text through the streaming UTF-8 decoder "
-    "(ch01.1): preemption is what happens when that growth runs out of blocks"
+    "the pure scheduler admits (ch04.4) and grows each sequence's block table by allocate_slots "
+    "and blocks_needed (ch03.4, ch03.1), and appends every sampled token to the sequence's text "
+    "through the streaming UTF-8 decoder (ch01.1): preemption is what happens when that growth "
+    "runs out of blocks, and make_room preempts each victim with preempt (ch05.2)"
 )
 ENGINE = (
     "an end-to-end run of the engine with the shipped model, the point of the test: loading it "
-    "(ch10.3), RMSNorm and RoPE (ch00.1, ch00.2), the streaming decoder (ch01.1), block growth "
-    "(ch03.1), the batch flattening (ch04.3) and, sampling, top-k/top-p and the inverse-CDF draw "
-    "(ch04.1, ch04.2); on a CPU its attention is chapter 07's kernel, whose softmax is ch07.1"
+    "(ch10.3), RMSNorm and RoPE (ch00.1, ch00.2), the streaming decoder (ch01.1), admission and "
+    "block growth (ch04.4, ch03.4, ch03.1), the batch flattening (ch04.3) and, sampling, "
+    "top-k/top-p and the inverse-CDF draw (ch04.1, ch04.2); on a CPU its attention is chapter "
+    "07's kernel, whose softmax is ch07.1; preempting policies make room (ch05.1, ch05.3)"
 )
+SERVER = ENGINE + (
+    "; the server streams it as SSE lines (ch09.1), a chat's messages laid out as a play (ch09.2)"
+)
+SSE = "the streamed answer (ch09.3) is made of SSE lines, each written by sse_event (ch09.1)"
 RESIDUAL_DRAW = (
     "the acceptance rule's reference solution draws the replacement token from norm(max(0, p - q)) "
     "with the inverse-CDF draw of ch04.2, as the chapter teaches; the distribution tests also run "
-    "the drafter and target's sampler (top-k/top-p, ch04.1) and the sequences' decoder (ch01.1)"
+    "the drafter and target's sampler (top-k/top-p, ch04.1), the sequences' decoder (ch01.1) and "
+    "the verify loop that applies the rule (ch06.3)"
 )
-_SCHEDULER_ONLY = {"ch01.1", "ch03.1"}
-_ENGINE_ALL = {"ch00.1", "ch00.2", "ch01.1", "ch03.1", "ch07.1", "ch10.3"}
+VERIFY = (
+    "the verify loop (ch06.3) judges each draft by the acceptance rule (ch06.1); its residual "
+    "draws and bonus tokens come from the sampler (top-k/top-p and inverse CDF, ch04.1, ch04.2)"
+)
+_SCHEDULER_ONLY = {"ch01.1", "ch03.1", "ch03.4", "ch04.4", "ch05.2"}
+_ENGINE_ALL = {
+    *("ch00.1", "ch00.2", "ch01.1", "ch03.1", "ch03.4", "ch04.1", "ch04.2", "ch04.3", "ch04.4"),
+    *("ch05.1", "ch05.3", "ch07.1", "ch10.3"),
+}
 ALLOWED_CHAINS: dict[str, tuple[set[str], str]] = {
+    **{
+        f"tests/test_block_allocator.py::test_allocate_slots_{name}": (
+            {"ch03.1", "ch03.2"},
+            ALLOCATE,
+        )
+        for name in (
+            "copies_a_forks_shared_block_before_writing",
+            "counts_the_copy_of_a_shared_block",
+            "creates_the_table_and_grows_it_lazily",
+            "fills_the_slack_of_the_last_block_first",
+            "never_shrinks_lookahead",
+            "refuses_without_changing_anything",
+            "shrinks_a_prefill_chunk_to_what_fits",
+        )
+    },
+    "tests/test_scheduler.py": ({"ch03.1", "ch03.4", "ch05.1", "ch05.2", "ch05.3"}, ADMISSION),
     "tests/test_engine.py::test_build_batch_follows_the_schedulers_plans": (
         _SCHEDULER_ONLY,
         SCHEDULER,
     ),
     **{
-        f"tests/test_preemption.py::{name}": (_SCHEDULER_ONLY, SCHEDULER)
+        f"tests/test_preemption.py::{name}": (_SCHEDULER_ONLY | {"ch05.1"}, SCHEDULER)
         for name in (
             "test_a_preemption_worked_by_hand",
             "test_a_sequence_can_be_its_own_victim",
             "test_a_custom_policy_sees_the_unserved_running_sequences_in_admission_order",
             "test_several_victims_in_one_step_queue_in_front_of_fresh_requests",
+            "test_make_room_asks_first_and_preempts_nobody_when_the_sequence_fits",
+            "test_make_room_gives_up_when_the_sequence_is_alone",
+            "test_make_room_never_offers_a_served_sequence_and_stops_when_it_is_its_own_victim",
+            "test_make_room_preempts_victims_one_at_a_time_until_the_sequence_fits",
+            "test_random_preempting_workloads_finish_and_keep_the_books",
         )
     },
     **{
-        f"tests/test_preemption.py::{name}": (
-            _ENGINE_ALL | {"ch04.1", "ch04.2", "ch04.3", "ch05.1"},
-            ENGINE,
-        )
+        f"tests/test_preemption.py::{name}": (_ENGINE_ALL | {"ch05.2"}, ENGINE)
         for name in (
             "test_the_worked_example_step_by_step",
             "test_preemption_never_changes_a_token",
             "test_a_resumed_sequence_finds_its_prefix_in_the_cache",
             "test_a_neighbour_preempted_for_a_hopeless_request_comes_back",
             "test_with_preemption_the_same_burst_finishes",
+            "test_a_request_that_cannot_fit_alone_ends_cache_full",
         )
     },
     **{
-        f"tests/test_speculative.py::{name}": ({"ch01.1", "ch04.1", "ch04.2"}, RESIDUAL_DRAW)
+        f"tests/test_server.py::{name}": (_ENGINE_ALL | {"ch09.1", "ch09.2"}, SERVER)
+        for name in (
+            "test_a_client_that_disconnects_mid_stream_is_aborted",
+            "test_openai_chat_streamed_equals_non_streamed",
+            "test_openai_completion_streamed_equals_non_streamed",
+        )
+    },
+    **{
+        f"tests/test_openai_protocol.py::{name}": ({"ch09.1"}, SSE)
+        for name in (
+            "test_a_client_that_goes_away_mid_stream_aborts_the_request",
+            "test_a_stream_sends_its_chunks_in_order_then_usage_then_done",
+            "test_without_include_usage_the_finish_chunks_come_last_before_done",
+        )
+    },
+    **{
+        f"tests/test_speculative.py::{name}": (
+            {"ch01.1", "ch04.1", "ch04.2", "ch06.3"},
+            RESIDUAL_DRAW,
+        )
         for name in (
             "test_a_draft_at_least_as_likely_under_p_is_always_accepted",
             "test_acceptance_probability_is_min_1_p_over_q",
@@ -704,6 +767,17 @@ ALLOWED_CHAINS: dict[str, tuple[set[str], str]] = {
             "test_rows_are_independent",
             "test_first_speculative_token_has_the_targets_distribution",
             "test_next_token_given_the_first_has_the_targets_distribution",
+        )
+    },
+    **{
+        f"tests/test_speculative.py::{name}": ({"ch04.1", "ch04.2", "ch06.1"}, VERIFY)
+        for name in (
+            "test_all_drafts_accepted_the_run_ends_with_the_bonus_token",
+            "test_each_sequences_run_is_its_own_whatever_the_batch",
+            "test_sampled_runs_are_a_function_of_seed_and_position",
+            "test_sampled_verify_uses_the_request_streams",
+            "test_sampled_verify_without_drafts_is_the_ordinary_sampler",
+            "test_the_first_rejection_ends_the_run_with_the_resampled_token",
         )
     },
 }
@@ -723,7 +797,9 @@ def function_of(nodeid: str) -> str:
 
 
 def allowed_chain(nodeid: str) -> set[str]:
-    return ALLOWED_CHAINS.get(function_of(nodeid), (set(), ""))[0]
+    """The exercises a test may run besides its own: its function's chain and its file's."""
+    by_function = ALLOWED_CHAINS.get(function_of(nodeid), (set(), ""))[0]
+    return by_function | ALLOWED_CHAINS.get(nodeid.split("::", 1)[0], (set(), ""))[0]
 
 
 def probe_table(tests: dict, names: list[str]) -> str:
@@ -748,7 +824,7 @@ def test_the_probe_copy_passes_and_records_every_exercise_test(reports: Reports)
         failed, indent=1
     )
     assert all("entered" in t for t in probe.values())
-    graded = {function_of(n) for n in probe}
+    graded = {function_of(n) for n in probe} | {n.split("::", 1)[0] for n in probe}
     assert not (ALLOWED_CHAINS.keys() | PROBE_BLIND) - graded, (
         "stale entries: no such exercise test"
     )
