@@ -245,14 +245,14 @@ show(attend_range)
 # grouped-query attention's K/V head, `head // group`. The launcher checks the shapes, sizes the
 # dynamic shared memory (`shared_bytes`: the scaled query, a word per warp, a score per token) and
 # launches `kernel[grid, threads_per_block, stream, shared_bytes](...)` with one block per
-# (sequence, head); its v1 path is below (`_simulator_pace` only makes the simulator pass Python's
-# GIL around more often; on a GPU it does nothing). The kernels live in `attention/cuda/kernels.py`,
+# (sequence, head); its v1 path is folded below (`_simulator_pace` only makes the simulator pass
+# Python's GIL around more often; on a GPU it does nothing). The kernels live in `attention/cuda/kernels.py`,
 # the launcher in `attention/cuda/launch.py`.
 
 # %%
 show(paged_attention_v1)
 
-# %%
+# %% tags=["hide-output"]
 launcher = source(paged_attention).splitlines()
 v1_path = (  # from the defaults to v1's launch and return
     next(n for n, line in enumerate(launcher, 1) if "scale = head_dim**-0.5" in line),
@@ -545,12 +545,13 @@ show(AttentionBackend)
 # Backends are registered there by name, and `EngineConfig(attention_backend=...)` picks one. The
 # kernel is registered by its module path, so importing the registry never imports numba (nor
 # switches on its simulator). "auto", the default, takes the first backend registered for the
-# engine's device, else the reference — the last line below says what that means on each device. A
-# new kernel plugs in with one more `register_backend` line: chapter 07's CPU kernel (`numba`) is
-# the third, and "auto" picks it for a float32 cache on a CPU, where `benchmarks/throughput.py`
-# measures it ahead of the reference (its decode steps, and the whole 64-request workload).
+# engine's device, else the reference — the last line of the folded output below says what that
+# means on each device. A new kernel plugs in with one more `register_backend` line: chapter 07's
+# CPU kernel (`numba`) is the third, and "auto" picks it for a float32 cache on a CPU, where
+# `benchmarks/throughput.py` measures it ahead of the reference (its decode steps, and the whole
+# 64-request workload).
 
-# %%
+# %% tags=["hide-output"]
 registry = source(attention_backend)
 print(registry[registry.index("register_backend(REFERENCE") :].strip())
 print({device: resolve_backend_name("auto", device) for device in ("cpu", "cuda")})
