@@ -743,6 +743,11 @@ ALLOWED_CHAINS: dict[str, tuple[set[str], str]] = {
             "test_openai_completion_streamed_equals_non_streamed",
         )
     },
+    "tests/test_tensor_parallel.py::test_the_ranks_slices_tile_every_tensor": (
+        {"ch10.3"},
+        "it cuts the shipped model and each family's checkpoint into the ranks' shares; loading "
+        "them checks their tensors (ch10.3)",
+    ),
     **{
         f"tests/test_openai_protocol.py::{name}": ({"ch09.1"}, SSE)
         for name in (
