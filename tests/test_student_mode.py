@@ -443,6 +443,33 @@ def test_the_intros_grading_command_needs_only_the_book_extra() -> None:
         assert not top & dev_only, f"{path.name} imports {top & dev_only} (dev extra only)"
 
 
+def test_a_grade_line_shows_the_stubs_whole_message_not_the_same_stub_as_above() -> None:
+    # conftest.py shortens every repeat of a stub's failure; the grade line of an exercise whose
+    # own tests all came after the first repeat must still say what the stub asks for.
+    whole = "NotImplementedError: exercise ch04.4: admission -- take waiting sequences in order"
+    short = "NotImplementedError: exercise ch04.4: the same stub as above"
+    report = {
+        "tests": {
+            "tests/test_preemption.py::test_a": {
+                "exercises": ["ch05.2"],
+                "outcome": "failed",
+                "stub": "ch04.4",
+                "summary": whole,
+            },
+            "tests/test_scheduler.py::test_b": {
+                "exercises": ["ch04.4"],
+                "outcome": "failed",
+                "stub": "ch04.4",
+                "summary": short,
+            },
+        }
+    }
+    by_id = {r.exercise: r for r in student.exercise_results(report)}
+    assert by_id["ch04.4"].status == "failed"
+    assert by_id["ch04.4"].detail == f"test_scheduler.py::test_b: {whole}"
+    assert by_id["ch05.2"].status == "blocked"
+
+
 def test_a_copy_refuses_to_grade_a_package_found_elsewhere(tmp_path: Path) -> None:
     """With the reference first on the import path, a student copy's tests would grade the
     reference: the shared conftest refuses, naming both packages."""

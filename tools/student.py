@@ -599,6 +599,10 @@ class Result(NamedTuple):
     detail: str  # the first failure's test and message, or the blockers
 
 
+# How tests/conftest.py ends a repeated stub failure (every one after the first in a run).
+SAME_STUB = ": the same stub as above"
+
+
 def exercise_results(report: dict, exercises: list[str] | None = None) -> list[Result]:
     """One result per exercise (those of `exercises`, if given). A test that stops at the stub of
     another exercise is blocked, not failed: it cannot pass until that one is solved."""
@@ -607,6 +611,13 @@ def exercise_results(report: dict, exercises: list[str] | None = None) -> list[R
         for exercise in test["exercises"]:
             if exercises is None or exercise in exercises:
                 by_exercise.setdefault(exercise, []).append((nodeid, test))
+    # conftest.py shortens every repeat of a stub's failure to "the same stub as above"; a grade
+    # line shows one failure alone, so it gets the stub's whole message back from its first failure
+    whole = {}
+    for test in report["tests"].values():
+        summary = test.get("summary", "")
+        if test.get("stub") and not summary.endswith(SAME_STUB):
+            whole.setdefault(test["stub"], summary)
     results = []
     for exercise in sorted(by_exercise, key=_exercise_order):
         tests = by_exercise[exercise]
@@ -619,7 +630,10 @@ def exercise_results(report: dict, exercises: list[str] | None = None) -> list[R
         first_own = ""
         if own:
             nodeid, test = own[0]
-            first_own = f"{nodeid.rsplit('/', 1)[-1]}: {_one_line(test.get('summary', ''))}"
+            summary = test.get("summary", "")
+            if summary.endswith(SAME_STUB):
+                summary = whole.get(test.get("stub"), summary)
+            first_own = f"{nodeid.rsplit('/', 1)[-1]}: {_one_line(summary)}"
         if blockers:  # its grade is not final until they are solved
             status = "blocked"
             stubs = "its stub" if len(blockers) == 1 else "their stubs"
