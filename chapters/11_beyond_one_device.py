@@ -535,14 +535,19 @@ for shape in ("tensor_parallel.json", "tensor_parallel_100m.json"):
             f"  comm {s['comm_share']:4.0%}  CPU {s['cpu_seconds']:5.1f} s  "
             f"same tokens: {s['same_tokens_as_one_process']}"
         )
+    rate = {s["system"].split(" (")[0]: s["tokens_per_s"] for s in bench["systems"]}
+    for name in ("tensor parallel 2", "forward workers 2"):
+        print(f"  {name} against one process on 2 threads: {speed_change(rate[name] / base)}")
 
 # %% [markdown]
-# Read it as the recording says: a shared 2-core machine, loaded, with every system giving the
-# same greedy tokens. On the small target model the two mechanisms reach about the same tokens/s,
-# the split by sequence in fewer CPU seconds (one exchange a step against two all-reduces a layer).
-# On the real-shaped model tensor parallelism keeps up with one process while the split by sequence
-# falls behind: there a step's work is in the weights, which every forward worker reads whole and
-# each rank reads half of. Neither beats one process on torch's threads on this machine.
+# Read it as the recording says: one 2-core machine, its load printed beside each model, every
+# system giving the same greedy tokens; the last two lines of each model say which way each
+# mechanism went against one process on torch's two threads. The costs behind them do not depend
+# on the machine. Tensor parallelism pays two all-reduces a layer (its `comm` share): on the small
+# target model, whose matmuls are tiny, that latency is most of a step; on the real-shaped model
+# the matmuls are large enough to hide much of it, and each rank reads only half of the weights.
+# The split by sequence pays one exchange a step, the logits, but every forward worker reads every
+# weight, so it cannot shrink what a process must hold.
 #
 # So the engine keeps both, for different jobs, and neither replaces the other:
 # `forward_processes` stays a small-machine device for small models (it cannot shrink what a
