@@ -71,5 +71,21 @@ def _simulator_pace():
         sys.setswitchinterval(5e-4)
     try:
         yield
+    except BaseException:
+        if SIMULATOR:
+            _join_aborted_threads()
+        raise
     finally:
         sys.setswitchinterval(interval)
+
+
+def _join_aborted_threads(timeout: float = 10.0) -> None:
+    """When a simulated thread raises, the simulator aborts the block's other threads and raises at
+    once, without joining them. Still running, they can meet the next launch's threads (the
+    simulator swaps `cuda` in the kernel's globals per launch), and a test of an exercise's stub
+    then failed with a sibling's IndexError instead of the stub's message. Wait for them first."""
+    from numba.cuda.simulator.kernel import BlockThread
+
+    for thread in threading.enumerate():
+        if isinstance(thread, BlockThread) and thread is not threading.current_thread():
+            thread.join(timeout)
