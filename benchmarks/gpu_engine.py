@@ -187,7 +187,16 @@ def main() -> None:
     )
     parser.add_argument("--dir", type=Path, default=None, help="where --shape's folder is built")
     parser.add_argument("--out", type=Path, default=None, help="default: results/gpu_engine.json")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["eager", "graphs"],
+        default=["eager", "graphs"],
+        help="eager steps, CUDA-graph replay, or both (the first system is the token reference)",
+    )
+    parser.add_argument("--no-profile", action="store_true", help="skip the decode-step profiles")
     args = parser.parse_args()
+    modes = [mode == "graphs" for mode in args.modes]
     if args.out is None:
         suffix = "" if args.shape is None else "_" + args.shape.replace(".", "").replace("-", "_")
         args.out = RESULTS.with_name(f"gpu_engine{suffix}.json")
@@ -206,7 +215,7 @@ def main() -> None:
     model = load_model(folder, args.dtype)
     systems, captures = {}, {}
     for backend in BACKENDS:
-        for graphs in (False, True):
+        for graphs in modes:
             engine, run = engine_system(model, requests, backend, dtype, graphs)
             systems[system_name(backend, graphs)] = run
             if graphs:
@@ -243,7 +252,7 @@ def main() -> None:
                 f"round {round_index + 1}: {name}: {elapsed:.2f} s, {total / elapsed:,.0f} tok/s",
                 flush=True,
             )
-    reference = system_name("torch", False)
+    reference = next(iter(systems))  # the torch backend, eager when eager steps were run
     rows = []
     for name, runs in seconds.items():
         agreement = compare(
@@ -258,6 +267,7 @@ def main() -> None:
                 "seconds": runs,
                 "median_tokens_per_s": total / statistics.median(runs),
                 "best_tokens_per_s": total / min(runs),
+                "reference": reference,
                 "requests_differing_from_torch_backend": agreement["requests_differing"],
                 "first_differing_token": agreement["first_differing_token"],
                 "cuda_graph_capture": captures.get(name),
@@ -278,23 +288,7 @@ def main() -> None:
             f"{name}: {len(capture['batch_sizes'])} graphs captured in {capture['capture_s']:.2f} "
             f"s, pool {capture['pool_mib']:.1f} MiB"
         )
-    profiles = [
-        decode_profile(model, requests, backend, dtype, graphs)
-        for backend in BACKENDS
-        for graphs in (False, True)
-    ]
-    print(f"\ndecode steps at batch {args.requests}, under torch.profiler:")
-    for prof in profiles:
-        print(
-            f"  {prof['system']:<36} {prof['ms_per_step']:7.2f} ms/step, GPU kernels "
-            f"{prof['gpu_kernel_ms_per_step']:.2f} ms ({prof['gpu_busy_share']:.0%} busy), "
-            f"{prof['kernel_launches_per_step']:.0f} launches, syncs/copies "
-            f"{prof['syncs_and_copies_per_step']}"
-        )
-        for name, us in list(prof["top_cpu_ops_us_per_step"].items())[:8]:
-            print(f"      {us:9.1f} us  {name}")
     record = {
-        "decode_profiles": profiles,
         "machine": machine_record(
             "engine on the GPU against HF generate, same GPU and workload",
             device=torch.cuda.get_device_name(),
@@ -311,6 +305,26 @@ def main() -> None:
         "repeats": args.repeats,
         "rows": rows,
     }
+    # written before the profiles too: a run stopped at its time limit keeps the timed rounds
+    write_results(args.out, record)
+    if args.no_profile:
+        return
+    profiles = [
+        decode_profile(model, requests, backend, dtype, graphs)
+        for backend in BACKENDS
+        for graphs in modes
+    ]
+    print(f"\ndecode steps at batch {args.requests}, under torch.profiler:")
+    for prof in profiles:
+        print(
+            f"  {prof['system']:<36} {prof['ms_per_step']:7.2f} ms/step, GPU kernels "
+            f"{prof['gpu_kernel_ms_per_step']:.2f} ms ({prof['gpu_busy_share']:.0%} busy), "
+            f"{prof['kernel_launches_per_step']:.0f} launches, syncs/copies "
+            f"{prof['syncs_and_copies_per_step']}"
+        )
+        for name, us in list(prof["top_cpu_ops_us_per_step"].items())[:8]:
+            print(f"      {us:9.1f} us  {name}")
+    record["decode_profiles"] = profiles
     write_results(args.out, record)
 
 
