@@ -420,6 +420,7 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
                 max_num_seqs=batch, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS
             ),
             dtype=next(model.parameters()).dtype,
+            device="cpu",  # the CPU step, also on a machine with a GPU
         )
         engine = LLMEngine(model, config)
         total = max_tokens_for(prompts, warmup, steps)

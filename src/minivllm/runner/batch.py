@@ -130,10 +130,12 @@ def run_model(
     storage: PagedKVStorage,
     batch: VarlenBatch,
     backend: BackendFactory = TorchPagedAttention,
+    on_host: bool = True,
 ) -> torch.Tensor:
     """One forward pass over a flattened batch, on the storage's device, with an attention backend
-    (see `minivllm.attention.backend`); the logits of the rows it asks for, `[S, vocab]`, back on
-    the CPU, where sampling happens."""
+    (see `minivllm.attention.backend`); the logits of the rows it asks for, `[S, vocab]` float32,
+    back on the CPU, where sampling happens -- or, with `on_host=False`, left on the model's device
+    (the engine's runner: the sampler then moves to the host only what it needs)."""
     if not batch.slots_checked and batch.slot_mapping.device.type == "cpu":
         # On the host, where reading the slots is free; the backend then does not read them back
         # from the device.
@@ -147,4 +149,4 @@ def run_model(
         rows = logits[batch.logits_indices]
     # Copied out of inference mode: the sampler edits its logits in place (bans, biases), which
     # an inference tensor refuses outside it.
-    return rows.to("cpu", torch.float32, copy=True)
+    return rows.to("cpu" if on_host else rows.device, torch.float32, copy=True)

@@ -211,10 +211,11 @@ class DecodeGraphs:
             and torch.equal(batch.logits_indices, torch.arange(n))
         )
 
-    def run(self, batch: VarlenBatch) -> torch.Tensor:
-        """The logits of a decode batch (`can_run`), `[n, vocab]` float32 on the CPU: the batch
-        copied into the static buffers with padding rows after it, then the graph of the next
-        captured size replayed."""
+    def run(self, batch: VarlenBatch, on_host: bool = True) -> torch.Tensor:
+        """The logits of a decode batch (`can_run`), `[n, vocab]` float32 on the CPU (on the GPU
+        with `on_host=False`, copied out of the static buffer the next replay overwrites): the
+        batch copied into the static buffers with padding rows after it, then the graph of the
+        next captured size replayed."""
         if not self.can_run(batch):
             raise ValueError("not a decode-only batch within the captured sizes: run it eagerly")
         n = batch.num_seqs
@@ -229,7 +230,8 @@ class DecodeGraphs:
         views["block_tables"][:n, : batch.block_tables.shape[1]] = batch.block_tables
         self._pad(n)
         # Pinned memory: queued on the stream before the replay; the host waits for the logits
-        # below, so the host buffer is not rewritten while the copy may still read it.
+        # (or the sampler's ids) before the next step, so the host buffer is not rewritten while
+        # the copy may still read it.
         self.static.copy_(self.host, non_blocking=True)
         with torch.inference_mode():
             if self.capture:
@@ -237,7 +239,9 @@ class DecodeGraphs:
             else:
                 self._forward(bs)
         self.replays += 1
-        return self.logits[:n].to("cpu", torch.float32, copy=True)
+        return self.logits[:n].to(
+            "cpu" if on_host else self.logits.device, torch.float32, copy=True
+        )
 
 
 def _views(buffer: torch.Tensor, n: int, w: int) -> dict[str, torch.Tensor]:

@@ -175,15 +175,17 @@ class ModelRunner:
         return {c.seq_id: p for c, p in zip(chunks, proposals)}
 
     def forward(self, batch: VarlenBatch) -> torch.Tensor:
-        """Logits of the rows that pick (or check) a token, `[S, vocab]`: a decode-only batch
-        that fits a captured size replays a CUDA graph, anything else runs eagerly."""
+        """Logits of the rows that pick (or check) a token, `[S, vocab]` float32, on the model's
+        device: a decode-only batch that fits a captured size replays a CUDA graph, anything else
+        runs eagerly. On a GPU they stay there: a greedy step's argmax runs where they are and
+        only the ids cross to the host (`sample`), not `S x vocab` floats."""
         if self.workers is not None:
             return self.workers.forward(batch, self.backend)
         if self.parallel is not None:  # every rank makes the queued block copies, then its pass
             return self.parallel.forward(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
-        return run_model(self.model, self.storage, batch, self.backend)
+            return self.graphs.run(batch, on_host=False)
+        return run_model(self.model, self.storage, batch, self.backend, on_host=False)
 
     def sample(
         self,
@@ -196,7 +198,7 @@ class ModelRunner:
             return dict(zip(metadata.seq_ids, sample(logits, metadata)))
         proposals = proposals or {}
         mine = [proposals.get(i, Proposal()) for i in metadata.seq_ids]
-        return dict(zip(metadata.seq_ids, verify(logits, metadata, mine)))
+        return dict(zip(metadata.seq_ids, verify(logits.cpu(), metadata, mine)))
 
 
 def _set_aside_undrawable(

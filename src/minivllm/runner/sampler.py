@@ -453,8 +453,13 @@ class SamplingMetadata:
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
     """The engine's sampler: one token per row of `logits`, each from its own request's
-    distribution."""
-    if metadata.all_greedy:  # all greedy: skip the sort and the hash
+    distribution. A greedy batch without logit rules takes its argmax where the logits are (on a
+    GPU only the ids cross to the host); anything else is drawn on the host, in float64, so a
+    request's tokens never depend on the device."""
+    if metadata.all_greedy and not metadata.rules:  # skip the sort and the hash
+        return metadata.processed(logits).argmax(dim=-1).tolist()
+    logits = logits.cpu()
+    if metadata.all_greedy:
         return metadata.processed(logits).argmax(dim=-1).tolist()
     return sample_from_probs(metadata.probs(logits), metadata.uniforms()).tolist()
 
@@ -469,7 +474,7 @@ def logprob_dicts(
     penalties or any filter, so they describe the model, not the sampling settings."""
     if not len(tokens):
         return []
-    logprobs = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    logprobs = torch.log_softmax(logits.to("cpu", torch.float64), dim=-1)
     width = max(top)
     values, ids = logprobs.topk(width, dim=-1) if width else (None, None)
     chosen = logprobs.gather(-1, torch.as_tensor(list(tokens)).reshape(-1, 1)).reshape(-1)
