@@ -269,10 +269,11 @@ show(paged_attention, lines=v1_path)
 # the launch so an element the kernel forgets to write cannot pass. The target model's head_dim
 # and block size, and its grouped-query attention in small: 2 query heads on 1 K/V head (the model
 # has 8 on 2; the simulator pays for every head). The contexts include one token, one ending
-# mid-block and one on a block boundary. The reference gathers each sequence's K/V through its table and runs the model's own softmax
-# attention; `kernel_error` launches the kernel into a poisoned output and compares:
+# mid-block and one on a block boundary. The reference gathers each sequence's K/V through its
+# table and runs the model's own softmax attention; `kernel_error` (folded: open it to read)
+# launches the kernel into a poisoned output and compares:
 
-# %%
+# %% tags=["hide-output"]
 show(kernel_check.kernel_error)
 
 
@@ -372,9 +373,10 @@ print(
 # $$o = \frac{\sum_p \ell_p e^{m_p - m}\, o_p}{\sum_p \ell_p e^{m_p - m}}$$
 #
 # (exercise ch08.2). A partition past the end of a short sequence's context writes $m = -\infty$,
-# $\ell = 0$ and weighs nothing.
+# $\ell = 0$ and weighs nothing. The v2 kernel is v1's pass over one partition, with its max and
+# sum written out (folded: open it to read); the merge follows it.
 
-# %%
+# %% tags=["hide-output"]
 show(paged_attention_v2)
 
 # %%
@@ -860,6 +862,46 @@ if engine_run:
 # graphs both become a single launch a step, the host's cost falls away, and the two backends come
 # out level: at this model's size attention is too small a share of the step for the kernel to
 # show. The tokens are the same in every row.
+#
+# A checkpoint of a real model's shape changes that: a random Qwen3-0.6B (28 layers, a vocabulary of
+# 151,936 tokens, float16), run with graphs. Its first run found a cost the small model hides: each
+# step copied 64 rows of logits, the whole vocabulary each, to the host for an argmax there. The
+# runner now leaves the logits on the GPU, and a greedy batch without logit rules takes its argmax
+# there; every other draw is still made on the host in float64, so a request's tokens never depend
+# on the device (`runner/sampler.py`'s `sample`). Both runs are recorded:
+
+# %%
+real_run = load_record("gpu_engine_real.json")
+real_before = load_record("gpu_engine_real_logits_to_host.json")
+if real_run and real_before:
+    print(f"{real_run['workload']['model']}, recorded on {real_run['machine']['device']}")
+    rate = {row["system"]: row["median_tokens_per_s"] for row in real_run["rows"]}
+    profile = {p["system"]: p for p in real_run["decode_profiles"]}
+    old = {p["system"]: p for p in real_before["decode_profiles"]}
+    old_rate = {row["system"]: row["median_tokens_per_s"] for row in real_before["rows"]}
+    print(f"{'backend':>8} {'tokens/s':>17} {'ms per step':>16} {'GPU busy':>13}")
+    for backend in ("torch", "cuda", "cuda-v4"):
+        name = f"minivllm {backend} backend + CUDA graphs"
+        print(
+            f"{backend:>8} {old_rate[name]:7,.0f} -> {rate[name]:6,.0f} "
+            f"{old[name]['ms_per_step']:7.1f} -> {profile[name]['ms_per_step']:5.1f} "
+            f"{old[name]['gpu_busy_share']:6.0%} -> {profile[name]['gpu_busy_share']:.0%}"
+        )
+    hf, old_hf = rate["HF generate (one batch)"], old_rate["HF generate (one batch)"]
+    kernel = rate["minivllm cuda backend + CUDA graphs"]
+    print(f"HF generate, unchanged code: {old_hf:,.0f} -> {hf:,.0f} tokens/s (the calls' spread)")
+    print(f"the kernel backend against HF generate: {speed_change(kernel / hf)}")
+    differing = sum(row["requests_differing_from_torch_backend"] for row in real_run["rows"][:-1])
+    print(f"requests whose tokens differ between minivllm's backends: {differing}")
+    for request, token in real_run["rows"][-1]["first_differing_token"].items():
+        print(f"HF generate against the torch backend: request {request} from output token {token}")
+
+# %% [markdown]
+# With the logits kept on the GPU the step is the GPU's again, and here the kernel shows: the torch
+# backend gathers every sequence's K/V into a padded copy before attending, the kernel reads the
+# blocks in place. Hugging Face's tokens part from minivllm's late in one request: float16 sums
+# taken in another order can flip a close pair of logits (the record keeps no logits to show how
+# close).
 #
 # ## Exercises
 #
