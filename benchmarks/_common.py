@@ -57,6 +57,53 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The instruction-set flags a CPU path can pick by: vector width (AVX2, AVX-512), fused
+# multiply-add, and the bfloat16 / matrix units a bf16 path needs (AVX-512 BF16, AMX).
+VECTOR_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+)
+
+
+def cpu_features() -> dict:
+    """What the CPU offers the paths that pick by it: the vector flags Linux lists, the level
+    torch's kernels dispatch to, and the CPU numba's compiler (LLVM) targets for the kernels."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    import torch
+
+    record = {
+        "vector_flags": [f for f in VECTOR_FLAGS if f in flags],
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    try:
+        import llvmlite.binding as llvm
+
+        record["llvm_cpu"] = llvm.get_host_cpu_name()
+    except ImportError:
+        pass
+    return record
+
+
 def machine_record(note: str, **extra) -> dict:
     """Where and when the numbers were measured: the platform, the CPU, cores, torch and its
     threads, the load average at the end, the date (UTC) and the source commit; `extra` adds or
@@ -69,6 +116,7 @@ def machine_record(note: str, **extra) -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
+        "cpu_features": cpu_features(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,

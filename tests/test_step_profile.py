@@ -59,3 +59,17 @@ def test_one_profiled_step_is_attributed_to_every_component() -> None:
         rtol=1e-3,
         atol=1e-4,
     )
+
+
+def test_every_benchmark_record_names_the_cpus_features() -> None:
+    """Issue 32, item 4: a result says which vector paths its CPU offered (the flags Linux lists,
+    the level torch dispatched to, the CPU numba compiled for), so runs on an AVX2 EPYC and an
+    AVX-512 Xeon are told apart."""
+    from _common import VECTOR_FLAGS, machine_record
+
+    features = machine_record("test")["cpu_features"]
+    assert set(features["vector_flags"]) <= set(VECTOR_FLAGS)
+    assert features["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert features["llvm_cpu"]  # llvmlite comes with numba, which the project requires
+    if Path("/proc/cpuinfo").exists() and "avx2" in Path("/proc/cpuinfo").read_text():
+        assert "avx2" in features["vector_flags"]
