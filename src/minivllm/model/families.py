@@ -126,8 +126,10 @@ class HFTransformer(Transformer):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attention: Attention | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits `[..., T, vocab]`, as `Transformer.forward`, with the config's RoPE scaling."""
+        """Logits `[..., T, vocab]` (of `rows` only, when given), as `Transformer.forward`, with
+        the config's RoPE scaling."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
             positions = positions.expand_as(input_ids)
@@ -136,6 +138,8 @@ class HFTransformer(Transformer):
         cos, sin = rope_cos_sin_scaled(positions, self.inv_freq(positions.device), x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
+        if rows is not None:
+            x = x[..., rows, :]
         return self.lm_head(self.model.norm(x))
 
 

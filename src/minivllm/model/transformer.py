@@ -268,8 +268,11 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attention: Attention | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits `[..., T, vocab]` for `input_ids` `[..., T]` at `positions` (default `0..T-1`)."""
+        """Logits `[..., T, vocab]` for `input_ids` `[..., T]` at `positions` (default `0..T-1`);
+        with `rows`, only those positions' logits: an engine samples one row per sequence, and a
+        long prompt's other rows would cost the LM head (vocab x d_model per row) for nothing."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
             positions = positions.expand_as(input_ids)
@@ -278,6 +281,8 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
+        if rows is not None:
+            x = x[..., rows, :]
         return self.lm_head(self.model.norm(x))
 
     def num_parameters(self) -> int:

@@ -145,8 +145,8 @@ def run_model(
     # Inference mode, not just no_grad: autograd keeps no version counters or view metadata on
     # the pass's few hundred small operations, a few percent of a CPU decode step.
     with torch.inference_mode():
-        logits = model(batch.input_ids, batch.positions, backend(storage, batch))
-        rows = logits[batch.logits_indices]
+        attention = backend(storage, batch)
+        rows = model(batch.input_ids, batch.positions, attention, rows=batch.logits_indices)
     # Copied out of inference mode: the sampler edits its logits in place (bans, biases), which
     # an inference tensor refuses outside it.
     return rows.to("cpu" if on_host else rows.device, torch.float32, copy=True)
