@@ -35,6 +35,11 @@ installs. numba 0.68.1 needs llvmlite 0.50, which those machines already have
 (`--download-wheels --llvmlite` adds its 60 MB wheel if not). Then, on the GPU machine:
 
     make gpu-check            # or: python3 tools/gpu_check.py [--skip STAGE ...] [--quick]
+                              #   [--benchmarks-first SECONDS] [--chapters FILE ...]
+
+A short lease: `--benchmarks-first` times the benchmarks alone on the GPU before the checks share
+it, and `--chapters` runs the chapters that changed (the 2026-11-26 calls are in
+benchmarks/results/gpu/README.md).
 
 With the project's `device` tool here: `run(command="make gpu-check", carry=[".whl"])`.
 """
