@@ -10,9 +10,9 @@ one-sequence pass, with nothing worth splitting, took about 20 % longer on two t
 sequences. Attention keeps sequences apart, and every other layer works row by row, so the batch
 splits between sequences into parts that need nothing from each other; each part runs the whole
 model on a core of its own, with one thread, and meets the others once per step, when the logits
-come back. This is data
-parallelism inside a step, over one scheduler, one block manager and one K/V pool -- the pool and
-the weights live in shared memory, so every process reads and writes the same blocks.
+come back. This is data parallelism inside a step, over one scheduler, one block manager and one
+K/V pool -- the pool and the weights live in shared memory, so every process reads and writes the
+same blocks.
 
 `ForwardWorkers(model, storage, backend, processes)` starts `processes - 1` worker processes
 and runs the first part itself. `forward(batch)` has `run_model`'s contract: the logits of the
@@ -124,7 +124,13 @@ def _serve(
         messages.close()
 
 
-def _answer(messages: Messages, model, storage, part: VarlenBatch, factory) -> None:
+def _answer(
+    messages: Messages,
+    model: Transformer,
+    storage: PagedKVStorage,
+    part: VarlenBatch,
+    factory: BackendFactory,
+) -> None:
     """Run one part, and send rank 0 its logits behind a header -- or, where it failed, the header
     and zeros of the same size (rank 0 waits for that many numbers), then the error."""
     rows, vocab = len(part.logits_indices), model.config.vocab_size
