@@ -10,6 +10,7 @@ clear error, not a hang.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 from dataclasses import replace
@@ -26,6 +27,7 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.fused import fuse_projections
 from minivllm.runner.batch import BatchPiece, pack_batch, run_model
+from minivllm.runner.launcher import FIRST_BYTES, batch_fields
 from minivllm.runner.workers import ForwardWorkers, balanced_bounds, warn_if_threads_spin
 from minivllm.training.corpus import shipped_validation_text
 
@@ -162,9 +164,10 @@ def test_a_dead_worker_or_a_closed_engine_is_a_clear_error(target) -> None:
         split.runner.workers.forward(None, split.runner.backend)
 
 
-def test_idle_workers_outwait_the_steps_timeout(target) -> None:
+def test_idle_workers_outwait_the_steps_timeout_and_long_messages_arrive(target) -> None:
     """Only a step's messages time out: workers wait for the next step as long as the engine is
-    idle (here three times the timeout), then serve it."""
+    idle (here three times the timeout), then serve it. A step's message longer than one
+    broadcast (block tables padded past 64 KiB) arrives whole: the same logits."""
     model = fuse_projections(target)
     storage, batch = mixed_batch(model)
     workers = ForwardWorkers(model, storage, "torch", 2, timeout_s=1.0)
@@ -173,6 +176,10 @@ def test_idle_workers_outwait_the_steps_timeout(target) -> None:
         time.sleep(3)
         assert workers.alive
         torch.testing.assert_close(workers.forward(batch, get_backend("torch")), expected)
+        wide = torch.nn.functional.pad(batch.block_tables, (0, 8000 - batch.block_tables.shape[1]))
+        padded = replace(batch, block_tables=wide)
+        assert len(pickle.dumps(batch_fields(padded))) > FIRST_BYTES
+        torch.testing.assert_close(workers.forward(padded, get_backend("torch")), expected)
     finally:
         workers.close()
     assert not any(map(alive, workers.pids))

@@ -45,6 +45,9 @@ START_TIMEOUT_S = 180.0  # a rank imports torch and numba and loads its shard: s
 # How long a rank waits for the next step: an engine may sit idle for days (a server at night);
 # its ranks end with it all the same (their parent watch, or the group's sockets closing).
 IDLE_WAIT = datetime.timedelta(days=365)
+# A step's message goes in one broadcast of this many bytes when it fits (a 64-sequence decode
+# step's batch pickles to some 10 KB); the rest of a longer one follows in a second.
+FIRST_BYTES = 1 << 16
 
 
 @contextlib.contextmanager
@@ -87,31 +90,38 @@ def batch_of(fields: dict) -> VarlenBatch:
 
 class Messages:
     """Rank 0's per-step messages over a gloo group, in CPU tensors: a pickled object broadcast
-    to every rank (its size, then its bytes), and tensors sent between two ranks. Any failure --
-    a rank gone, a step's message not answered within the group's timeout -- raises
-    RuntimeError."""
+    to every rank, and tensors sent between two ranks. Any failure -- a rank gone, a step's
+    message not answered within the group's timeout -- raises RuntimeError."""
 
     def __init__(self, group, rank: int, default_group: bool) -> None:
         self.group, self.rank, self.default_group = group, rank, default_group
 
     def broadcast(self, message=None, idle: bool = False):
         """Rank 0 sends `message`, every other rank returns it. `idle`: a rank waiting for the
-        next step, which waits as long as it takes."""
+        next step, which waits as long as it takes. One broadcast of FIRST_BYTES -- the pickle's
+        length, then its first bytes -- and a second for the rest of a longer one: a receiver
+        must know a message's size before it arrives, and a step's message is small."""
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
         if idle:
             options.timeout = IDLE_WAIT
-        payload = pickle.dumps(message) if self.rank == 0 else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        self.group.broadcast([size], options).wait()
-        options.timeout = dist.BroadcastOptions().timeout  # the group's own timeout
+        first = torch.zeros(FIRST_BYTES, dtype=torch.uint8)
         if self.rank == 0:
-            sent = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            self.group.broadcast([sent], options).wait()
+            payload = pickle.dumps(message)
+            head = len(payload).to_bytes(8, "little") + payload[: FIRST_BYTES - 8]
+            first[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self.group.broadcast([first], options).wait()
+        options.timeout = dist.BroadcastOptions().timeout  # the group's own timeout
+        size = int.from_bytes(first[:8].numpy().tobytes(), "little")
+        rest = torch.empty(max(size - (FIRST_BYTES - 8), 0), dtype=torch.uint8)
+        if self.rank == 0:
+            if len(rest):
+                rest = torch.frombuffer(bytearray(payload[FIRST_BYTES - 8 :]), dtype=torch.uint8)
+                self.group.broadcast([rest], options).wait()
             return message
-        received = torch.empty(int(size), dtype=torch.uint8)
-        self.group.broadcast([received], options).wait()
-        return pickle.loads(received.numpy().tobytes())
+        if len(rest):
+            self.group.broadcast([rest], options).wait()
+        return pickle.loads(first[8 : 8 + size].numpy().tobytes() + rest.numpy().tobytes())
 
     def send(self, tensor: torch.Tensor, to: int) -> None:
         self.group.send([tensor], to, 0).wait()

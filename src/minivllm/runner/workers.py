@@ -248,8 +248,10 @@ class ForwardWorkers:
             query_lens, batch.context_lens.numpy(), self.processes, self.per_token
         )
         parts = split_sequences(batch, bounds)
-        # every process gets the parts, each runs its own: the workers first ...
-        self._message(self._ranks.messages.broadcast, [batch_fields(part) for part in parts])
+        # every process gets the parts, each runs its own: the workers first (none when the
+        # batch is one sequence) ...
+        if len(parts) > 1:
+            self._message(self._ranks.messages.broadcast, [batch_fields(p) for p in parts])
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # ... and this process runs its own on one thread, as they do
         try:
