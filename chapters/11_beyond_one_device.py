@@ -212,8 +212,8 @@ show(balanced_bounds)
 # call holds Python's interpreter lock while it is dispatched, so two threads would take turns at
 # it. `ForwardWorkers` spawns the workers when the engine starts
 # (`EngineConfig(forward_processes=2)`) and moves the weights and the K/V pool into **shared
-# memory**, so every process reads and writes the same blocks; each step sends a worker only its
-# part's metadata and gets back its logits:
+# memory**, so every process reads and writes the same blocks; each step broadcasts the parts'
+# metadata to the workers over a process group (gloo, on 127.0.0.1) and gets back their logits:
 
 # %%
 show(ForwardWorkers.forward)
@@ -413,8 +413,9 @@ plt.show()
 # %% [markdown]
 # ## Run it: rank 0 drives, every rank computes
 #
-# `EngineConfig(tensor_parallel_size=2)` spawns rank 1 as a process on this machine
-# (`runner/tensor_parallel.py`); `torchrun` can start the same ranks on several machines. The
+# `EngineConfig(tensor_parallel_size=2)` spawns rank 1 as a process on this machine, with the
+# forward workers' launcher (`runner/launcher.py`: spawn, wait until ready, join the group, stop
+# with no process left behind); `torchrun` can start the same ranks on several machines. The
 # engine's process is rank 0: it schedules, builds the step's batch — token ids, positions, slots,
 # block tables — and broadcasts it **once per step**; then every rank runs the same forward pass
 # over its own heads and its own K/V pool, meeting the others in the all-reduces, and rank 0 gathers
@@ -549,7 +550,8 @@ for shape in ("tensor_parallel.json", "tensor_parallel_100m.json"):
 # The split by sequence pays one exchange a step, the logits, but every forward worker reads every
 # weight, so it cannot shrink what a process must hold.
 #
-# So the engine keeps both, for different jobs, and neither replaces the other:
+# So the engine keeps both splits, for different jobs, on one mechanism: the same launcher and
+# the same kind of gloo group carry both, each step one broadcast from rank 0.
 # `forward_processes` stays a small-machine device for small models (it cannot shrink what a
 # process must hold), and `tensor_parallel_size` is the way past one device's memory and past one
 # machine — the one that carries over to GPUs and to vLLM. They are not combined
@@ -624,10 +626,10 @@ for pair, agreement in peer["greedy_agreement"].items():
 #    layer, and checks that both end with the whole layer's output, the bias added once, after
 #    exactly one all-reduce; the whole model at TP 2 (`tests/test_tensor_parallel.py`) rests on it.
 #    Three hints, from a nudge to nearly the answer, are folded below the list.
-# 2. *(Explore, no test.)* Each step rank 0 pickles the batch (`broadcast_object_list`: two
-#    broadcasts, the size and the bytes). `benchmarks/tensor_parallel.py` measures what packing
-#    every integer field into one int64 tensor would save (`message_costs`). Change `_broadcast` to
-#    send that tensor, and measure the broadcast's share of a step again.
+# 2. *(Explore, no test.)* Each step rank 0 pickles the batch (`Messages.broadcast` in
+#    `runner/launcher.py`: two broadcasts, the size and the bytes). `benchmarks/tensor_parallel.py`
+#    measures what packing every integer field into one int64 tensor would save (`message_costs`).
+#    Make `TensorParallelGroup.forward` send that tensor, and measure the broadcast's share again.
 #
 #    *Hint:* The receiver must know how much to receive: send a fixed-size header of lengths
 #    first (one small broadcast), then the tensor. `pack_int64` in the benchmark is the sender.

@@ -9,18 +9,25 @@ clear error, not a hang.
 
 from __future__ import annotations
 
+import os
+import pickle
+import signal
+import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from test_tensor_parallel import alive  # whether a process has not ended
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from minivllm.attention.backend import get_backend
 from minivllm.attention.batch import split_sequences
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.fused import fuse_projections
 from minivllm.runner.batch import BatchPiece, pack_batch, run_model
+from minivllm.runner.launcher import FIRST_BYTES, batch_fields
 from minivllm.runner.workers import ForwardWorkers, balanced_bounds, warn_if_threads_spin
 from minivllm.training.corpus import shipped_validation_text
 
@@ -139,18 +146,43 @@ def test_a_workers_error_is_the_steps_error_and_the_workers_serve_on(target, spl
 
 
 def test_a_dead_worker_or_a_closed_engine_is_a_clear_error(target) -> None:
+    """A worker killed while an engine beside it (the module's) keeps its own: the next step
+    names it, its group ends and no worker is left; close() twice is safe."""
     split = engine(target, 2)
     for prompt in workload(2):  # two sequences: a part each
         split.add_request(prompt, SamplingParams(max_tokens=4, temperature=0))
-    split.runner.workers._workers[0].kill()
-    split.runner.workers._workers[0].join()
-    with pytest.raises(RuntimeError, match="forward worker 1 died"):
+    pids = split.runner.workers.pids
+    os.kill(pids[0], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"forward worker 1 \(exit code -9\) died"):
         while split.has_unfinished():  # until a step has two sequences to split
             split.step()
     split.close()
+    split.close()
     assert not split.runner.workers.alive
+    assert not any(map(alive, pids))
     with pytest.raises(RuntimeError, match="closed"):
         split.runner.workers.forward(None, split.runner.backend)
+
+
+def test_idle_workers_outwait_the_steps_timeout_and_long_messages_arrive(target) -> None:
+    """Only a step's messages time out: workers wait for the next step as long as the engine is
+    idle (here three times the timeout), then serve it. A step's message longer than one
+    broadcast (block tables padded past 64 KiB) arrives whole: the same logits."""
+    model = fuse_projections(target)
+    storage, batch = mixed_batch(model)
+    workers = ForwardWorkers(model, storage, "torch", 2, timeout_s=1.0)
+    try:
+        expected = workers.forward(batch, get_backend("torch"))
+        time.sleep(3)
+        assert workers.alive
+        torch.testing.assert_close(workers.forward(batch, get_backend("torch")), expected)
+        wide = torch.nn.functional.pad(batch.block_tables, (0, 8000 - batch.block_tables.shape[1]))
+        padded = replace(batch, block_tables=wide)
+        assert len(pickle.dumps(batch_fields(padded))) > FIRST_BYTES
+        torch.testing.assert_close(workers.forward(padded, get_backend("torch")), expected)
+    finally:
+        workers.close()
+    assert not any(map(alive, workers.pids))
 
 
 @pytest.mark.parametrize("policy", [None, "active", "ACTIVE"])

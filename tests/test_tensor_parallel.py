@@ -42,13 +42,8 @@ from minivllm.model.fused import fuse_model
 from minivllm.model.parallel import Shard, check_shardable, shard_from_model, shard_slices
 from minivllm.model.transformer import ModelConfig, RopeScaling
 from minivllm.runner.batch import BatchPiece, pack_batch, run_model
-from minivllm.runner.tensor_parallel import (
-    LOOPBACK,
-    RankSettings,
-    RankState,
-    WeightsSource,
-    free_port,
-)
+from minivllm.runner.launcher import LOOPBACK, free_port
+from minivllm.runner.tensor_parallel import RankSettings, RankState, WeightsSource
 
 LOGIT_TOLERANCE = 1e-4
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -17,10 +17,11 @@ every rank: block b holds the same tokens' K/V everywhere, each rank its own hea
     sample, update, detokenize                  wait for the next step
 
 Launch. `TensorParallelGroup(source, settings)` spawns ranks 1 .. W-1 as processes on this machine
-(the spawn start method; their rendezvous on 127.0.0.1 at a free port), each loading its own
-shard of the weights -- from the checkpoint folder, reading only its slices, or sliced from a
-model in this process's memory, shared with them -- and building its own K/V pool; gloo carries
-the collectives on a CPU, NCCL on GPUs (rank r on `cuda:r`), with the same code.
+with the launcher forward workers use too (`runner/launcher.py`: the spawn start method, a
+rendezvous on 127.0.0.1 at a free port), each loading its own shard of the weights -- from the
+checkpoint folder, reading only its slices, or sliced from a model in this process's memory, shared
+with them -- and building its own K/V pool; gloo carries the collectives on a CPU, NCCL on GPUs
+(rank r on `cuda:r`; the per-step batch then goes over a gloo group beside it), with the same code.
 
 The same ranks can come from `torchrun`, on one machine or several: every process then runs the
 same command, and the engine's constructor on a rank other than 0 becomes that rank's worker loop
@@ -34,32 +35,23 @@ same command, and the engine's constructor on a rank other than 0 becomes that r
 `MASTER_PORT`, read through `init_method="env://"`).
 
 Failure. A rank that dies, or fails, or does not answer within `settings.timeout_s`, makes rank
-0's next collective fail; the step then raises `RuntimeError` naming the rank and its exit code,
-and the group is closed: every rank process is stopped (killed if it will not stop), none is left
-behind. A worker whose parent process is gone exits by itself (a watchdog thread), and ignores
-Ctrl-C, which the engine's process handles: `close()` (also on garbage collection and at exit)
-stops them all.
+0's next collective fail; the step then raises `RuntimeError` naming the rank and its exit code
+(and the exception it died of), and the group is closed: every rank process is stopped (killed if
+it will not stop), none is left behind. A rank waiting for the next step waits as long as the
+engine is idle. A worker whose parent process is gone exits by itself, and ignores Ctrl-C, which
+the engine's process handles: `close()` (also on garbage collection and at exit) stops them all.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import os
-import signal
-import socket
-import sys
-import threading
 import time
-import traceback
 import weakref
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from minivllm.attention.backend import get_backend, warm_up_backend
 from minivllm.attention.batch import VarlenBatch
@@ -68,13 +60,7 @@ from minivllm.model.checkpoint import load_model
 from minivllm.model.fused import fuse_model
 from minivllm.model.parallel import Shard, local_config, shard_from_model
 from minivllm.model.transformer import Transformer
-
-# a batch as numpy arrays, and back; the thread counts spawned processes start with
-from minivllm.runner.workers import _packed, _unpacked, children_threads
-
-_READY = "ready"
-LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"  # the loopback interface's name
-START_TIMEOUT_S = 180.0  # a rank imports torch and numba and loads its shard: slow on a busy CPU
+from minivllm.runner.launcher import Launched, batch_fields, batch_of, join_group
 
 
 @dataclass(frozen=True)
@@ -167,81 +153,27 @@ class RankState:
         return logits.to("cpu", torch.float32, copy=True) if self.rank == 0 else None
 
 
-def _backend_name(device: str) -> str:
-    return "nccl" if device == "cuda" else "gloo"
-
-
-def _init_group(settings: RankSettings, rank: int, init_method: str) -> None:
-    """Join the default process group. Ranks meeting on 127.0.0.1 talk over the loopback
-    interface (gloo would otherwise pick the interface the host name resolves to, which a machine
-    without a network may not have), unless GLOO_SOCKET_IFNAME says otherwise."""
-    loopback = init_method.startswith("tcp://127.0.0.1:") and "GLOO_SOCKET_IFNAME" not in os.environ
-    if loopback:
-        os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
-    try:
-        dist.init_process_group(
-            _backend_name(settings.device),
-            init_method=init_method,
-            rank=rank,
-            world_size=settings.world,
-            timeout=datetime.timedelta(seconds=settings.timeout_s),
-        )
-    finally:
-        if loopback:
-            del os.environ["GLOO_SOCKET_IFNAME"]
-
-
-def _broadcast(message):
-    """Rank 0's message to every rank (None on the others' side until it arrives)."""
-    box = [message]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _watch_parent(parent: int) -> None:
-    """Exit this process when its parent is gone (a spawned rank must never outlive the engine:
-    SIGKILL on the engine closes nothing)."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    threading.Thread(target=watch, name="minivllm-parent-watch", daemon=True).start()
-
-
 def serve_rank(
     rank: int,
     settings: RankSettings,
     source: WeightsSource,
     init_method: str = "env://",
-    conn: Connection | None = None,
-    parent: int | None = None,
+    ready=None,
 ) -> None:
-    """A rank's life, ranks 1 .. W-1 (the worker entry point; `torchrun` reaches it through the
-    engine's constructor): load its shard, join the group, then run every step rank 0 broadcasts
-    until it broadcasts None. `conn` (spawned ranks) tells rank 0 it is ready, or why it failed."""
-    if parent is not None:
-        _watch_parent(parent)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    """A rank's life, ranks 1 .. W-1 (the launcher's entry point; `torchrun` reaches it through the
+    engine's constructor): load its shard, say it is `ready` (spawned ranks), join the group, then
+    run every step rank 0 broadcasts until it broadcasts None."""
     torch.set_num_threads(settings.threads)
+    state = RankState.build(source, settings, rank)
+    if ready is not None:
+        ready()
+    messages = join_group(rank, settings.world, init_method, settings.timeout_s, settings.device)
     try:
-        state = RankState.build(source, settings, rank)
-    except Exception:
-        if conn is not None:
-            conn.send(("error", traceback.format_exc()))
-        raise
-    if conn is not None:
-        conn.send((_READY, None))
-    _init_group(settings, rank, init_method)
-    try:
-        while (message := _broadcast(None)) is not None:
+        while (message := messages.broadcast(idle=True)) is not None:
             fields, copies = message
-            state.step(_unpacked(fields), copies)
+            state.step(batch_of(fields), copies)
     finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        messages.close()
 
 
 def launched_by_torchrun(world: int) -> int | None:
@@ -255,45 +187,6 @@ def launched_by_torchrun(world: int) -> int | None:
             f"{world}: give --nproc-per-node x --nnodes = the tensor-parallel size"
         )
     return int(os.environ["RANK"])
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class _Processes:
-    """The spawned ranks and their pipes, apart from the group object, for its finalizer."""
-
-    def __init__(self) -> None:
-        self.workers: list = []
-        self.conns: list[Connection] = []
-        self.group_started = False
-        self.healthy = True
-
-    def stop(self) -> None:
-        """Tell the ranks to stop (when they are waiting for a step), leave the group, and make
-        sure every process has ended: joined, else terminated, else killed."""
-        if self.group_started:
-            if self.healthy:
-                with contextlib.suppress(Exception):
-                    _broadcast(None)
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-            self.group_started = False
-        for worker in self.workers:
-            worker.join(timeout=5 if self.healthy else 0.5)
-            if worker.is_alive():
-                worker.terminate()
-                worker.join(timeout=2)
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=2)
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.close()
-        self.healthy = False
 
 
 class QueuedCopies:
@@ -322,8 +215,8 @@ class TensorParallelGroup:
         self.broadcast_s = 0.0  # time spent sending batches (rank 0's side), for the benchmark
         # copy-on-write copies the runner asked for, made on every rank before the next step
         self.pending_copies: list[tuple[int, int]] = []
-        self._procs = _Processes()
-        self._finalizer = weakref.finalize(self, self._procs.stop)
+        self._ranks = Launched("tensor-parallel rank")
+        self._finalizer = weakref.finalize(self, self._ranks.stop)
         rank = launched_by_torchrun(settings.world)
         if rank is not None and rank != 0:  # torchrun: this process is a worker, not the engine
             serve_rank(rank, settings, source)
@@ -335,58 +228,21 @@ class TensorParallelGroup:
             )
         try:
             if rank is None:
-                init_method = self._spawn(source, settings)
+                if source.model is not None:  # shared, not pickled: the ranks map its memory
+                    source.model.share_memory()
+                args = (settings, source)
+                init_method = self._ranks.start(serve_rank, args, settings.world, settings.threads)
             else:
                 init_method = "env://"
             self.state = RankState.build(source, settings, 0)
-            self._wait_ready()
-            _init_group(settings, 0, init_method)
-            self._procs.group_started = True
+            self._ranks.wait_ready()
+            self._ranks.messages = join_group(
+                0, settings.world, init_method, settings.timeout_s, settings.device
+            )
         except BaseException:
-            self._procs.healthy = False  # nobody waits for a step: stop the ranks at once
+            self._ranks.healthy = False  # nobody waits for a step: stop the ranks at once
             self.close()
             raise
-
-    def _spawn(self, source: WeightsSource, settings: RankSettings) -> str:
-        if source.model is not None:  # shared, not pickled: the ranks map its memory
-            source.model.share_memory()
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        context = mp.get_context("spawn")
-        with children_threads(settings.threads):
-            for rank in range(1, settings.world):
-                mine, theirs = context.Pipe()
-                worker = context.Process(
-                    target=serve_rank,
-                    args=(rank, settings, source, init_method, theirs, os.getpid()),
-                    name=f"minivllm-tp-rank-{rank}",
-                    daemon=True,
-                )
-                worker.start()
-                theirs.close()
-                self._procs.workers.append(worker)
-                self._procs.conns.append(mine)
-        return init_method
-
-    def _wait_ready(self) -> None:
-        """Every spawned rank has loaded its shard (or the start fails, saying which and why)."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for index, (worker, conn) in enumerate(zip(self._procs.workers, self._procs.conns)):
-            while not conn.poll(0.2):
-                if not worker.is_alive():
-                    raise RuntimeError(
-                        f"tensor-parallel rank {index + 1} died while starting "
-                        f"(exit code {worker.exitcode})"
-                    )
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"tensor-parallel rank {index + 1} did not start in {START_TIMEOUT_S:.0f} s"
-                    )
-            try:
-                kind, detail = conn.recv()
-            except (EOFError, OSError):
-                kind, detail = "error", f"exit code {worker.exitcode}"
-            if kind != _READY:
-                raise RuntimeError(f"tensor-parallel rank {index + 1} failed to start: {detail}")
 
     @property
     def model(self) -> Transformer:
@@ -399,11 +255,11 @@ class TensorParallelGroup:
     @property
     def pids(self) -> list[int]:
         """The spawned ranks' process ids (none under torchrun)."""
-        return [worker.pid for worker in self._procs.workers]
+        return self._ranks.pids
 
     @property
     def alive(self) -> bool:
-        return self._procs.healthy and all(w.is_alive() for w in self._procs.workers)
+        return self._ranks.alive
 
     def forward(
         self, batch: VarlenBatch, copies: list[tuple[int, int]] | None = None
@@ -413,35 +269,28 @@ class TensorParallelGroup:
         the batch's sampling rows, `[S, vocab]`."""
         if copies is None:
             copies, self.pending_copies = self.pending_copies, []
-        if not self._procs.healthy:
+        if self._ranks.messages is None or not self._ranks.healthy:
             raise RuntimeError("the tensor-parallel ranks were closed (or one failed before)")
         self.state.storage.check_slots(batch.slot_mapping)  # a bad batch never reaches the ranks
         threads = torch.get_num_threads()
         torch.set_num_threads(self.settings.threads)
         try:
             started = time.perf_counter()
-            _broadcast((_packed(batch), list(copies)))
+            self._ranks.messages.broadcast((batch_fields(batch), list(copies)))
             self.broadcast_s += time.perf_counter() - started
             return self.state.step(batch, list(copies))
         except RuntimeError as error:  # a collective failed: a rank died or timed out
             raise self._failed(error) from error
         except BaseException:  # Ctrl-C mid-step: the ranks are out of step, stop them all
-            self._procs.healthy = False
+            self._ranks.healthy = False
             self.close()
             raise
         finally:
             torch.set_num_threads(threads)
 
     def _failed(self, error: RuntimeError) -> RuntimeError:
-        self._procs.healthy = False
-        time.sleep(0.2)  # let a dying rank's exit code settle
-        dead = [
-            f"rank {i + 1} (exit code {w.exitcode})"
-            for i, w in enumerate(self._procs.workers)
-            if not w.is_alive()
-        ]
+        why = self._ranks.failure(error)
         self.close()
-        why = f"{', '.join(dead)} died" if dead else f"a rank failed or timed out ({error})"
         return RuntimeError(
             f"tensor parallelism failed: {why}; the engine's ranks are stopped, build a new "
             "engine to go on"

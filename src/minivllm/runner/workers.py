@@ -10,56 +10,61 @@ one-sequence pass, with nothing worth splitting, took about 20 % longer on two t
 sequences. Attention keeps sequences apart, and every other layer works row by row, so the batch
 splits between sequences into parts that need nothing from each other; each part runs the whole
 model on a core of its own, with one thread, and meets the others once per step, when the logits
-come back. This is data
-parallelism inside a step, over one scheduler, one block manager and one K/V pool -- the pool and
-the weights live in shared memory, so every process reads and writes the same blocks.
+come back. This is data parallelism inside a step, over one scheduler, one block manager and one
+K/V pool -- the pool and the weights live in shared memory, so every process reads and writes the
+same blocks.
 
 `ForwardWorkers(model, storage, backend, processes)` starts `processes - 1` worker processes
-(spawned: a fresh interpreter, no threads inherited from this one) and runs the first part itself.
-`forward(batch)` has `run_model`'s contract: the logits of the batch's sampling rows, in order.
-The parts are cut where the work -- each sequence's new tokens times (the keys they see + the
-matmuls' share) -- is even, and the cut is a pure function of the batch. A row's logits are what a
-one-thread pass over its part gives: a matmul's rounding depends on its number of rows, so they
-can move in the last bits with the cut, as they do in any engine from one step's batch to the next
-(greedy tokens change only at a near-tie; the tests compare tokens against a one-process engine).
+and runs the first part itself. `forward(batch)` has `run_model`'s contract: the logits of the
+batch's sampling rows, in order. The parts are cut where the work -- each sequence's new tokens
+times (the keys they see + the matmuls' share) -- is even, and the cut is a pure function of the
+batch. A row's logits are what a one-thread pass over its part gives: a matmul's rounding depends
+on its number of rows, so they can move in the last bits with the cut, as they do in any engine
+from one step's batch to the next (greedy tokens change only at a near-tie; the tests compare
+tokens against a one-process engine).
 
-A worker that fails sends its error back and the step raises it; a worker that dies makes the step
-raise `RuntimeError`. `close()` stops the workers (also when the object is garbage-collected).
+The workers start and talk as tensor parallelism's ranks do (`runner/tensor_parallel.py`), on the
+same launcher (`runner/launcher.py`): spawned processes that join a gloo group on 127.0.0.1 -- a
+group of their own, so that an engine with forward workers can stand beside a tensor-parallel one
+in a process. Each step, rank 0 broadcasts the parts (one pickled object, as tensor parallelism
+broadcasts its batch), each process runs its own, and each worker sends its logits back. The group
+carries only these messages: the weights and the K/V pool live in shared memory, mapped by every
+process, and a worker writes its sequences' K/V into the same blocks the engine's block manager
+handed out.
 
-Beside it stands tensor parallelism (`runner/tensor_parallel.py`, `EngineConfig.
-tensor_parallel_size`), which splits each layer by heads rather than the batch by sequences, and is
-what goes past one machine's memory. This split is kept apart from it, not rebuilt on its process
-group: `benchmarks/tensor_parallel.py` measures both on a shared 2-core CPU
-(results/tensor_parallel*.json). On the shipped target model they reach about the same tokens/s,
-this one in fewer CPU seconds (one exchange per step against two all-reduces per layer); on a
-real-shaped model (`--shape 100m`) tensor parallelism keeps up with one process and this split
-falls behind. Neither beats one process on torch's threads there, so neither replaces it.
+A worker whose part fails sends its error back, the step raises it and the workers serve on; a
+worker that dies or stops answering ends the workers, naming it, and the step raises
+`RuntimeError`. `close()` stops the workers (also when the object is garbage-collected), none is
+left behind.
+
+`benchmarks/tensor_parallel.py` measures this split against tensor parallelism on a 2-core CPU
+(results/tensor_parallel*.json): on the shipped target model and on a real-shaped one (`--shape
+100m`) this one is the faster of the two -- one exchange per step against two all-reduces per
+layer -- which is why it is kept beside it; tensor parallelism is what goes past one machine's
+memory.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import warnings
 import weakref
-from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
 from minivllm.attention.backend import BackendFactory, get_backend, warm_up_backend
 from minivllm.attention.batch import VarlenBatch, split_sequences
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.model.transformer import ModelConfig, Transformer
 from minivllm.runner.batch import run_model
+from minivllm.runner.launcher import Launched, Messages, batch_fields, batch_of, join_group
 
-# A worker's first message, once it has imported everything and compiled (or loaded) its kernel.
-_READY = "ready"
-# Seconds to wait for a worker to start (a fresh interpreter imports torch and numba: seconds on a
-# slow machine) before the engine gives up with an error.
-START_TIMEOUT_S = 120.0
+_packed = batch_fields  # the name benchmarks/tensor_parallel.py measures a step's message by
+# A reply's first two numbers, before the logits: the length of the error the worker sends next (0:
+# none), and its part's forward time in seconds.
+HEADER = 2
 # A sequence's cost, for cutting the batch, is counted in keys attended: a new token's matmuls
 # weigh their multiply-adds' worth of keys, over ATTENTION_SLOWDOWN -- on a CPU the kernel's
 # multiply-adds run slower than the matmuls' (a least-squares fit of one-thread forward times over
@@ -93,41 +98,55 @@ def balanced_bounds(query_lens: np.ndarray, context_lens: np.ndarray, parts: int
     return bounds + [len(cost)]
 
 
-def _packed(batch: VarlenBatch) -> dict:
-    """A part for the pipe: its tensors as numpy arrays (pickled as bytes; a torch tensor would
-    go through a fresh shared-memory segment every step), its plain fields as they are."""
-    return {
-        name: value.numpy() if isinstance(value, torch.Tensor) else value
-        for name, value in vars(batch).items()
-    }
-
-
-def _unpacked(fields: dict) -> VarlenBatch:
-    return VarlenBatch(
-        **{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()}
-    )
-
-
-def _serve(conn: Connection, model: Transformer, storage: PagedKVStorage, backend: str) -> None:
-    """A worker's life: one thread, the backend warmed up, then parts in and logits out until the
-    pipe closes or says stop (None)."""
+def _serve(
+    rank: int,
+    model: Transformer,
+    storage: PagedKVStorage,
+    backend: str,
+    world: int,
+    timeout_s: float,
+    init_method: str,
+    ready,
+) -> None:
+    """A worker's life (the launcher's entry point): one thread, the backend warmed up, then the
+    group's steps -- run part `rank`, send back its logits or its error -- until rank 0 says stop
+    (None)."""
     torch.set_num_threads(1)
     factory = get_backend(backend)
     warm_up_backend(factory, threads=1)
-    conn.send(_READY)
-    while True:
-        try:
-            fields = conn.recv()
-        except (EOFError, OSError):  # the engine has gone
-            return
-        if fields is None:
-            return
-        try:
-            started = time.perf_counter()
-            logits = run_model(model, storage, _unpacked(fields), factory).numpy()
-            conn.send(("logits", logits, time.perf_counter() - started))
-        except Exception as error:  # sent back: the step that asked raises it
-            conn.send(("error", f"{type(error).__name__}: {error}"))
+    ready()
+    messages = join_group(rank, world, init_method, timeout_s, default_group=False)
+    try:
+        while (parts := messages.broadcast(idle=True)) is not None:
+            if rank < len(parts):  # a batch of fewer sequences than processes leaves some idle
+                _answer(messages, model, storage, batch_of(parts[rank]), factory)
+    finally:
+        messages.close()
+
+
+def _answer(
+    messages: Messages,
+    model: Transformer,
+    storage: PagedKVStorage,
+    part: VarlenBatch,
+    factory: BackendFactory,
+) -> None:
+    """Run one part, and send rank 0 its logits behind a header -- or, where it failed, the header
+    and zeros of the same size (rank 0 waits for that many numbers), then the error."""
+    rows, vocab = len(part.logits_indices), model.config.vocab_size
+    reply = torch.zeros(HEADER + rows * vocab)
+    error = b""
+    try:
+        started = time.perf_counter()
+        logits = run_model(model, storage, part, factory)
+        reply[HEADER:] = logits.reshape(-1)
+        reply[1] = time.perf_counter() - started
+    except Exception as failure:  # sent back: the step that asked raises it
+        error = f"{type(failure).__name__}: {failure}".encode()
+        reply[0] = len(error)
+    messages.send(reply, to=0)
+    if error:
+        messages.send(torch.frombuffer(bytearray(error), dtype=torch.uint8), to=0)
 
 
 def warn_if_threads_spin() -> bool:
@@ -145,37 +164,6 @@ def warn_if_threads_spin() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def children_threads(threads: int = 1):
-    """Processes started inside inherit an environment of `threads` threads for OpenMP, MKL and
-    numba (read by each library as it loads): a forward worker gets one, and never starts a thread
-    pool it would not use."""
-    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(dict.fromkeys(names, str(threads)))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
-
-
-def _stop(conns: list[Connection], processes: list) -> None:
-    for conn in conns:
-        try:
-            conn.send(None)
-            conn.close()
-        except (OSError, ValueError):
-            pass
-    for process in processes:
-        process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
-
-
 class ForwardWorkers:
     """`processes` processes sharing each forward pass: this one and `processes - 1` workers."""
 
@@ -186,9 +174,11 @@ class ForwardWorkers:
         backend: str,
         processes: int,
         main_backend: BackendFactory | None = None,
+        timeout_s: float = 300.0,
     ) -> None:
         """`backend`: the attention backend's name, for the workers; `main_backend`: the factory
-        this process runs its part on (default: the named one), warmed up for one thread here."""
+        this process runs its part on (default: the named one), warmed up for one thread here;
+        `timeout_s`: how long a step waits for a worker's logits before it gives up."""
         if processes < 2:
             raise ValueError(f"ForwardWorkers needs 2 processes or more, got {processes}")
         if storage.kv.device.type != "cpu":
@@ -206,57 +196,62 @@ class ForwardWorkers:
         storage.kv.share_memory_()
         # this process's part runs on one thread too
         warm_up_backend(main_backend or get_backend(backend), threads=1)
-        context = mp.get_context("spawn")
-        self._conns: list[Connection] = []
-        self._workers = []
-        with children_threads():
-            for index in range(processes - 1):
-                mine, theirs = context.Pipe()
-                worker = context.Process(
-                    target=_serve,
-                    args=(theirs, model, storage, backend),
-                    name=f"minivllm-forward-{index + 1}",
-                    daemon=True,
-                )
-                worker.start()
-                theirs.close()
-                self._conns.append(mine)
-                self._workers.append(worker)
-        self._finalizer = weakref.finalize(self, _stop, self._conns, self._workers)
-        for index, conn in enumerate(self._conns):
-            if not conn.poll(START_TIMEOUT_S) or self._receive(index) != _READY:
-                self.close()
-                raise RuntimeError(f"forward worker {index + 1} did not start")
-
-    def _died(self, index: int) -> RuntimeError:
-        code = self._workers[index].exitcode
-        return RuntimeError(f"forward worker {index + 1} died (exit code {code})")
-
-    def _send(self, index: int, message) -> None:
+        self._ranks = Launched("forward worker")
+        self._finalizer = weakref.finalize(self, self._ranks.stop)
         try:
-            self._conns[index].send(message)
-        except OSError as error:  # the pipe's other end is gone
-            raise self._died(index) from error
+            args = (model, storage, backend, processes, timeout_s)
+            init_method = self._ranks.start(_serve, args, processes, threads=1)
+            self._ranks.wait_ready()
+            self._ranks.messages = join_group(
+                0, processes, init_method, timeout_s, default_group=False
+            )
+        except BaseException:
+            self._ranks.healthy = False  # nobody waits for a step: stop the workers at once
+            self.close()
+            raise
 
-    def _receive(self, index: int):
+    def _message(self, send_or_receive, *args):
+        """One of the step's messages; a worker that died or stopped answering ends them all."""
         try:
-            return self._conns[index].recv()
-        except (EOFError, OSError) as error:
-            raise self._died(index) from error
+            return send_or_receive(*args)
+        except RuntimeError as error:
+            why = self._ranks.failure(error)
+            self.close()
+            raise RuntimeError(
+                f"the forward workers failed: {why}; they are stopped, build a new engine to go on"
+            ) from error
+        except BaseException:  # Ctrl-C inside a message: the workers are out of step
+            self._ranks.healthy = False
+            self.close()
+            raise
+
+    def _receive(self, index: int, rows: int) -> tuple[str, object, float]:
+        """Worker `index`'s reply to a part of `rows` sampling rows."""
+        vocab = self.model.config.vocab_size
+        reply = torch.empty(HEADER + rows * vocab)
+        self._message(self._ranks.messages.receive, reply, index)
+        error_bytes, seconds = int(reply[0]), float(reply[1])
+        if error_bytes:
+            error = torch.empty(error_bytes, dtype=torch.uint8)
+            self._message(self._ranks.messages.receive, error, index)
+            return "error", error.numpy().tobytes().decode(), seconds
+        return "logits", reply[HEADER:].view(rows, vocab), seconds
 
     def forward(self, batch: VarlenBatch, backend: BackendFactory) -> torch.Tensor:
         """`run_model(model, storage, batch, backend)`, the batch's sequences split between the
         processes (`backend` runs this process's part; the workers run theirs on the backend
         named when they started): the logits of its sampling rows, `[S, vocab]`, in order."""
-        if self._finalizer.alive is False:
-            raise RuntimeError("the forward workers were closed")
+        if self._ranks.messages is None or not self._ranks.healthy:
+            raise RuntimeError("the forward workers were closed (or one failed before)")
         query_lens = batch.query_start.diff().numpy()
         bounds = balanced_bounds(
             query_lens, batch.context_lens.numpy(), self.processes, self.per_token
         )
         parts = split_sequences(batch, bounds)
-        for index, part in enumerate(parts[1:]):  # the workers' parts go first ...
-            self._send(index, _packed(part))
+        # every process gets the parts, each runs its own: the workers first (none when the
+        # batch is one sequence) ...
+        if len(parts) > 1:
+            self._message(self._ranks.messages.broadcast, [batch_fields(p) for p in parts])
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # ... and this process runs its own on one thread, as they do
         try:
@@ -266,12 +261,14 @@ class ForwardWorkers:
         finally:
             torch.set_num_threads(threads)
             # every sent part is answered, even when this process's part failed
-            replies = [self._receive(i) for i in range(len(parts) - 1)]
-        for index, (kind, *value) in enumerate(replies):
+            replies = [
+                self._receive(i, len(part.logits_indices)) for i, part in enumerate(parts[1:], 1)
+            ]
+        for index, (kind, value, seconds) in enumerate(replies, 1):
             if kind == "error":
-                raise RuntimeError(f"forward worker {index + 1} failed: {value[0]}")
-            logits.append(torch.from_numpy(value[0]))
-            self.part_seconds.append(value[1])
+                raise RuntimeError(f"forward worker {index} failed: {value}")
+            logits.append(value)
+            self.part_seconds.append(seconds)
         return torch.cat(logits)
 
     def close(self) -> None:
@@ -281,8 +278,8 @@ class ForwardWorkers:
     @property
     def pids(self) -> list[int]:
         """The worker processes' ids (benchmarks add up their CPU time)."""
-        return [worker.pid for worker in self._workers]
+        return self._ranks.pids
 
     @property
     def alive(self) -> bool:
-        return self._finalizer.alive and all(w.is_alive() for w in self._workers)
+        return self._ranks.alive
