@@ -3,11 +3,12 @@
     python benchmarks/kernel_threads.py [--steps 60] [--rounds 2] [--calls 40] [--out PATH]
 
 The numba backend runs the parallel kernel (`_paged_attention_kernel`, numba's workqueue threads)
-whenever torch has more than one thread, and the serial one (`_paged_attention_serial`, the calling
-thread) otherwise. Between two attention calls the engine runs torch's matmuls on torch's own
-threads, so the kernel's threads have gone to sleep by the time they are needed, and waking them
-has a cost (on a virtual machine, waking a halted vCPU is a trip through the hypervisor). This
-measures whether the second thread pays for itself, two ways:
+when torch has more than one thread and the pass costs at least `PARALLEL_MIN_COST`, and the
+serial one (`_paged_attention_serial`, the calling thread) otherwise. Between two attention calls
+the engine runs torch's matmuls on torch's own threads, so the kernel's threads have gone to sleep
+by the time they are needed, and waking them has a cost (on a virtual machine, waking a halted
+vCPU is a trip through the hypervisor). This measures whether the second thread pays for
+itself, two ways:
 
 * **engine steps**: two engines of the shipped target model at the same batch (1, 16, 64), one
   with each kernel, stepped alternately (same process, same moments of noise); the median decode
@@ -41,10 +42,19 @@ from minivllm.model.checkpoint import load_model
 
 RESULTS = Path(__file__).parent / "results" / "kernel_threads.json"
 THREADS = 2
+# (the smallest pass that runs in parallel, the kernel for a thread count) per variant
 KERNELS = {
-    "parallel": numba_cpu._kernel_for,  # what the engine picks with torch on 2 threads
-    "serial": lambda threads: numba_cpu._paged_attention_serial,
+    "parallel": (0, numba_cpu._kernel_for),  # every pass on torch's 2 threads
+    "serial": (0, lambda threads: numba_cpu._paged_attention_serial),
 }
+ENGINE_CHOICE = (numba_cpu.PARALLEL_MIN_COST, numba_cpu._kernel_for)
+
+
+def use(variant: tuple) -> None:
+    """Make the numba backend pick as `variant` says (read as each pass builds its backend)."""
+    numba_cpu.PARALLEL_MIN_COST, numba_cpu._kernel_for = variant
+
+
 SHAPES = [(1, 64), (1, 1024), (16, 175), (64, 175), (64, 700), (64, 2000)]
 
 
@@ -52,18 +62,20 @@ def engine_steps(model, batches: list[int], steps: int) -> list[dict]:
     rows = []
     for batch in batches:
         engines = {}
-        for name, pick in KERNELS.items():
-            numba_cpu._kernel_for = pick  # read when each pass builds its attention backend
+        for name, variant in KERNELS.items():
+            use(variant)
             engines[name] = decode_engine(model, "numba", num_seqs=batch)
         times = {name: [] for name in KERNELS}
         before = load_str()
-        for _ in range(steps):
-            for name, engine in engines.items():
-                numba_cpu._kernel_for = KERNELS[name]
-                started = time.perf_counter()
-                engine.step()
-                times[name].append(time.perf_counter() - started)
-        numba_cpu._kernel_for = KERNELS["parallel"]
+        try:
+            for _ in range(steps):
+                for name, engine in engines.items():
+                    use(KERNELS[name])
+                    started = time.perf_counter()
+                    engine.step()
+                    times[name].append(time.perf_counter() - started)
+        finally:
+            use(ENGINE_CHOICE)
         tokens = {
             name: [list(s.output_token_ids) for s in engine.scheduler.running]
             for name, engine in engines.items()
@@ -120,6 +132,7 @@ def kernel_alone(config, calls: int) -> list[dict]:
             rows.append(
                 {
                     "shape": f"{seqs} x {context}",
+                    "pass_cost": numba_cpu.pass_cost(args[4], args[5], config.n_kv_heads),
                     "mode": mode,
                     "serial_ms": round(serial, 3),
                     "parallel_ms": round(parallel, 3),
@@ -159,6 +172,7 @@ def main() -> None:
         "benchmark": "kernel_threads",
         "model": "target",
         "threads": THREADS,
+        "parallel_min_cost": ENGINE_CHOICE[0],
         "engine_steps": engine,
         "kernel_alone": alone,
         "load_average": {"start": load_start, "end": load_str()},

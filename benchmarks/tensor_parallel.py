@@ -117,8 +117,8 @@ def run_once(engine: LLMEngine, threads: int, requests) -> dict:
 
 def pack_int64(batch) -> torch.Tensor:
     """The other way to send a batch: every integer field in one int64 tensor behind a header of
-    sizes (the receiver would read the header, then the tensor: two broadcasts, as
-    `broadcast_object_list` makes -- the sizes, then the bytes)."""
+    sizes (the receiver would read the header, then the tensor; `launcher.Messages.broadcast`
+    sends a pickled object in one broadcast of up to 64 KiB, a second only for a longer one)."""
     header = torch.tensor(
         [
             batch.num_tokens,
@@ -150,7 +150,7 @@ def message_costs(num_seqs: int = 64, context: int = 200, reps: int = 2000) -> d
 
     from minivllm.kv.block_manager import BlockManager
     from minivllm.runner.batch import BatchPiece, pack_batch
-    from minivllm.runner.workers import _packed
+    from minivllm.runner.launcher import batch_fields
 
     manager = BlockManager(num_seqs * (context // 16 + 2), 16)
     for seq_id in range(num_seqs):
@@ -158,7 +158,7 @@ def message_costs(num_seqs: int = 64, context: int = 200, reps: int = 2000) -> d
     batch = pack_batch([BatchPiece(i, context - 1, [7], 1) for i in range(num_seqs)], manager)
     started = time.perf_counter()
     for _ in range(reps):
-        pickled = pickle.dumps(_packed(batch))
+        pickled = pickle.dumps(batch_fields(batch))
     pickled_us = 1e6 * (time.perf_counter() - started) / reps
     started = time.perf_counter()
     for _ in range(reps):
@@ -287,7 +287,7 @@ def main() -> None:
         "machine": machine_record(
             "comm_share: rank 0's wall time inside all-reduce and the logits' gather (waiting "
             "for the slower rank included) over the run's wall time; broadcast: the per-step "
-            "pickled batch (torch.distributed.broadcast_object_list). Measured on a shared "
+            "pickled batch (launcher.Messages.broadcast). Measured on a shared "
             "machine: see the load averages per run."
         ),
     }

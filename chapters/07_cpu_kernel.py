@@ -319,7 +319,10 @@ show(_attend_units)
 # The compiled entry point takes one layer's whole batch. It first writes the new rows' keys and
 # values to their slots (the {term}`slot mapping` of chapter 04 — the same call, no separate
 # scatter), then gives each thread its list. (Its twin `_paged_attention_serial` runs all the units
-# on the calling thread, for a process that has one core; chapter 11 has such processes.) It returns
+# on the calling thread, for a process that has one core — chapter 11 has such processes — and for
+# a pass too small to pay for waking the other threads, which sleep while torch's matmuls run: the
+# engine's backend runs a pass costing under `PARALLEL_MIN_COST` there, a crossover that
+# `benchmarks/kernel_threads.py` measures.) It returns
 # whether every thread finished its list: an exception raised on one of numba's workqueue threads
 # never reaches the caller, so the Python side that launches it, `_launch`, runs an unfinished
 # launch again on one thread, where the exception is raised.

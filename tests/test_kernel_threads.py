@@ -15,9 +15,10 @@ from minivllm.attention import numba_cpu  # noqa: E402
 
 
 def test_both_kernels_step_an_engine_to_the_same_tokens(target) -> None:
-    original = numba_cpu._kernel_for
+    original = numba_cpu._kernel_for, numba_cpu.PARALLEL_MIN_COST
     (row,) = engine_steps(target, [4], steps=8)
-    assert numba_cpu._kernel_for is original  # the engine's own choice is put back
+    # the engine's own choice is put back
+    assert (numba_cpu._kernel_for, numba_cpu.PARALLEL_MIN_COST) == original
     assert row["same_tokens"] and row["steps"] == 8
     assert row["serial_step_ms"] > 0 and row["parallel_step_ms"] > 0
     assert set(KERNELS) == {"parallel", "serial"}

@@ -289,6 +289,46 @@ def test_the_work_plan_covers_every_row_and_head_once_and_balances_the_threads(t
     assert max(loads) - min(loads) <= cost.max()  # no thread is left with more than one extra unit
 
 
+def test_a_pass_too_small_to_wake_a_second_thread_runs_on_one(monkeypatch) -> None:
+    """The backend's pick: the parallel kernel only for a pass costing PARALLEL_MIN_COST or more
+    (query rows x keys they see, over the K/V heads); `pass_cost` adds up plan_work's units."""
+    from minivllm.attention.batch import VarlenBatch
+    from minivllm.attention.numba_cpu import NumbaPagedAttention, pass_cost
+    from minivllm.attention.storage import PagedKVStorage
+    from minivllm.model.transformer import ModelConfig
+
+    query_lens = np.array([1, 1, 40])
+    context_lens = np.array([30, 7, 40])
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    work, _ = plan_work(context_lens, starts, 2, 2)
+    assert pass_cost(context_lens, starts, 2) == unit_cost(work, context_lens, starts).sum()
+    config = ModelConfig(n_layers=1)
+    storage = PagedKVStorage(config, 8, 16, dtype=torch.float32)
+    batch = VarlenBatch(
+        input_ids=torch.zeros(42, dtype=torch.long),
+        positions=torch.zeros(42, dtype=torch.long),
+        slot_mapping=torch.arange(42),
+        query_start=torch.from_numpy(starts),
+        context_lens=torch.from_numpy(context_lens),
+        block_tables=torch.arange(9).reshape(3, 3) % 8,
+        logits_indices=torch.tensor([0, 1, 41]),
+        num_decodes=2,
+        block_size=16,
+        max_decode_context_len=30,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if numba.config.NUMBA_NUM_THREADS < 2:
+            pytest.skip("numba allows one thread in this process")
+        monkeypatch.setattr(numba_cpu, "PARALLEL_MIN_COST", pass_cost(context_lens, starts, 2))
+        assert NumbaPagedAttention(storage, batch).kernel is numba_cpu._paged_attention_kernel
+        monkeypatch.setattr(numba_cpu, "PARALLEL_MIN_COST", numba_cpu.PARALLEL_MIN_COST + 1)
+        assert NumbaPagedAttention(storage, batch).kernel is numba_cpu._paged_attention_serial
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_warm_up_compiles_or_loads_the_kernel() -> None:
     warm_up()  # no error, and the next call needs no compilation
     assert relative_error(*random_batch([1], [3], 2, 1, 32, 8)) <= 1e-5

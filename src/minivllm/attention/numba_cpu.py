@@ -575,6 +575,24 @@ def paged_attention_cpu(
     return out
 
 
+# A pass costing less than this (query rows x the keys they see, summed over sequences and K/V
+# heads) runs on one thread. Between two layers' kernels the engine runs torch's matmuls, so
+# numba's threads have gone to sleep by the next launch, and waking them costs more than half of a
+# small pass: benchmarks/kernel_threads.py, on the book's 2-core virtual machine, found one thread
+# faster at every decode batch of the target model (1 to 64 sequences, up to 64 x 700 tokens of
+# context) and two threads faster from 64 x 2000 on. The default sits between; a machine where
+# waking a thread is cheaper (bare metal, more cores) can set MINIVLLM_PARALLEL_MIN_COST lower.
+PARALLEL_MIN_COST = int(os.environ.get("MINIVLLM_PARALLEL_MIN_COST", 128 * 1024))
+
+
+def pass_cost(context_lens: np.ndarray, query_start: np.ndarray, num_kv_heads: int) -> int:
+    """A pass's attention work: each sequence's new rows times the keys they see (`unit_cost`
+    for its whole chunk), over its K/V heads."""
+    rows = np.diff(query_start)
+    chunks = np.column_stack([np.arange(len(rows)), np.zeros_like(rows), rows])
+    return int(unit_cost(chunks, context_lens, query_start).sum()) * num_kv_heads
+
+
 def default_threads() -> int:
     """numba's thread setting -- but 1, without starting numba's thread pool, in a process that
     allows no more (a forward worker, `NUMBA_NUM_THREADS=1`)."""
@@ -623,18 +641,23 @@ class NumbaPagedAttention:
         self.checked = False  # the arguments are checked in the first layer, the same in all
         # torch's thread count is the engine's (a forward worker's is 1)
         threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        kv_heads = storage.config.n_kv_heads
+        if pass_cost(self.context_lens, self.query_start, kv_heads) < PARALLEL_MIN_COST:
+            threads = 1  # too little work to pay for waking the other threads
         if threads > 1:  # a one-thread process never starts numba's thread pool
             numba.set_num_threads(threads)
         self.kernel = _kernel_for(threads)
-        kv_heads = storage.config.n_kv_heads
         self.work = plan_work(self.context_lens, self.query_start, kv_heads, threads)
 
     @staticmethod
     def warm_up(threads: int | None = None) -> None:
-        """Compile (or load) the kernel a pass on `threads` threads runs (default: torch's count,
-        as `__init__` picks)."""
+        """Compile (or load) the kernels a pass on `threads` threads runs (default: torch's
+        count, as `__init__` picks): the parallel one, and the serial one a small pass runs."""
         threads = torch.get_num_threads() if threads is None else threads
-        warm_up(min(threads, numba.config.NUMBA_NUM_THREADS))
+        threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+        warm_up(threads)
+        if threads > 1:
+            warm_up(1)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -166,7 +166,12 @@ class LLMEngine:
         self.runner.parallel = self.parallel
         if config.forward_processes > 1:  # ForwardWorkers refuses a cache off the CPU
             self.runner.workers = ForwardWorkers(
-                runner_model, self.storage, backend_name, config.forward_processes, backend
+                runner_model,
+                self.storage,
+                backend_name,
+                config.forward_processes,
+                backend,
+                timeout_s=config.distributed_timeout_s,
             )
         if graphs:
             self.runner.graphs = DecodeGraphs(

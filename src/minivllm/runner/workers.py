@@ -61,7 +61,6 @@ from minivllm.model.transformer import ModelConfig, Transformer
 from minivllm.runner.batch import run_model
 from minivllm.runner.launcher import Launched, Messages, batch_fields, batch_of, join_group
 
-_packed = batch_fields  # the name benchmarks/tensor_parallel.py measures a step's message by
 # A reply's first two numbers, before the logits: the length of the error the worker sends next (0:
 # none), and its part's forward time in seconds.
 HEADER = 2
