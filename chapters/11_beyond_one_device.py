@@ -550,12 +550,15 @@ for shape in ("tensor_parallel.json", "tensor_parallel_100m.json"):
 # The split by sequence pays one exchange a step, the logits, but every forward worker reads every
 # weight, so it cannot shrink what a process must hold.
 #
-# So the engine keeps both splits, for different jobs, on one mechanism: the same launcher and
-# the same kind of gloo group carry both, each step one broadcast from rank 0.
-# `forward_processes` stays a small-machine device for small models (it cannot shrink what a
-# process must hold), and `tensor_parallel_size` is the way past one device's memory and past one
-# machine — the one that carries over to GPUs and to vLLM. They are not combined
-# (`EngineConfig` refuses both at once).
+# Neither has to win here: on two cores, one process on torch's two threads is a strong
+# baseline, and a gloo round trip a step (the split by sequence) or two all-reduces a layer
+# (tensor parallelism) is a real cost against a step of a few milliseconds. The engine keeps both
+# splits on one mechanism — the same launcher and the same kind of gloo group carry both, each
+# step one broadcast from rank 0 — for different jobs. `forward_processes` is the cheaper exchange
+# for a model that fits one process, worth measuring against one process on the machine at hand
+# (it cannot shrink what a process must hold); `tensor_parallel_size` is the way past one
+# device's memory and past one machine — the one that carries over to GPUs and to vLLM. They are
+# not combined (`EngineConfig` refuses both at once).
 #
 # ## The hand-off: the same folder, served by vLLM
 #
