@@ -31,12 +31,11 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from _common import load_str, machine_record, write_results
 
 from minivllm.attention import numba_cpu
-from minivllm.book.kernel_check import random_inputs
+from minivllm.book.kernel_check import decode_call
 from minivllm.book.step_timing import decode_engine
 from minivllm.model.checkpoint import load_model
 
@@ -108,17 +107,7 @@ def kernel_alone(config, calls: int) -> list[dict]:
     }
     rows = []
     for seqs, context in SHAPES:
-        q, key_cache, value_cache, tables, lens = random_inputs(
-            [context] * seqs,
-            config.n_heads,
-            config.n_kv_heads,
-            config.head_dim,
-            16,
-            seed=1,
-            spare_blocks=2000,
-        )
-        args = (q.numpy(), key_cache.numpy(), value_cache.numpy(), tables.numpy(), lens.numpy())
-        args += (np.arange(seqs + 1),)
+        args = decode_call([context] * seqs, config)
         for mode, work in between.items():
             times = {1: [], THREADS: []}
             before = load_str()

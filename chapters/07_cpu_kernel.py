@@ -64,7 +64,7 @@ from minivllm.attention.simd import sum8x8
 from minivllm.attention.torch_backend import DecodeAttention
 from minivllm.book import show, use_book_style
 from minivllm.book.figures.kernels import draw_work_plan
-from minivllm.book.kernel_check import random_inputs, reference_attention
+from minivllm.book.kernel_check import decode_call, random_inputs, reference_attention
 from minivllm.book.roofline import (
     attention_traffic,
     floor_seconds,
@@ -279,17 +279,8 @@ show(_prefetch_block)
 # %%
 # NBVAL_IGNORE_OUTPUT
 warm_up()  # compile, or load the machine code cached by an earlier process
-q, key_cache, value_cache, tables, lens = random_inputs(
-    list(np.random.default_rng(1).integers(200, 300, 64)),
-    config.n_heads,
-    config.n_kv_heads,
-    config.head_dim,
-    16,
-    seed=1,
-    spare_blocks=2000,
-)
-decode_args = (q.numpy(), key_cache.numpy(), value_cache.numpy(), tables.numpy(), lens.numpy())
-decode_args += (np.arange(len(lens) + 1),)
+# 64 decodes of 200-300 tokens, their blocks scattered over a pool (book/kernel_check.py)
+decode_args = decode_call(list(np.random.default_rng(1).integers(200, 300, 64)), config)
 print("vector paths fit the model's shapes:", simd_fits(config.head_dim, 16))
 call_ms = {False: [], True: []}
 for _ in range(30):

@@ -68,7 +68,7 @@ from minivllm.attention.cuda.tiled import tiled_decode_kernel
 from minivllm.attention.numba_cpu import paged_attention_cpu, warm_up
 from minivllm.book import kernel_check, show, source, use_book_style
 from minivllm.book.figures.kernels import draw_cache_reads, draw_execution_model
-from minivllm.book.kernel_check import kernel_error, random_inputs
+from minivllm.book.kernel_check import decode_call, kernel_error, random_inputs
 from minivllm.book.kernel_trace import in_simulator, reads_by_thread, trace_group, trace_v1
 from minivllm.book.stats import speed_change, within
 from minivllm.model.checkpoint import load_model
@@ -101,17 +101,9 @@ print(
 # %%
 # NBVAL_IGNORE_OUTPUT
 warm_up()  # compile, or load the machine code cached by an earlier process
-q, key_cache, value_cache, tables, lens = random_inputs(
-    list(np.random.default_rng(1).integers(200, 300, 64)),
-    config.n_heads,
-    config.n_kv_heads,
-    config.head_dim,
-    16,
-    seed=1,
-    spare_blocks=2000,
-)
-layer_args = (q.numpy(), key_cache.numpy(), value_cache.numpy(), tables.numpy(), lens.numpy())
-layer_args += (np.arange(len(lens) + 1),)
+# 64 decodes of 200-300 tokens, their blocks scattered over a pool (book/kernel_check.py)
+layer_args = decode_call(list(np.random.default_rng(1).integers(200, 300, 64)), config)
+lens = layer_args[4]
 call_s = []
 for _ in range(30):
     started = time.perf_counter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 
+import numpy as np
 import torch
 
 from minivllm.attention.cuda.launch import (
@@ -21,7 +22,7 @@ from minivllm.attention.cuda.launch import (
     grouped_paged_attention,
     paged_attention,
 )
-from minivllm.model.transformer import attention_reference
+from minivllm.model.transformer import ModelConfig, attention_reference
 
 
 def random_inputs(
@@ -57,6 +58,24 @@ def random_inputs(
         t.to(device)
         for t in (q.to(dtype), key_cache.to(dtype), value_cache.to(dtype), tables, lens)
     ]
+
+
+def decode_call(
+    context_lens: SequenceOf[int], config: ModelConfig, seed: int = 1, spare_blocks: int = 2000
+) -> tuple[np.ndarray, ...]:
+    """`paged_attention_cpu`'s positional arguments for one decode query per sequence of a model
+    shaped like `config`, in blocks of 16: (q, key_cache, value_cache, block_tables,
+    context_lens, query_start), float32 and int numpy arrays, from `random_inputs`."""
+    tensors = random_inputs(
+        context_lens,
+        config.n_heads,
+        config.n_kv_heads,
+        config.head_dim,
+        16,
+        seed=seed,
+        spare_blocks=spare_blocks,
+    )
+    return (*(t.numpy() for t in tensors), np.arange(len(context_lens) + 1))
 
 
 def reference_attention(
