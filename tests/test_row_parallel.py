@@ -68,7 +68,7 @@ def _rank_one(init_method: str, interface: str, out: str) -> None:
 @pytest.mark.exercise("ch11.1")
 def test_row_parallel_halves_add_up_to_the_whole_layer(tmp_path, monkeypatch) -> None:
     """Every rank ends with x @ W.T (+ b, once), after exactly one all-reduce of the output."""
-    from minivllm.runner.tensor_parallel import LOOPBACK, free_port
+    from minivllm.runner.launcher import LOOPBACK, free_port
 
     init_method = f"tcp://127.0.0.1:{free_port()}"
     other = mp.get_context("spawn").Process(
