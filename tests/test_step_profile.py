@@ -69,7 +69,9 @@ def test_every_benchmark_record_names_the_cpus_features() -> None:
 
     features = machine_record("test")["cpu_features"]
     assert set(features["vector_flags"]) <= set(VECTOR_FLAGS)
-    assert features["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(features["torch_cpu_capability"], str) and features["torch_cpu_capability"]
     assert features["llvm_cpu"]  # llvmlite comes with numba, which the project requires
     if Path("/proc/cpuinfo").exists() and "avx2" in Path("/proc/cpuinfo").read_text():
         assert "avx2" in features["vector_flags"]
+        if "avx512f" not in features["vector_flags"]:  # torch's widest path here is AVX2
+            assert features["torch_cpu_capability"] == "AVX2"

@@ -456,10 +456,9 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
     distribution. A greedy batch without logit rules takes its argmax where the logits are (on a
     GPU only the ids cross to the host); anything else is drawn on the host, in float64, so a
     request's tokens never depend on the device."""
-    if metadata.all_greedy and not metadata.rules:  # skip the sort and the hash
-        return metadata.processed(logits).argmax(dim=-1).tolist()
-    logits = logits.cpu()
-    if metadata.all_greedy:
+    if metadata.rules or not metadata.all_greedy:
+        logits = logits.cpu()
+    if metadata.all_greedy:  # skip the sort and the hash
         return metadata.processed(logits).argmax(dim=-1).tolist()
     return sample_from_probs(metadata.probs(logits), metadata.uniforms()).tolist()
 
