@@ -1,10 +1,12 @@
 """The CPU attention kernel on two threads or on one, inside the engine (issue 32).
 
     python benchmarks/kernel_threads.py [--steps 60] [--rounds 2] [--calls 40] [--out PATH]
+    NUMBA_THREADING_LAYER=workqueue python benchmarks/kernel_threads.py   # the other layer
 
-The numba backend runs the parallel kernel (`_paged_attention_kernel`, numba's workqueue threads)
-when torch has more than one thread and the pass costs at least `PARALLEL_MIN_COST`, and the
-serial one (`_paged_attention_serial`, the calling thread) otherwise. Between two attention calls
+The numba backend runs the parallel kernel (`_paged_attention_kernel`, on numba's threading layer:
+OpenMP where its threads are passive, else the workqueue) when torch has more than one thread and
+the pass costs at least `PARALLEL_MIN_COST`, and the serial one (`_paged_attention_serial`, the
+calling thread) otherwise. Between two attention calls
 the engine runs torch's matmuls on torch's own threads, so the kernel's threads have gone to sleep
 by the time they are needed, and waking them has a cost (on a virtual machine, waking a halted
 vCPU is a trip through the hypervisor). This measures whether the second thread pays for
@@ -18,7 +20,8 @@ itself, two ways:
   alternating serial and parallel calls.
 
 Both variants see the same load; the load is recorded. A default should change on a quiet machine's
-numbers only.
+numbers only. A process has one threading layer: the record names it, and its default file is
+`kernel_threads.json` for OpenMP, `kernel_threads_workqueue.json` for the workqueue.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numba
 import torch
 from _common import load_str, machine_record, write_results
 
@@ -40,6 +44,7 @@ from minivllm.book.step_timing import decode_engine
 from minivllm.model.checkpoint import load_model
 
 RESULTS = Path(__file__).parent / "results" / "kernel_threads.json"
+RESULTS_WORKQUEUE = RESULTS.with_name("kernel_threads_workqueue.json")
 THREADS = 2
 # (the smallest pass that runs in parallel, the kernel for a thread count) per variant
 KERNELS = {
@@ -144,7 +149,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=40, help="kernel calls per shape and mode")
     parser.add_argument("--rounds", type=int, default=2, help="repeats of the engine comparison")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help="default: by threading layer (see above)")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     numba_cpu.warm_up(1)
@@ -157,17 +162,19 @@ def main() -> None:
         for row in engine_steps(model, args.batches, args.steps)
     ]
     alone = kernel_alone(model.config, args.calls)
+    layer = numba.threading_layer()
     record = {
         "benchmark": "kernel_threads",
         "model": "target",
         "threads": THREADS,
+        "threading_layer": layer,
         "parallel_min_cost": ENGINE_CHOICE[0],
         "engine_steps": engine,
         "kernel_alone": alone,
         "load_average": {"start": load_start, "end": load_str()},
         "machine": machine_record("the numba attention kernel on one thread against two"),
     }
-    write_results(args.out, record)
+    write_results(args.out or (RESULTS if layer == "omp" else RESULTS_WORKQUEUE), record)
 
 
 if __name__ == "__main__":

@@ -404,7 +404,7 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
     from minivllm.book.roofline import matmul_names, model_dims
     from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.model import fused, transformer
+    from minivllm.model import cpu_kernels, fused, transformer
     from minivllm.runner import model_runner
     from minivllm.runner.sampler import SamplingMetadata
     from minivllm.sched.scheduler import SchedulerConfig
@@ -461,7 +461,9 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
             (engine, "_record", ranged("output processing")),
             (F, "linear", linear),
             (transformer.RMSNorm, "forward", ranged("norms")),
+            (fused.FusedRMSNorm, "forward", ranged("norms")),  # the engine's (torch's one op)
             (fused, "apply_rope", ranged("RoPE")),
+            (cpu_kernels, "rope_qk", ranged("RoPE")),  # the engine's on the CPU in float32
             (transformer, "rope_cos_sin", ranged("RoPE")),
         ]
         wall, profiled = timed_and_profiled(engine.step, steps, patches)

@@ -314,7 +314,7 @@ show(_attend_units)
 # a pass too small to pay for waking the other threads, which sleep while torch's matmuls run: the
 # engine's backend runs a pass costing under `PARALLEL_MIN_COST` there, a crossover that
 # `benchmarks/kernel_threads.py` measures.) It returns
-# whether every thread finished its list: an exception raised on one of numba's workqueue threads
+# whether every thread finished its list: an exception raised on one of numba's worker threads
 # never reaches the caller, so the Python side that launches it, `_launch`, runs an unfinished
 # launch again on one thread, where the exception is raised.
 
@@ -524,7 +524,11 @@ plt.show()
 # a copy of the model whose q, k and v projections are one matmul, and gate and up another
 # (`model/fused.py`; `EngineConfig(fuse_projections=False)` runs the model as chapter 00 wrote it).
 # Five matmul calls per layer become two, and each output column is still the same dot product
-# over the same input, so the logits do not move by a bit:
+# over the same input. The copy trims the small steps between the matmuls too, on the CPU in
+# float32: each RMSNorm becomes torch's single `rms_norm` op (the same five steps in one call),
+# and an engine's batch takes q and k through RoPE in one compiled loop each
+# (`model/cpu_kernels.py`) instead of seven torch ops. Each computes what it replaces with the
+# same roundings, so the logits do not move by a bit:
 
 # %%
 show(fuse_projections)
@@ -542,8 +546,13 @@ assert same_logits
 #
 # **Threads.** numba's parallel loops and torch's matmuls take turns, never overlap, so each may use
 # every core torch is allowed (`NumbaPagedAttention` sets numba's thread count to torch's). numba
-# runs on its *workqueue* threading layer, whose threads sleep between kernels; an OpenMP layer
-# would keep spinning after each kernel, on the same cores torch's own OpenMP threads need.
+# runs them on its *OpenMP* threading layer: the calling thread takes a share itself and wakes one
+# sleeping thread for each other core. Its idle threads sleep only under the passive wait policy
+# below. Without it they would spin after each kernel, on the cores torch's threads need next, so
+# the engine then picks numba's *workqueue* layer instead. A workqueue launch hands every share to
+# a worker thread and puts the caller to sleep until they finish: more wake-ups, and on this
+# machine a parallel pass lost to one thread at every decode batch (`benchmarks/kernel_threads.py`
+# measures both layers).
 #
 # torch's own OpenMP threads spin too: by default libgomp keeps an idle thread busy-waiting for a
 # while after every parallel region, in case another comes soon. In an engine step that is the core

@@ -464,6 +464,40 @@ def test_stream_deltas_concatenate_to_generate(target) -> None:
     assert_pool_empty(engine)
 
 
+def test_final_only_steps_hand_out_the_finished_requests_whole(target) -> None:
+    """`step(final_only=True)` (what `generate` runs) hands out only the requests that finished,
+    each with its whole text and tokens, stop strings applied: what every-step outputs add up to.
+    Text without stop strings is decoded only when it is handed out."""
+    prompts, params = stream_workload()
+    every_step = make_engine(target)
+    for prompt, p in zip(prompts, params):
+        every_step.add_request(prompt, p)
+    final_only = make_engine(target)
+    for prompt, p in zip(prompts, params):
+        final_only.add_request(prompt, p)
+    whole: dict[str, RequestOutput] = {}
+    handed_out: dict[str, RequestOutput] = {}
+    while every_step.has_unfinished() or final_only.has_unfinished():
+        for out in every_step.step():
+            whole[out.request_id] = out
+        outputs = final_only.step(final_only=True)
+        assert all(out.finished for out in outputs)
+        handed_out.update((out.request_id, out) for out in outputs)
+        unstopped = [s for s in final_only.scheduler.running if not s.params.stop]
+        assert all(final_only.outputs._state(s).num_decoded == 0 for s in unstopped)
+    assert handed_out.keys() == whole.keys()
+    for request_id, out in whole.items():
+        got = handed_out[request_id]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            out.text,
+            out.token_ids,
+            out.finish_reason,
+            out.stop_reason,
+        ), request_id
+    assert any(out.stop_reason is not None for out in whole.values())
+    assert_pool_empty(final_only)
+
+
 def test_a_consumer_that_stops_early_leaves_no_blocks_held(target) -> None:
     prompts, params = stream_workload()
     engine = make_engine(target)

@@ -13,7 +13,15 @@ import torch
 
 import minivllm.engine.llm_engine as llm_engine
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from minivllm.model.fused import FusedSelfAttention, FusedSwiGLU, fuse_projections, is_fused
+from minivllm.model import cpu_kernels
+from minivllm.model.fused import (
+    FusedSelfAttention,
+    FusedSwiGLU,
+    fuse_projections,
+    is_fused,
+    on_cpu_in_float32,
+)
+from minivllm.model.transformer import apply_rope, rope_cos_sin
 from minivllm.training.corpus import shipped_validation_text
 
 
@@ -83,3 +91,31 @@ def test_an_engine_that_loads_its_model_fuses_it_in_place(target, monkeypatch) -
     # the engine's own model handed to another engine is run as it is, not fused again or copied
     again = LLMEngine(engine.model, EngineConfig(num_blocks=16))
     assert again.runner.model is engine.model
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 32), (4, 4, 64), (16, 8, 128), (2, 1, 6)])
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_the_cpu_rope_kernel_is_apply_rope_bit_for_bit(heads, kv_heads, dim, rows) -> None:
+    """`cpu_kernels.rope_qk` on views into a q|k|v matmul's output (the fused model's) and on
+    contiguous tensors (after Qwen3's q/k norms), at any position: apply_rope's values exactly,
+    new contiguous tensors, the inputs untouched."""
+    generator = torch.Generator().manual_seed(rows * dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator) * 4
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(rows, heads, dim), k.view(rows, kv_heads, dim)
+    positions = torch.randint(0, 100_000, (rows,), generator=generator)
+    cos, sin = rope_cos_sin(positions, dim, 1_000_000.0)
+    before = qkv.clone()
+    for q_in, k_in in [(q, k), (q.contiguous(), k.contiguous())]:
+        q_out, k_out = cpu_kernels.rope_qk(q_in, k_in, cos, sin)
+        assert torch.equal(q_out, apply_rope(q_in, cos, sin))
+        assert torch.equal(k_out, apply_rope(k_in, cos, sin))
+        assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(qkv, before)
+
+
+def test_the_cpu_kernels_take_float32_cpu_tensors_only() -> None:
+    x = torch.zeros(2, 2)
+    assert on_cpu_in_float32(x, x)
+    assert not on_cpu_in_float32(x, x.to(torch.bfloat16))
+    assert not on_cpu_in_float32(x.to(torch.float64))

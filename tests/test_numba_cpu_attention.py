@@ -161,7 +161,7 @@ def test_slots_past_a_context_are_never_read(simd: bool) -> None:
 
 
 def test_a_parallel_launch_whose_threads_stopped_early_is_not_returned_as_a_result() -> None:
-    # numba's workqueue threads drop an exception they raise: the parallel kernel says so by its
+    # numba's worker threads drop an exception they raise: the parallel kernel says so by its
     # result, and `_launch` reruns the work on the calling thread, where an exception is raised.
     # Here the serial rerun succeeds, so the launch cannot say what went wrong, but it must not
     # pass the output off as computed.
@@ -391,3 +391,38 @@ def test_importing_minivllm_before_torch_makes_torchs_idle_threads_sleep(
         [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
     )
     assert done.stdout.strip() == expected
+
+
+LAYER_PROBE = """
+import numba
+from minivllm.attention import numba_cpu
+numba_cpu.warm_up(2)
+print(numba.threading_layer(), numba_cpu.openmp_layer(), numba_cpu.PARALLEL_MIN_COST)
+"""
+
+
+@pytest.mark.parametrize("policy", ["PASSIVE", "ACTIVE"])
+def test_the_threading_layer_is_openmp_only_where_its_threads_sleep(policy: str) -> None:
+    """OpenMP's idle threads sleep at once only with OMP_WAIT_POLICY=PASSIVE: then numba runs its
+    parallel kernel there, and small passes go parallel sooner; otherwise, the workqueue. Each
+    layer has its own default threshold, and `openmp_layer` says which one a process got."""
+    try:
+        import numba.np.ufunc.omppool  # noqa: F401
+    except ImportError:
+        if policy == "PASSIVE":
+            pytest.skip("numba finds no libgomp here: the workqueue layer is the only choice")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY")
+        and key != "MINIVLLM_PARALLEL_MIN_COST"
+    }
+    env.update(OMP_WAIT_POLICY=policy, NUMBA_NUM_THREADS="2")
+    done = subprocess.run(
+        [sys.executable, "-c", LAYER_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    layer, openmp, threshold = done.stdout.split()
+    expected = ("omp", "True", str(4 * 1024)) if policy == "PASSIVE" else ("workqueue", "False")
+    assert (layer, openmp, threshold)[: len(expected)] == expected, done.stdout
+    if policy == "ACTIVE":
+        assert threshold == str(128 * 1024)

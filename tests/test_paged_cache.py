@@ -1,10 +1,12 @@
 """The paged KV cache, storage half: write/gather through block tables (ch03.3), the same tokens and
 logits as the contiguous cache, prefix-cache hits, and out-of-blocks errors that change nothing."""
 
+import sys
+
 import pytest
 import torch
 
-from minivllm.attention.storage import PagedKVStorage
+from minivllm.attention.storage import HUGE_PAGE, PagedKVStorage, zeros_on_huge_pages
 from minivllm.kv.block_manager import BlockManager, OutOfBlocks
 from minivllm.model.checkpoint import load_model
 from minivllm.model.tokenizer import ByteTokenizer
@@ -263,3 +265,16 @@ def test_a_seq_id_already_running_is_refused_and_left_alone(target):
     with pytest.raises(ValueError, match="already has a block table"):
         generate_paged(target, [256, 65], 3, manager, storage, seq_id=0)
     assert 0 in manager.tables and manager.num_free == 3
+
+
+def test_a_cpu_pool_asks_for_huge_pages_and_holds_zeros() -> None:
+    """The K/V pool in CPU memory starts on a 2 MiB boundary (where Linux can map it with huge
+    pages) once it is that big; it is zeros, contiguous, of its shape and dtype either way."""
+    for shape in [(2, 3, 5), (6, 2, 600, 16, 2, 32)]:
+        pool = zeros_on_huge_pages(shape, torch.float32)
+        assert pool.shape == shape and pool.dtype == torch.float32 and pool.is_contiguous()
+        assert not pool.any()
+        pool.view(-1)[-1] = 1.0  # the whole pool is writable memory of its own
+        assert float(pool.sum()) == 1.0
+        if sys.platform.startswith("linux") and pool.numel() * 4 >= HUGE_PAGE:
+            assert pool.data_ptr() % HUGE_PAGE == 0

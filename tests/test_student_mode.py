@@ -692,8 +692,9 @@ SCHEDULER = (
 )
 ENGINE = (
     "an end-to-end run of the engine with the shipped model, the point of the test: loading it "
-    "(ch10.3), RMSNorm and RoPE (ch00.1, ch00.2), the streaming decoder (ch01.1), admission and "
-    "block growth (ch04.4, ch03.4, ch03.1), the batch flattening (ch04.3) and, sampling, "
+    "(ch10.3), RMSNorm and RoPE on a GPU (ch00.1, ch00.2: on the CPU the fused model computes "
+    "them with torch's one-op norm and a compiled loop), the streaming decoder (ch01.1), admission "
+    "and block growth (ch04.4, ch03.4, ch03.1), the batch flattening (ch04.3) and, sampling, "
     "top-k/top-p and the inverse-CDF draw (ch04.1, ch04.2); on a CPU its attention is chapter "
     "07's kernel, whose softmax is ch07.1; preempting policies make room (ch05.1, ch05.3)"
 )

@@ -27,15 +27,19 @@ kernel; `NumbaPagedAttention` is the engine backend, registered as "numba".
 
 Compilation happens once per machine: `cache=True` keeps the machine code next to this file, and
 `warm_up()` compiles (or loads) it ahead of the first step. Threads: numba's parallel loops and
-torch's matmuls take turns, never overlap, so each may use every core torch is allowed; the layer
-is numba's **workqueue**, whose threads sleep between kernels (an OpenMP layer's would spin on, on
-the cores torch's own OpenMP threads need next). With one thread -- a forward worker
-(`runner/workers.py`), or an engine told to use one -- `_paged_attention_serial` runs the same
-units on the calling thread and numba's thread pool never starts.
+torch's matmuls take turns, never overlap, so each may use every core torch is allowed. The layer
+is numba's **OpenMP** one where its idle threads sleep (`OMP_WAIT_POLICY=PASSIVE`, minivllm's
+setting): a launch runs a share on the calling thread and wakes one thread per other core. Where
+they would spin instead, on the cores torch's threads need next, it is the **workqueue**, whose
+launch wakes a worker for every share while the caller sleeps (slower on the book's machine:
+`benchmarks/kernel_threads.py`). With one thread -- a forward worker (`runner/workers.py`), an
+engine told to use one, or a pass too small to pay for waking another (`PARALLEL_MIN_COST`) --
+`_paged_attention_serial` runs the same units on the calling thread.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 
@@ -48,13 +52,20 @@ from minivllm.attention.batch import VarlenBatch
 from minivllm.attention.simd import fma8, load8, prefetch, splat8, store8, sum8x8, zero8
 from minivllm.attention.storage import PagedKVStorage
 
-# The workqueue layer's threads block between parallel regions (see the module docstring). Set in
-# the environment as well, so a later `numba.config.reload_config()` keeps it.
-os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
-if numba.config.THREADING_LAYER == "default":
-    numba.config.THREADING_LAYER = "workqueue"
-# The workqueue layer runs one parallel kernel at a time in a process and aborts the process if two
-# threads launch at once: engines stepping in different threads (a server each) take turns here.
+# numba's threading layer (see the module docstring): OpenMP where its threads sleep between
+# kernels -- OMP_WAIT_POLICY=PASSIVE, which minivllm sets on import -- and the workqueue otherwise,
+# or where numba finds no libgomp. A choice made in the environment wins. Set there as well, so a
+# later `numba.config.reload_config()` keeps it.
+if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
+    _passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    # (numba wants all three named; the workqueue always loads, so TBB's place never matters)
+    _layers = ["omp", "workqueue", "tbb"] if _passive else ["workqueue", "omp", "tbb"]
+    numba.config.THREADING_LAYER_PRIORITY = _layers
+    os.environ.setdefault(
+        "NUMBA_THREADING_LAYER_PRIORITY", " ".join(numba.config.THREADING_LAYER_PRIORITY)
+    )
+# One parallel kernel at a time in a process: the workqueue layer aborts the process if two threads
+# launch at once, so engines stepping in different threads (a server each) take turns here.
 _LAUNCH = threading.Lock()
 
 
@@ -340,7 +351,7 @@ def _paged_attention_kernel(
     """`work` rows are (sequence, first row, end row, K/V head) relative to the sequence's new
     rows; thread i does `work[work_start[i]:work_start[i + 1]]` (see `plan_work`). `simd`: the
     vector paths (`simd_fits` says when the shapes allow them). Returns whether every thread
-    finished its share: numba's workqueue threads drop an exception they raise (see `_launch`)."""
+    finished its share: numba's worker threads drop an exception they raise (see `_launch`)."""
     _write_new_rows(k_new, v_new, slot_mapping, key_cache, value_cache)
     metadata = (block_tables, context_lens, query_start)
     finished = np.zeros(work_start.shape[0] - 1, dtype=np.bool_)
@@ -368,8 +379,8 @@ def _paged_attention_serial(
     scale,
     simd,
 ):
-    """The kernel on the calling thread alone: no parallel region to start (numba's workqueue
-    wakes its threads for each one, tens of microseconds on a VM), for a process that runs on one
+    """The kernel on the calling thread alone: no parallel region to start (each wakes numba's
+    sleeping threads, tens of microseconds on a VM), for a process that runs on one
     core -- a forward worker (`minivllm.runner.workers`) or a one-thread engine. Same arguments,
     same work, same results (and True: an exception here reaches the caller)."""
     _write_new_rows(k_new, v_new, slot_mapping, key_cache, value_cache)
@@ -414,7 +425,7 @@ def _kernel_for(num_threads: int):
 
 def _launch(kernel, *args) -> None:
     """Run `kernel` (`_kernel_for`'s) on `args`, one launch at a time in the process. An exception
-    raised in a parallel region is lost -- numba's workqueue threads cannot hand it to the caller
+    raised in a parallel region is lost -- numba's worker threads cannot hand it to the caller
     (numba issue 2811); only the thread's unfinished share tells -- so the same work runs again on
     this thread, where it is raised. Writing the new rows twice writes the same values."""
     # KERNEL LAUNCH: where a probe copy (tools/student.py) records this file's compiled regions
@@ -575,14 +586,34 @@ def paged_attention_cpu(
     return out
 
 
+def openmp_layer() -> bool:
+    """Whether numba's parallel kernels run on its OpenMP layer: first in the priority set above,
+    with a libgomp numba can load (or named in NUMBA_THREADING_LAYER)."""
+    if numba.config.THREADING_LAYER != "default":
+        return numba.config.THREADING_LAYER == "omp"
+    for layer in numba.config.THREADING_LAYER_PRIORITY:
+        module = {"omp": "omppool", "workqueue": "workqueue", "tbb": "tbbpool"}[layer]
+        try:
+            importlib.import_module(f"numba.np.ufunc.{module}")
+        except ImportError:
+            continue  # numba skips a layer it cannot load, as here
+        return layer == "omp"
+    return False
+
+
 # A pass costing less than this (query rows x the keys they see, summed over sequences and K/V
-# heads) runs on one thread. Between two layers' kernels the engine runs torch's matmuls, so
-# numba's threads have gone to sleep by the next launch, and waking them costs more than half of a
-# small pass: benchmarks/kernel_threads.py, on the book's 2-core virtual machine, found one thread
-# faster at every decode batch of the target model (1 to 64 sequences, up to 64 x 700 tokens of
-# context) and two threads faster from 64 x 2000 on. The default sits between; a machine where
-# waking a thread is cheaper (bare metal, more cores) can set MINIVLLM_PARALLEL_MIN_COST lower.
-PARALLEL_MIN_COST = int(os.environ.get("MINIVLLM_PARALLEL_MIN_COST", 128 * 1024))
+# heads) runs on one thread. Between two layers' kernels the engine runs torch's matmuls, so the
+# kernel's second thread is asleep at each launch, and waking it has a cost; on the book's 2-core
+# virtual machine (benchmarks/kernel_threads.py, a run per layer):
+# * OpenMP: one thread was faster for a lone sequence (1 x 64 to 1 x 1024 tokens of context),
+#   two from 16 x 175 on -- about a fifth of a batch-64 step;
+# * the workqueue, whose launch wakes both worker threads and puts the caller to sleep: one thread
+#   was faster at every decode batch of the target model (up to 64 x 700), two from 64 x 2000.
+# The defaults sit between; a machine where waking a thread is cheaper or dearer can set
+# MINIVLLM_PARALLEL_MIN_COST.
+PARALLEL_MIN_COST = int(
+    os.environ.get("MINIVLLM_PARALLEL_MIN_COST", 4 * 1024 if openmp_layer() else 128 * 1024)
+)
 
 
 def pass_cost(context_lens: np.ndarray, query_start: np.ndarray, num_kv_heads: int) -> int:

@@ -4,6 +4,8 @@ what is in them."""
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -33,7 +35,10 @@ class PagedKVStorage:
             dtype,
         )
         shape = (config.n_layers, 2, num_blocks, block_size, config.n_kv_heads, config.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":
+            self.kv = zeros_on_huge_pages(shape, dtype)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def num_slots(self) -> int:
@@ -118,6 +123,33 @@ class PagedKVStorage:
         rows = self.kv[layer][:, blocks].reshape(2, used * self.block_size, heads, dim)[:, :length]
         return rows[0], rows[1]
         ### END SOLUTION
+
+
+HUGE_PAGE = 2 << 20  # x86-64 and arm64 Linux's transparent huge page: 2 MiB
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def zeros_on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.zeros(shape, dtype)` in CPU memory that Linux is asked to back with 2 MiB pages.
+
+    A block table scatters a sequence's blocks over the pool, and a block of the book's model
+    (16 rows of 2 heads x 32 floats) is one 4 KiB page: with 4 KiB pages every block an attention
+    kernel reads is another page-table walk, and a decode step of 64 sequences reads thousands of
+    them. Transparent huge pages (`madvise`, the mode most distributions ship) map 512 of those
+    pages with one entry. On the book's 2-core machine the numba kernel's pass over 64 sequences
+    whose K/V had left the caches took 15 % less, and an engine's batch-64 decode step spent 5 %
+    less in attention (measured once, side by side, for issue 32). Elsewhere -- another OS, THP
+    off, a pool under 2 MiB -- the hint is skipped or ignored and the pages are the usual ones."""
+    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # room to start on a 2 MiB boundary
+    start = -raw.data_ptr() % HUGE_PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
+    pool = raw[start : start + nbytes].view(dtype).view(shape)
+    pool.zero_()  # the first touch: this is when the kernel hands out the (huge) pages
+    return pool
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

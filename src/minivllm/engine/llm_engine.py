@@ -319,8 +319,9 @@ class LLMEngine:
         )
 
     # -- the step ----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled step: an output for each request that got a token or finished."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduled step: an output for each request that got a token or finished (with
+        `final_only`, each that finished: vLLM's FINAL_ONLY, what `generate` asks for)."""
         if not self.has_unfinished():
             return []  # nothing queued: no plan, no forward pass, no trace record
         started = time.perf_counter()
@@ -336,7 +337,8 @@ class LLMEngine:
         failed = [self._end_failed(seq_id, why) for seq_id, why in result.failed.items()]
         finished = self.scheduler.update(plan, result.tokens) + [s for s in failed if s]
         stepped += [f for f in forks if f.status is not Status.WAITING]
-        for hit in self.outputs.detokenize(stepped):  # stop strings: the text's own finish
+        # stop strings: the text's own finish (the others' text is decoded when it is output)
+        for hit in self.outputs.detokenize(s for s in stepped if s.params.stop):
             if self.scheduler.stop(hit.seq, hit.stop, hit.num_output_tokens):
                 finished.append(hit.seq)
         for seq in finished:
@@ -345,7 +347,7 @@ class LLMEngine:
             ):
                 del self.groups[seq.request_id]
         self.trace.append(self._record(plan, finished, result, time.perf_counter() - started))
-        return [self.outputs.output(seq) for seq in stepped]
+        return [self.outputs.output(s) for s in stepped if s.is_finished or not final_only]
 
     def _end_failed(self, seq_id: int, why: str) -> Sequence | None:
         """A sequence the sampler could draw nothing for (its logits hold NaN or +inf) ends now,
@@ -417,7 +419,7 @@ class LLMEngine:
         bar = ProgressBar(total=len(ids), desc="Processed prompts") if use_tqdm else None
         try:
             while any(len(done[i]) < wanted[i] for i in ids):
-                for out in self.step():
+                for out in self.step(final_only=True):
                     if out.finished and out.request_id in done:
                         done[out.request_id][out.index] = out
                         if bar is not None and len(done[out.request_id]) == wanted[out.request_id]:

@@ -20,16 +20,36 @@ A Hugging Face family adds what `fuse_model` (the engine's call) carries over: Q
 biases, stacked as the weights are (`qkv_bias`); Qwen3's q/k norms, applied to the split heads
 before RoPE; cos and sin in the model's dtype (`families.HFTransformer` hands them over so; the
 book's are float32). A tied LM head stays tied in the copy (`deepcopy` keeps one tensor).
+
+On the CPU, in float32, two more steps take fewer calls with the same arithmetic: an engine's batch
+takes q and k through RoPE in one compiled loop each (`cpu_kernels.rope_qk`) instead of seven
+torch ops each, and every RMSNorm is torch's one `rms_norm` op instead of five.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
 
-from minivllm.model.transformer import SelfAttention, SwiGLU, Transformer, apply_rope
+from minivllm.model.families import HFRMSNorm
+from minivllm.model.transformer import RMSNorm, SelfAttention, SwiGLU, Transformer, apply_rope
+
+
+def on_cpu_in_float32(*tensors: torch.Tensor) -> bool:
+    """Whether `cpu_kernels` (and torch's one-op norm, bit for bit) can take these tensors."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+@functools.cache
+def _cpu_kernels():
+    """`model/cpu_kernels.py`, imported on first use: numba compiles it, and a model on a GPU, or
+    a program that only loads one, never needs numba."""
+    from minivllm.model import cpu_kernels
+
+    return cpu_kernels
 
 
 class FusedSelfAttention(SelfAttention):
@@ -44,9 +64,30 @@ class FusedSelfAttention(SelfAttention):
         v = v.view(*lead, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):  # Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if q.dim() == 3 and on_cpu_in_float32(q, cos):  # an engine's batch on the CPU
+            q, k = _cpu_kernels().rope_qk(q, k, cos, sin)  # one loop each, apply_rope exactly
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(layer, q, k, v)  # <- the seam, as in SelfAttention
         return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+
+
+class FusedRMSNorm(RMSNorm):
+    """`RMSNorm` as torch's one `rms_norm` op on the CPU in float32: the same arithmetic in the
+    same order as the module's five (bit for bit), dispatched once. Elsewhere, the module's own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not on_cpu_in_float32(x):
+            return super().forward(x)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class FusedHFRMSNorm(FusedRMSNorm, HFRMSNorm):
+    """`HFRMSNorm` the same way: in float32 it is the book's `RMSNorm`; in another dtype (where it
+    normalises in float32 first) it runs its own steps."""
+
+
+_FUSED_NORMS = {RMSNorm: FusedRMSNorm, HFRMSNorm: FusedHFRMSNorm}
 
 
 class FusedSwiGLU(SwiGLU):
@@ -76,6 +117,8 @@ def fuse_projections(model: Transformer, in_place: bool = False) -> Transformer:
             torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
         )
         del attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj
+    for module in fused.modules():  # every norm: the layers', the final one, Qwen3's q/k norms
+        module.__class__ = _FUSED_NORMS.get(type(module), type(module))
     return fused
 
 
