@@ -565,7 +565,7 @@ for shape in ("tensor_parallel.json", "tensor_parallel_100m.json"):
 # Everything this engine loads is a Hugging Face folder, and so is what vLLM loads.
 # `benchmarks/vllm_peer.py` served the book's `target` folder with vLLM's CPU build and with
 # minivllm, the same seeded workload, greedy, and compared every request's tokens. The recording
-# committed with the book (23 November 2026):
+# committed with the book:
 
 # %%
 peer = json.loads((RESULTS / "vllm_peer.json").read_text())

@@ -10,8 +10,10 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import minivllm.engine.llm_engine as llm_engine
+import minivllm.model.fused as fused_module
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.model import cpu_kernels
 from minivllm.model.fused import (
@@ -119,3 +121,51 @@ def test_the_cpu_kernels_take_float32_cpu_tensors_only() -> None:
     assert on_cpu_in_float32(x, x)
     assert not on_cpu_in_float32(x, x.to(torch.bfloat16))
     assert not on_cpu_in_float32(x.to(torch.float64))
+
+
+def test_a_big_weight_goes_through_onednn_packed_once(monkeypatch) -> None:
+    """`linear` packs a float32 weight of PACK_MIN_BYTES or more once, reuses the packing, packs
+    again after an in-place change, forgets it with the weight, and matches F.linear to float32
+    rounding; a smaller weight, or one off float32, takes F.linear itself."""
+    if not fused_module._onednn():
+        pytest.skip("this torch has no oneDNN linear ops")
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.nn.Parameter(torch.randn(1024, 1024, generator=generator))  # 4 MiB
+    x = torch.randn(8, 1024, generator=generator)
+    with torch.inference_mode():
+        packed = fused_module.linear(x, weight)
+        assert id(weight) in fused_module._PACKED
+        torch.testing.assert_close(packed, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+        entry = fused_module._PACKED[id(weight)]
+        fused_module.linear(x, weight)
+        assert fused_module._PACKED[id(weight)] is entry  # packed once
+    with torch.no_grad():
+        weight.mul_(2)
+        torch.testing.assert_close(fused_module.linear(x, weight), 2 * packed, rtol=1e-5, atol=1e-3)
+    key = id(weight)
+    del weight, entry
+    gc.collect()
+    assert key not in fused_module._PACKED
+    small = torch.randn(16, 1024, generator=generator)
+    assert torch.equal(fused_module.linear(x, small), F.linear(x, small))
+    monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
+    half = small.to(torch.bfloat16)
+    assert torch.equal(
+        fused_module.linear(x.to(torch.bfloat16), half), F.linear(x.bfloat16(), half)
+    )
+
+
+def test_an_engine_on_packed_weights_gives_the_same_greedy_tokens(target, monkeypatch) -> None:
+    """Every weight of the shipped model packed (the threshold at 0): the engine's greedy tokens
+    are the ones of F.linear's."""
+    if not fused_module._onednn():
+        pytest.skip("this torch has no oneDNN linear ops")
+    text = shipped_validation_text()
+    prompts = [text[700 * i : 700 * i + 25 + 11 * i] for i in range(5)]
+    params = SamplingParams(max_tokens=20, temperature=0)
+    tokens = []
+    for threshold in (fused_module.PACK_MIN_BYTES, 0):
+        monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", threshold)
+        engine = LLMEngine(target, EngineConfig(num_blocks=64))
+        tokens.append([o.token_ids for o in engine.generate(prompts, params)])
+    assert tokens[0] == tokens[1]

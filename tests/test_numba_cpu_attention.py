@@ -426,3 +426,16 @@ def test_the_threading_layer_is_openmp_only_where_its_threads_sleep(policy: str)
     assert (layer, openmp, threshold)[: len(expected)] == expected, done.stdout
     if policy == "ACTIVE":
         assert threshold == str(128 * 1024)
+
+
+def test_a_threshold_that_is_not_a_number_is_refused_by_name() -> None:
+    env = {**os.environ, "MINIVLLM_PARALLEL_MIN_COST": "lots"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import minivllm.attention.numba_cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0
+    assert "MINIVLLM_PARALLEL_MIN_COST must be a whole number" in done.stderr
+    assert "'lots'" in done.stderr

@@ -611,9 +611,20 @@ def openmp_layer() -> bool:
 #   was faster at every decode batch of the target model (up to 64 x 700), two from 64 x 2000.
 # The defaults sit between; a machine where waking a thread is cheaper or dearer can set
 # MINIVLLM_PARALLEL_MIN_COST.
-PARALLEL_MIN_COST = int(
-    os.environ.get("MINIVLLM_PARALLEL_MIN_COST", 4 * 1024 if openmp_layer() else 128 * 1024)
-)
+def _parallel_min_cost() -> int:
+    setting = os.environ.get("MINIVLLM_PARALLEL_MIN_COST")
+    if setting is None:
+        return 4 * 1024 if openmp_layer() else 128 * 1024
+    try:
+        return int(setting)
+    except ValueError:
+        raise ValueError(
+            f"MINIVLLM_PARALLEL_MIN_COST must be a whole number (query rows x keys), got "
+            f"{setting!r}"
+        ) from None
+
+
+PARALLEL_MIN_COST = _parallel_min_cost()
 
 
 def pass_cost(context_lens: np.ndarray, query_start: np.ndarray, num_kv_heads: int) -> int:
