@@ -606,7 +606,7 @@ def openmp_layer() -> bool:
 # kernel's second thread is asleep at each launch, and waking it has a cost; on the book's 2-core
 # virtual machine (benchmarks/kernel_threads.py, a run per layer):
 # * OpenMP: one thread was faster for a lone sequence (1 x 64 to 1 x 1024 tokens of context),
-#   two from 16 x 175 on -- about a fifth of a batch-64 step;
+#   two from 16 x 175 on, and a batch-64 decode step took 13-19 % less;
 # * the workqueue, whose launch wakes both worker threads and puts the caller to sleep: one thread
 #   was faster at every decode batch of the target model (up to 64 x 700), two from 64 x 2000.
 # The defaults sit between; a machine where waking a thread is cheaper or dearer can set
