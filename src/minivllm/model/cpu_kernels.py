@@ -1,4 +1,4 @@
-"""The small steps between a layer's matmuls, each as one compiled loop on the CPU (issue 32).
+"""RoPE on the CPU as one compiled loop per tensor, between a layer's matmuls (issue 32).
 
 At batch 64 a layer of the book's model spends as long in its elementwise steps as in its
 matmuls, although they move a few hundred KiB: rotating q and k by position (`apply_rope`) is
@@ -8,7 +8,7 @@ compiles each to one loop over the rows, on the calling thread.
 
 `rope_qk` is `apply_rope` on q and k at once. It computes each output element as `apply_rope`
 does -- `x * cos + rotated * sin`, each product rounded to float32, then the sum (no fused
-multiply-add: no `fastmath`) -- so its result is `apply_rope`'s bit for bit (`tests/test_model.py`
+multiply-add: no `fastmath`) -- so its result is `apply_rope`'s bit for bit (`tests/test_fused.py`
 checks it), and the engine's tokens do not move.
 
 The fused model (`model/fused.py`) calls them for float32 tensors in CPU memory, on one flattened
@@ -43,7 +43,10 @@ def rope_qk(
     """`apply_rope(q, cos, sin), apply_rope(k, cos, sin)` for an engine's flattened batch: q
     `[tokens, heads, head_dim]` and k `[tokens, kv_heads, head_dim]` (views into the q|k|v matmul's
     output are fine), cos and sin `[tokens, head_dim]`. Returns new contiguous tensors."""
-    q_out, k_out = torch.empty(q.shape), torch.empty(k.shape)
+    q_out, k_out = (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+    )
     cos_np, sin_np = cos.contiguous().numpy(), sin.contiguous().numpy()
     _rotate(q.numpy(), cos_np, sin_np, q_out.numpy())
     _rotate(k.numpy(), cos_np, sin_np, k_out.numpy())
