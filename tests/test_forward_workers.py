@@ -166,14 +166,15 @@ def test_a_dead_worker_or_a_closed_engine_is_a_clear_error(target) -> None:
 
 def test_idle_workers_outwait_the_steps_timeout_and_long_messages_arrive(target) -> None:
     """Only a step's messages time out: workers wait for the next step as long as the engine is
-    idle (here three times the timeout), then serve it. A step's message longer than one
+    idle (here twice the timeout), then serve it. A step's message longer than one
     broadcast (block tables padded past 64 KiB) arrives whole: the same logits."""
     model = fuse_projections(target)
     storage, batch = mixed_batch(model)
-    workers = ForwardWorkers(model, storage, "torch", 2, timeout_s=1.0)
+    # 1 s was too short for a cold worker's first step on a loaded 16-core GPU machine
+    workers = ForwardWorkers(model, storage, "torch", 2, timeout_s=2.5)
     try:
         expected = workers.forward(batch, get_backend("torch"))
-        time.sleep(3)
+        time.sleep(5)
         assert workers.alive
         torch.testing.assert_close(workers.forward(batch, get_backend("torch")), expected)
         wide = torch.nn.functional.pad(batch.block_tables, (0, 8000 - batch.block_tables.shape[1]))

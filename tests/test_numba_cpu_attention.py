@@ -439,3 +439,32 @@ def test_a_threshold_that_is_not_a_number_is_refused_by_name() -> None:
     assert done.returncode != 0
     assert "MINIVLLM_PARALLEL_MIN_COST must be a whole number" in done.stderr
     assert "'lots'" in done.stderr
+
+
+POOL_PROBE = """
+import torch
+from minivllm.attention import numba_cpu
+torch.set_num_threads(2)
+# torch applies its count to this thread's OpenMP setting once, lazily: here, or at an engine's
+# first parallel op -- which always comes before the first kernel
+assert torch.get_num_threads() == 2
+{start}
+print(torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize(
+    "start", ["numba_cpu.warm_up(2)", "numba_cpu.default_threads()", "numba_cpu.warm_up()"]
+)
+def test_starting_numbas_thread_pool_leaves_torchs_thread_count(start: str) -> None:
+    """numba's OpenMP layer starts its pool by setting the process's OpenMP thread count to
+    NUMBA_NUM_THREADS (every core), where torch reads its own: with more cores than torch was told
+    to use, torch would run on all of them after the first parallel kernel. Here numba is allowed
+    4 threads and torch 2; however the pool starts, torch keeps 2."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    env.update(NUMBA_NUM_THREADS="4", OMP_WAIT_POLICY="PASSIVE")
+    code = POOL_PROBE.format(start=start)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split()[-1] == "2", done.stdout

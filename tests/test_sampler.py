@@ -416,3 +416,16 @@ def test_a_tiny_temperature_is_greedy_not_nan() -> None:
         torch.tensor([1.0, 1.0], dtype=torch.float64),
     )
     assert not probs.isnan().any() and probs.argmax(dim=-1).tolist() == [2, 0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check)")
+def test_probs_of_logits_on_the_gpu_are_made_on_the_host() -> None:
+    """A GPU runner's logits stay on the GPU; `probs` (chapter 06 calls it on them, the verifier
+    and the drafter too) makes its distributions on the host in float64, as `sample` draws."""
+    logits = torch.randn(3, 259, generator=torch.Generator().manual_seed(0))
+    md = SamplingMetadata.from_lists(
+        [0.8, 0.0, 1.3], [0, 0, 20], [0.9, 1.0, 1.0], [1, 2, 3], [0] * 3
+    )
+    on_gpu = md.probs(logits.cuda())
+    assert on_gpu.device.type == "cpu" and on_gpu.dtype == torch.float64
+    assert torch.equal(on_gpu, md.probs(logits))

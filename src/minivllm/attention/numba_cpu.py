@@ -39,6 +39,7 @@ engine told to use one, or a pass too small to pay for waking another (`PARALLEL
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import threading
@@ -429,6 +430,8 @@ def _launch(kernel, *args) -> None:
     (numba issue 2811); only the thread's unfinished share tells -- so the same work runs again on
     this thread, where it is raised. Writing the new rows twice writes the same values."""
     # KERNEL LAUNCH: where a probe copy (tools/student.py) records this file's compiled regions
+    if kernel is _paged_attention_kernel:  # the first parallel launch would start the pool
+        start_thread_pool()
     with _LAUNCH:
         if kernel(*args):
             return
@@ -635,10 +638,29 @@ def pass_cost(context_lens: np.ndarray, query_start: np.ndarray, num_kv_heads: i
     return int(unit_cost(chunks, context_lens, query_start).sum()) * num_kv_heads
 
 
+@functools.cache
+def start_thread_pool() -> None:
+    """Start numba's thread pool (once a process), leaving torch's thread count as it was.
+
+    numba's OpenMP layer starts its pool by setting the calling thread's OpenMP thread count to
+    NUMBA_NUM_THREADS -- every core, unless set -- and torch reads its own count from that same
+    setting. On a machine with more cores than torch was told to use, every torch op after the
+    first parallel kernel would run on every core: the 16-core host of a lent GPU went from 2 to
+    16, where MKL splits the matmuls otherwise (the fused model's logits then move by a bit).
+    Every start of the pool in this module goes through here."""
+    torch_threads = torch.get_num_threads()
+    numba.get_num_threads()  # starts the pool
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
+
+
 def default_threads() -> int:
     """numba's thread setting -- but 1, without starting numba's thread pool, in a process that
     allows no more (a forward worker, `NUMBA_NUM_THREADS=1`)."""
-    return numba.get_num_threads() if numba.config.NUMBA_NUM_THREADS > 1 else 1
+    if numba.config.NUMBA_NUM_THREADS == 1:
+        return 1
+    start_thread_pool()
+    return numba.get_num_threads()
 
 
 def warm_up(threads: int | None = None) -> None:
@@ -687,6 +709,7 @@ class NumbaPagedAttention:
         if pass_cost(self.context_lens, self.query_start, kv_heads) < PARALLEL_MIN_COST:
             threads = 1  # too little work to pay for waking the other threads
         if threads > 1:  # a one-thread process never starts numba's thread pool
+            start_thread_pool()
             numba.set_num_threads(threads)
         self.kernel = _kernel_for(threads)
         self.work = plan_work(self.context_lens, self.query_start, kv_heads, threads)

@@ -62,11 +62,15 @@ def decode_engine(
     seed: int = 0,
     forward_processes: int = 1,
     tensor_parallel_size: int = 1,
+    device: str = "cpu",
 ) -> LLMEngine:
     """An engine with `num_seqs` greedy requests (prompts of `prompt_chars` characters of the
     validation text, lengths and offsets seeded), stepped until all are decoding. With
     `forward_processes` > 1 its passes are split between processes, with `tensor_parallel_size`
-    > 1 its layers between ranks: `close()` it when done."""
+    > 1 its layers between ranks: `close()` it when done. On the CPU unless `device` says
+    otherwise, also where a GPU is present: these engines time CPU steps, and a GPU engine's
+    decode steps replay CUDA graphs, which never call the backend that `time_decode_steps`
+    clocks."""
     text = shipped_validation_text()
     rng = np.random.default_rng(seed)
     lengths = rng.integers(prompt_chars[0], prompt_chars[1] + 1, num_seqs)
@@ -80,6 +84,7 @@ def decode_engine(
             scheduler=SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=512),
             forward_processes=forward_processes,
             tensor_parallel_size=tensor_parallel_size,
+            device=device,
         ),
     )
     tokenizer = ByteTokenizer()

@@ -9,8 +9,12 @@ calls become two. vLLM does this when it loads a model (`QKVParallelLinear`,
 `MergedColumnParallelLinear` in `vllm/model_executor/layers/linear.py`).
 
 Each output column is still one dot product over the same input, in the same order, so the logits
-are bit-for-bit those of the unfused model (`tests/test_model.py` checks it at several batch
-sizes). `fuse_projections` returns a copy: the caller's model, which chapter 00 reads and training
+are bit-for-bit those of the unfused model (`tests/test_fused.py` checks it at several batch
+sizes) -- at the thread counts the book runs (1 to 4 checked). On 8 and 16 threads (an AMD EPYC)
+a 301-token prompt's logits differed by float32 rounding (7.6e-6), though each fused matmul alone
+stayed exact: some op splits its work otherwise there (not tracked down).
+
+`fuse_projections` returns a copy: the caller's model, which chapter 00 reads and training
 updates, keeps its separate projections; the copy holds the stacked weights instead. A model no one
 else holds -- one the engine loaded from a folder itself -- is fused in place (`in_place=True`):
 each layer's stacked weights replace its projections as they are made, so a 0.6 B model never

@@ -436,10 +436,11 @@ class SamplingMetadata:
         return logits
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's sampling distribution, float64 `[R, V]` (see `token_probs`). The parameter
+        """Each row's sampling distribution, float64 `[R, V]` on the host (see `token_probs`),
+        wherever the logits are: every draw is made on the host (see `sample`). The parameter
         tensors are made here, not per step: an all-greedy step never needs them."""
         return token_probs(
-            self.processed(logits),
+            self.processed(logits.cpu()),
             torch.tensor(self.temperatures, dtype=torch.float64),
             torch.tensor(self.top_ks, dtype=torch.long),
             torch.tensor(self.top_ps, dtype=torch.float64),
