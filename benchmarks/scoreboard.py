@@ -319,7 +319,22 @@ def vllm_row() -> dict | None:
     vllm, mini = results.get(vllm_key), results.get("minivllm/numba")
     if vllm is None or mini is None:
         return None
-    split = results.get("minivllm/numba/2p")  # forward_processes=2, where the run had one
+
+    def variant(key: str) -> dict | None:
+        """Another minivllm system of the same run, where it had one."""
+        if key not in results:
+            return None
+        row = results[key]
+        return {
+            "system": row["system"],
+            "tokens_per_s_median": row["tokens_per_second_median"],
+            "tokens_per_s_best": row["tokens_per_second_best"],
+            "over_vllm_median": round(
+                row["tokens_per_second_median"] / vllm["tokens_per_second_median"], 3
+            ),
+            "greedy_agreement": peer.get("greedy_agreement", {}).get(f"{key} vs {vllm_key}"),
+        }
+
     return {
         "source": "benchmarks/results/vllm_peer.json",
         "workload": peer["workload"],
@@ -329,28 +344,13 @@ def vllm_row() -> dict | None:
             "tokens_per_s_median": vllm["tokens_per_second_median"],
             "tokens_per_s_best": vllm["tokens_per_second_best"],
         },
-        "minivllm": {
-            "system": mini["system"],
-            "tokens_per_s_median": mini["tokens_per_second_median"],
-            "tokens_per_s_best": mini["tokens_per_second_best"],
-        },
+        "minivllm": variant("minivllm/numba"),
         "minivllm_over_vllm_median": round(
             mini["tokens_per_second_median"] / vllm["tokens_per_second_median"], 3
         ),
         "greedy_agreement": peer.get("greedy_agreement", {}).get(f"minivllm/numba vs {vllm_key}"),
-        "minivllm_split": None
-        if split is None
-        else {
-            "system": split["system"],
-            "tokens_per_s_median": split["tokens_per_second_median"],
-            "tokens_per_s_best": split["tokens_per_second_best"],
-            "over_vllm_median": round(
-                split["tokens_per_second_median"] / vllm["tokens_per_second_median"], 3
-            ),
-            "greedy_agreement": peer.get("greedy_agreement", {}).get(
-                f"minivllm/numba/2p vs {vllm_key}"
-            ),
-        },
+        "minivllm_split": variant("minivllm/numba/2p"),  # forward_processes=2
+        "minivllm_compiled": variant("minivllm/numba/compiled"),  # compile_forward=True
         "load_average": peer.get("load_average"),
         # When and at which commit vllm_peer.py ran (its record has no date before it wrote one):
         # the scoreboard page shows it under the table, since that run is not this one.
@@ -451,12 +451,12 @@ def main() -> None:
             f"{peer['minivllm']['system']} {peer['minivllm']['tokens_per_s_median']:.1f} tokens/s "
             f"in the same run: minivllm / vLLM = {peer['minivllm_over_vllm_median']:.2f}"
         )
-        if peer["minivllm_split"] is not None:
-            split = peer["minivllm_split"]
-            print(
-                f"  {split['system']} {split['tokens_per_s_median']:.1f} tokens/s: "
-                f"minivllm / vLLM = {split['over_vllm_median']:.2f}"
-            )
+        for other in (peer["minivllm_split"], peer["minivllm_compiled"]):
+            if other is not None:
+                print(
+                    f"  {other['system']} {other['tokens_per_s_median']:.1f} tokens/s: "
+                    f"minivllm / vLLM = {other['over_vllm_median']:.2f}"
+                )
     elapsed = time.perf_counter() - started
     print(f"\nload average {load_at_start} -> {load_str()}; {elapsed:.0f} s in all")
     if args.out_path is None:

@@ -328,25 +328,34 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
 
 
 # -- the minivllm side: runs in this repository's venv ---------------------------------------------
-def run_minivllm(model, requests, backend: str, processes: int = 1, tokenizer=None) -> dict:
-    from _common import cpu_seconds_of
-
+def peer_config(requests, backend: str, dtype, processes: int = 1, compiled: bool = False):
+    """The engine's settings for this workload: vLLM's scheduler limits, and a cache that holds
+    every request at its full length (no stalls, no preemption)."""
     from minivllm.engine.config import EngineConfig
-    from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sched.scheduler import SchedulerConfig
-    from minivllm.sched.sequence import SamplingParams
 
-    # a cache that holds every request at its full length: no stalls, no preemption
     blocks = max(2048, sum(-(-(len(r.prompt_ids) + r.max_tokens) // 16) for r in requests))
-    config = EngineConfig(
+    return EngineConfig(
         num_blocks=blocks,
         scheduler=SchedulerConfig(
             max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS
         ),
         attention_backend=backend,
         forward_processes=processes,
-        dtype=next(model.parameters()).dtype,
+        dtype=dtype,
+        compile_forward=compiled,
     )
+
+
+def run_minivllm(
+    model, requests, backend: str, processes: int = 1, tokenizer=None, compiled: bool = False
+) -> dict:
+    from _common import cpu_seconds_of
+
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sched.sequence import SamplingParams
+
+    config = peer_config(requests, backend, next(model.parameters()).dtype, processes, compiled)
     engine = LLMEngine(model, config, tokenizer)
     workers = engine.runner.workers.pids if engine.runner.workers else []
     params = [
@@ -360,6 +369,7 @@ def run_minivllm(model, requests, backend: str, processes: int = 1, tokenizer=No
     engine.close()
     tokens = [list(o.token_ids) for o in outputs]
     label = f"{backend} attention" + (f", {processes} processes" if processes > 1 else "")
+    label += ", compiled" if compiled else ""
     return {
         "system": f"minivllm ({label})",
         "forward_processes": processes,
@@ -372,19 +382,22 @@ def run_minivllm(model, requests, backend: str, processes: int = 1, tokenizer=No
     }
 
 
-def minivllm_key(backend: str, processes: int) -> str:
-    return f"minivllm/{backend}" + (f"/{processes}p" if processes > 1 else "")
+def minivllm_key(backend: str, processes: int, compiled: bool = False) -> str:
+    key = f"minivllm/{backend}" + (f"/{processes}p" if processes > 1 else "")
+    return key + ("/compiled" if compiled else "")
 
 
-def warm_minivllm(model, requests, backend: str, tokenizer=None) -> None:
+def warm_minivllm(model, requests, backend: str, tokenizer=None, compiled: bool = False) -> None:
     """A process's first forward pays for thread pools and allocator growth; a kernel compiles (or
-    loads its cache)."""
+    loads its cache); with `compiled`, torch.compile makes the forward's graph (vLLM compiles
+    before its timed run too), which later engines of this process reuse."""
     from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sched.sequence import SamplingParams
 
     dtype = next(model.parameters()).dtype
-    engine = LLMEngine(model, EngineConfig(attention_backend=backend, dtype=dtype), tokenizer)
+    config = EngineConfig(attention_backend=backend, dtype=dtype, compile_forward=compiled)
+    engine = LLMEngine(model, config, tokenizer)
     warm = requests[:WARMUP_REQUESTS]
     engine.generate(
         [r.prompt_ids for r in warm],
@@ -459,6 +472,14 @@ def main() -> int:
         default=[1],
         help="minivllm forward processes to run each backend with (EngineConfig.forward_processes: "
         "2 splits each pass by sequence between this process and a worker, one thread each)",
+    )
+    parser.add_argument(
+        "--minivllm-modes",
+        nargs="+",
+        choices=["eager", "compiled"],
+        default=["eager", "compiled"],
+        help="eager: minivllm's default; compiled: EngineConfig(compile_forward=True), the forward "
+        "under torch.compile (one process only)",
     )
     parser.add_argument(
         "--vllm-modes",
@@ -540,8 +561,16 @@ def main() -> int:
         flush=True,
     )
 
-    for backend in args.backends:
-        warm_minivllm(model, requests, backend, tokenizer)
+    # every minivllm system: (backend, forward processes, compiled); compiled runs in one process
+    minis = [
+        (b, p, m == "compiled")
+        for b in args.backends
+        for p in args.processes
+        for m in args.minivllm_modes
+        if p == 1 or m == "eager"
+    ]
+    for backend, _, compiled in dict.fromkeys((b, 1, c) for b, _, c in minis):
+        warm_minivllm(model, requests, backend, tokenizer, compiled)
 
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -562,11 +591,10 @@ def main() -> int:
                 ),
                 *(
                     (
-                        minivllm_key(b, p),
-                        lambda b=b, p=p: run_minivllm(model, requests, b, p, tokenizer),
+                        minivllm_key(b, p, c),
+                        lambda b=b, p=p, c=c: run_minivllm(model, requests, b, p, tokenizer, c),
                     )
-                    for b in args.backends
-                    for p in args.processes
+                    for b, p, c in minis
                 ),
             ]:
                 r = run()
@@ -576,7 +604,7 @@ def main() -> int:
 
     results = {key: summary(rs) for key, rs in runs.items()}
     vllm_keys = [f"vllm/{m}" for m in args.vllm_modes]
-    mini_keys = [minivllm_key(b, p) for b in args.backends for p in args.processes]
+    mini_keys = [minivllm_key(b, p, c) for b, p, c in minis]
     if any(r["tokens"] != sum(out_lens) for rs in runs.values() for r in rs):
         print("  note: a system generated a different number of tokens than asked for")
 

@@ -216,17 +216,18 @@ else:
             f"{agreement['identical']} of {agreement['requests']}",
         ],
     ]
-    split = peer.get("minivllm_split")  # the same engine, each pass split between 2 processes
-    if split is not None:
-        peer_rows.append(
-            [
-                split["system"],
-                f"{split['tokens_per_s_median']:,.1f}",
-                speed_change(split["over_vllm_median"], than="vLLM"),
-                f"{split['greedy_agreement']['identical']} of "
-                f"{split['greedy_agreement']['requests']}",
-            ]
-        )
+    # the same engine with each pass split between 2 processes, and with its forward compiled
+    for other in (peer.get("minivllm_split"), peer.get("minivllm_compiled")):
+        if other is not None:
+            peer_rows.append(
+                [
+                    other["system"],
+                    f"{other['tokens_per_s_median']:,.1f}",
+                    speed_change(other["over_vllm_median"], than="vLLM"),
+                    f"{other['greedy_agreement']['identical']} of "
+                    f"{other['greedy_agreement']['requests']}",
+                ]
+            )
     peer_recorded = recorded_at(peer["machine"].get("source"), peer.get("date"))
     display(
         Table(

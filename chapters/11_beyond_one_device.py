@@ -608,7 +608,7 @@ for pair, agreement in peer["greedy_agreement"].items():
 # | collectives | `torch.distributed` all-reduce, pickled batch broadcast | custom all-reduce kernels over NVLink, NCCL, shared-memory broadcast of the batch |
 # | launch | spawned ranks, or `torchrun` | multiprocessing, Ray across nodes |
 # | kernels | torch ops, a numba CPU kernel, numba-cuda kernels | FlashAttention, FlashInfer, fused MoE, Triton and CUTLASS kernels |
-# | the step | eager, CUDA graphs for decode | `torch.compile` plus CUDA graphs, piecewise |
+# | the step | eager, or `torch.compile` on a CPU; CUDA graphs for decode | `torch.compile` plus CUDA graphs, piecewise |
 # | memory | the K/V cache in the model's dtype | FP8 K/V cache, quantized weights (FP8, AWQ, GPTQ, ...), K/V offload |
 # | scheduling | continuous batching, chunked prefill, prefix cache, speculative decoding | the same, plus disaggregated prefill, EAGLE drafts, structured output, LoRA adapters |
 # | models | four Llama-like families | hundreds of architectures, multimodal inputs |

@@ -86,6 +86,7 @@ def test_serve_arguments_build_the_engine_they_name() -> None:
             "--num-speculative-tokens",
             "3",
             "--enforce-eager",
+            "--compile",
         ]
     )
     assert (args.command, args.model, args.host, args.port) == (
@@ -97,6 +98,7 @@ def test_serve_arguments_build_the_engine_they_name() -> None:
     engine = build_serving_engine(args)
     assert engine.config.num_blocks == 256 and engine.config.speculative.num_speculative_tokens == 3
     assert engine.config.scheduler.max_num_seqs == 16 and engine.config.enforce_eager
+    assert engine.config.compile_forward and engine.runner.compiled is not None
 
 
 def test_serve_refuses_a_bad_setting_before_listening(capsys) -> None:

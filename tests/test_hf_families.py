@@ -147,6 +147,18 @@ def test_greedy_tokens_match_generate(checkpoints, hf_models, family, backend) -
         assert_same_or_near_tie(hf, prompt, out.token_ids, theirs, FP32_TOLERANCE)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_forward_matches_generate(checkpoints, hf_models, family) -> None:
+    """Each family's forward under torch.compile (Qwen2's biases, Qwen3's q/k norms, the rope
+    settings traced into the graph): Hugging Face's greedy tokens, or a near-tie."""
+    hf, expected = hf_models[family]
+    config = EngineConfig(num_blocks=32, block_size=4, compile_forward=True)
+    engine = LLMEngine(load_model(checkpoints[family], dtype=torch.float32), config)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for prompt, out, theirs in zip(PROMPTS, engine.generate(PROMPTS, params), expected):
+        assert_same_or_near_tie(hf, prompt, out.token_ids, theirs, FP32_TOLERANCE)
+
+
 def test_bfloat16_engine_matches_generate_in_bfloat16(checkpoints) -> None:
     """`LLM(folder)`: the checkpoint's bfloat16 for the model and the cache; "auto" picks the
     reference backend, the numba kernel being float32-only."""

@@ -58,7 +58,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     speculative: SpeculativeConfig | None = None  # None: plain decoding, one target pass per token
     # "cpu", "cuda", or "auto": the GPU when torch sees one, unless what else is asked for runs on
-    # a CPU only (the numba backend, forward workers)
+    # a CPU only (the numba backend, forward workers, compile_forward)
     device: str = "auto"
     # A name from minivllm.attention.backend: "torch" (the reference), "cuda" (chapter 08's kernel
     # for decodes; on a CPU it runs in numba's simulator, for small checks only), "numba" (the
@@ -70,6 +70,12 @@ class EngineConfig:
     # is taken when the engine starts: later changes to the caller's weights do not reach it. A
     # model the engine loaded itself (`LLM(folder)`, the CLI) is fused in place: no second copy.
     fuse_projections: bool = True
+    # Run the forward under torch.compile (runner/compiled.py), as vLLM's default mode: inductor
+    # fuses the small ops between the matmuls and runs the graph without Python; attention stays
+    # the backend's, as one opaque op. The first pass compiles (about 20 s on two cores;
+    # inductor's disk cache serves later processes), and the logits move by float32 rounding. On
+    # the CPU, in one process: a GPU engine replays CUDA graphs instead.
+    compile_forward: bool = False
     # Processes that share each forward pass on a CPU, each running whole sequences on one thread
     # (runner/workers.py, chapter 11): 1 runs it here on torch's threads; 2 uses a second core
     # where threads inside each small operation hardly do. Workers start with the engine (a few
@@ -144,6 +150,12 @@ class EngineConfig:
                 f"EngineConfig.attention_backend must be one of {names}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.compile_forward and (self.device == "cuda" or tp > 1 or self.forward_processes > 1):
+            raise ValueError(
+                "compile_forward runs the forward on the CPU, in this process: use device 'cpu' "
+                "or 'auto', with tensor_parallel_size and forward_processes 1 (a GPU engine "
+                "replays CUDA graphs instead)"
+            )
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 "EngineConfig.device is 'cuda' but torch sees no GPU: use 'cpu' or 'auto'"
@@ -155,7 +167,11 @@ def _resolve_device(config: EngineConfig) -> str:
     cannot run there says so when the engine builds it)."""
     if config.device != "auto":
         return config.device
-    cpu_only = config.forward_processes > 1 or backend_device(config.attention_backend) == "cpu"
+    cpu_only = (
+        config.forward_processes > 1
+        or config.compile_forward
+        or backend_device(config.attention_backend) == "cpu"
+    )
     # a GPU per tensor-parallel rank, or the ranks run on the CPU
     tp = config.tensor_parallel_size
     enough = torch.cuda.is_available() and (tp == 1 or torch.cuda.device_count() >= tp)

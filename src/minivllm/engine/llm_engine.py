@@ -164,6 +164,10 @@ class LLMEngine:
         runner_storage = QueuedCopies(self.parallel) if parallel else self.storage
         self.runner = ModelRunner(runner_model, runner_storage, self.manager, backend, self.drafter)
         self.runner.parallel = self.parallel
+        if config.compile_forward:
+            from minivllm.runner.compiled import CompiledForward
+
+            self.runner.compiled = CompiledForward(runner_model)
         if config.forward_processes > 1:  # ForwardWorkers refuses a cache off the CPU
             self.runner.workers = ForwardWorkers(
                 runner_model,

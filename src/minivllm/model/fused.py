@@ -48,7 +48,11 @@ from minivllm.model.transformer import RMSNorm, SelfAttention, SwiGLU, Transform
 
 
 def on_cpu_in_float32(*tensors: torch.Tensor) -> bool:
-    """Whether `cpu_kernels` (and torch's one-op norm, bit for bit) can take these tensors."""
+    """Whether `cpu_kernels` (and torch's one-op norm, bit for bit) can take these tensors. Never
+    while torch.compile traces the model (runner/compiled.py): inductor fuses the plain ops and
+    packs the weights itself, and a numba call would break its graph."""
+    if torch.compiler.is_compiling():
+        return False
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from minivllm.runner.tensor_parallel import TensorParallelGroup
 from minivllm.runner.workers import ForwardWorkers
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.sequence import Sequence
+
+if TYPE_CHECKING:  # imported when an engine compiles: it registers a torch custom op
+    from minivllm.runner.compiled import CompiledForward
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # TensorParallelGroup (runner/tensor_parallel.py) when the model is split over ranks
         self.parallel: TensorParallelGroup | None = None
+        # CompiledForward (runner/compiled.py) when the forward runs under torch.compile
+        self.compiled: CompiledForward | None = None
 
     def execute(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> RunnerOutput:
         """Run the plan's chunks: draft (with speculation), one forward pass, sample or verify.
@@ -185,7 +191,8 @@ class ModelRunner:
             return self.parallel.forward(batch)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, on_host=False)
-        return run_model(self.model, self.storage, batch, self.backend, on_host=False)
+        model = self.compiled if self.compiled is not None else self.model
+        return run_model(model, self.storage, batch, self.backend, on_host=False)
 
     def sample(
         self,

@@ -1,0 +1,114 @@
+"""The forward under torch.compile (runner/compiled.py, `EngineConfig(compile_forward=True)`):
+its logits are the eager model's to float32 rounding on a mixed batch, on both CPU backends; an
+engine on it gives the eager engine's greedy tokens (where one differs, the eager logits nearly
+tie there); another model of the same shapes runs on the same graph with its own weights; the
+configurations it cannot run in are refused. One compile per test process (about 20 s): every
+test here shares the graph."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_forward_workers import mixed_batch
+
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.attention.backend import get_backend
+from minivllm.engine.config import _resolve_device
+from minivllm.model.fused import fuse_projections
+from minivllm.runner.batch import run_model
+from minivllm.runner.compiled import CompiledForward
+from minivllm.training.corpus import shipped_validation_text
+
+# The largest logit difference compiled against eager: the fused loops sum in another order.
+TOLERANCE = 1e-4
+# Greedy tokens may part where the eager model's two likeliest tokens are closer than this.
+NEAR_TIE = 1e-3
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_compiled_logits_are_the_eager_ones_to_rounding(target, backend) -> None:
+    model = fuse_projections(target)
+    storage, batch = mixed_batch(model)
+    eager = run_model(model, storage, batch, get_backend(backend))
+    compiled = run_model(CompiledForward(model), storage, batch, get_backend(backend))
+    assert compiled.shape == eager.shape == (len(batch.logits_indices), model.config.vocab_size)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=TOLERANCE)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_a_compiled_engine_gives_the_eager_greedy_tokens(target) -> None:
+    text = shipped_validation_text()
+    prompts = [text[300 * i : 300 * i + 20 + 37 * i] for i in range(10)]
+    params = [SamplingParams(max_tokens=16 + 4 * i, temperature=0) for i in range(10)]
+    tokens = {}
+    for compiled in (False, True):
+        config = EngineConfig(num_blocks=128, block_size=16, compile_forward=compiled)
+        engine = LLMEngine(target, config)
+        assert (engine.runner.compiled is not None) == compiled
+        outputs = engine.generate(prompts, params)
+        tokens[compiled] = [(o.prompt_token_ids, o.token_ids) for o in outputs]
+    parted = 0
+    for (prompt, eager), (_, compiled) in zip(tokens[False], tokens[True]):
+        assert len(eager) == len(compiled)
+        if eager == compiled:
+            continue
+        parted += 1  # only at a near-tie of the eager model's logits
+        i = first_difference(eager, compiled)
+        with torch.no_grad():
+            logits = target(torch.tensor(list(prompt) + list(eager[:i])))[-1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < NEAR_TIE, (i, eager[i], compiled[i])
+    assert parted <= 2, f"{parted} of {len(prompts)} requests parted"
+
+
+def test_another_model_runs_on_the_same_graph_with_its_own_weights(target) -> None:
+    """The weights are graph inputs, not constants folded in: a second model of the same shapes
+    (or a weight changed in place) is computed with its own values."""
+    first = fuse_projections(target)
+    second = copy.deepcopy(first)
+    with torch.no_grad():
+        for weight in second.parameters():
+            weight.mul_(1.01)
+    for model in (first, second, first):
+        storage, batch = mixed_batch(model)
+        eager = run_model(model, storage, batch, get_backend("numba"))
+        compiled = run_model(CompiledForward(model), storage, batch, get_backend("numba"))
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"device": "cuda"}, {"forward_processes": 2}, {"tensor_parallel_size": 2}],
+)
+def test_compiling_is_refused_off_the_cpu_or_in_several_processes(settings) -> None:
+    with pytest.raises(ValueError, match="compile_forward runs the forward on the CPU"):
+        EngineConfig(compile_forward=True, **settings)
+
+
+def test_a_compiled_engine_runs_on_the_cpu_where_a_gpu_is_present() -> None:
+    assert _resolve_device(EngineConfig(compile_forward=True)) == "cpu"
+
+
+def test_the_benchmark_steps_both_engines_to_the_same_tokens(tmp_path, monkeypatch) -> None:
+    """benchmarks/compiled_forward.py kept working (its numbers are the benchmark's, not a
+    test's): both engines step the whole workload, every step kind is timed on both, and the
+    record counts the requests whose tokens agree."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import compiled_forward
+
+    out = tmp_path / "compiled_forward.json"
+    monkeypatch.setattr(sys, "argv", ["compiled_forward.py", "--requests", "6", "--out", str(out)])
+    compiled_forward.main()
+    record = json.loads(out.read_text())
+    assert record["greedy_identical"]["requests"] == 6
+    assert record["rows"] and all(row["count"] > 0 for row in record["rows"])
+    assert record["rows"][0]["steps"] == "with prefill"
+    assert all(t > 0 for t in record["total_step_s"].values())
