@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_forward_workers import mixed_batch
 
+import minivllm.model.fused as fused_module
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.attention.backend import get_backend
 from minivllm.engine.config import _resolve_device
@@ -82,6 +83,31 @@ def test_another_model_runs_on_the_same_graph_with_its_own_weights(target) -> No
         eager = run_model(model, storage, batch, get_backend("numba"))
         compiled = run_model(CompiledForward(model), storage, batch, get_backend("numba"))
         torch.testing.assert_close(compiled, eager, rtol=0, atol=TOLERANCE)
+
+
+def test_packed_weights_stay_packed_inside_the_graph(target, monkeypatch) -> None:
+    """A real model's big weights go through oneDNN packed (model/fused.py `linear`); under
+    compile that path is one opaque op (`minivllm::packed_linear`), called with the graph's own
+    weights, so inductor does not hand the matmul to MKL's unpacked sgemm. Every weight counts
+    as big here (threshold 0)."""
+    monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
+    calls = []
+    packed = fused_module._packed_linear
+    monkeypatch.setattr(
+        fused_module, "_packed_linear", lambda *args: calls.append(1) or packed(*args)
+    )
+    model = fuse_projections(target)
+    storage, batch = mixed_batch(model)
+    eager = run_model(model, storage, batch, get_backend("numba"))
+    eager_calls, calls[:] = len(calls), []
+    torch._dynamo.utils.counters.clear()
+    compiled = run_model(CompiledForward(model), storage, batch, get_backend("numba"))
+    assert len(calls) == eager_calls > 0  # every projection and the LM head, packed, both ways
+    # traced anew (the threshold is guarded), as one graph: a break would compile each layer alone
+    assert not torch._dynamo.utils.counters["graph_break"], dict(
+        torch._dynamo.utils.counters["graph_break"]
+    )
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=TOLERANCE)
 
 
 @pytest.mark.parametrize(

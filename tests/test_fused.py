@@ -127,7 +127,7 @@ def test_a_big_weight_goes_through_onednn_packed_once(monkeypatch) -> None:
     """`linear` packs a float32 weight of PACK_MIN_BYTES or more once, reuses the packing, packs
     again after an in-place change, forgets it with the weight, and matches F.linear to float32
     rounding; a smaller weight, or one off float32, takes F.linear itself."""
-    if not fused_module._onednn():
+    if not fused_module.ONEDNN_LINEAR:
         pytest.skip("this torch has no oneDNN linear ops")
     generator = torch.Generator().manual_seed(3)
     weight = torch.nn.Parameter(torch.randn(1024, 1024, generator=generator))  # 4 MiB
@@ -158,7 +158,7 @@ def test_a_big_weight_goes_through_onednn_packed_once(monkeypatch) -> None:
 def test_an_engine_on_packed_weights_gives_the_same_greedy_tokens(target, monkeypatch) -> None:
     """Every weight of the shipped model packed (the threshold at 0): the engine's greedy tokens
     are the ones of F.linear's."""
-    if not fused_module._onednn():
+    if not fused_module.ONEDNN_LINEAR:
         pytest.skip("this torch has no oneDNN linear ops")
     text = shipped_validation_text()
     prompts = [text[700 * i : 700 * i + 25 + 11 * i] for i in range(5)]

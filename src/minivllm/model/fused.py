@@ -48,11 +48,7 @@ from minivllm.model.transformer import RMSNorm, SelfAttention, SwiGLU, Transform
 
 
 def on_cpu_in_float32(*tensors: torch.Tensor) -> bool:
-    """Whether `cpu_kernels` (and torch's one-op norm, bit for bit) can take these tensors. Never
-    while torch.compile traces the model (runner/compiled.py): inductor fuses the plain ops and
-    packs the weights itself, and a numba call would break its graph."""
-    if torch.compiler.is_compiling():
-        return False
+    """Whether `cpu_kernels` (and torch's one-op norm, bit for bit) can take these tensors."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
@@ -64,6 +60,11 @@ def on_cpu_in_float32(*tensors: torch.Tensor) -> bool:
 # (`onednn_mm`). Below the threshold -- every weight of the book's model -- packing lost at one
 # row (41 against 99 us for a 1 MiB weight), and F.linear stays.
 PACK_MIN_BYTES = 4 << 20
+# Whether this torch has oneDNN's CPU linear ops (x86 and arm64 builds do). A constant, read once:
+# torch.compile will not trace `torch.backends.mkldnn.is_available` (a graph break per layer).
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
 # id(weight) -> (a weak reference to it, its version when packed, the packed weight); an entry goes
 # when its weight does. (Not a WeakKeyDictionary: it compares keys with ==, elementwise on tensors.)
 _PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
@@ -73,9 +74,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear(x, weight, bias)`; for a float32 weight of PACK_MIN_BYTES or more on the CPU,
     through oneDNN with the weight packed once (cached per weight, packed again if it is changed
     in place). The packed path sums in another order: equal to float32 rounding, not bit for
-    bit."""
-    if weight.numel() * 4 < PACK_MIN_BYTES or not _onednn() or not on_cpu_in_float32(x, weight):
+    bit. Under torch.compile (runner/compiled.py) the packed path is one opaque op, as vLLM's
+    `onednn_mm`: inductor would otherwise hand the matmul to MKL's unpacked sgemm."""
+    if weight.numel() * 4 < PACK_MIN_BYTES or not ONEDNN_LINEAR or not on_cpu_in_float32(x, weight):
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return packed_linear(x, weight, bias)
+    return _packed_linear(x, weight, bias)
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """oneDNN's linear on `weight` packed once (the cache above)."""
     key = id(weight)
     cached = _PACKED.get(key)
     if cached is None or cached[0]() is not weight or cached[1] != weight._version:
@@ -85,10 +94,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, cached[2], bias, "none", [], "")
 
 
-@functools.cache
-def _onednn() -> bool:
-    """Whether this torch has oneDNN's CPU linear ops (x86 and arm64 builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@torch.library.custom_op("minivllm::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear`'s packed path as one op a compiled graph calls: the packing cache is looked up
+    when the graph runs, for the weight the graph is given."""
+    return _packed_linear(x, weight, bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 class FusedLinear(nn.Linear):
@@ -119,7 +134,8 @@ class FusedSelfAttention(SelfAttention):
         v = v.view(*lead, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):  # Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
-        if q.dim() == 3 and on_cpu_in_float32(q, cos):  # an engine's batch on the CPU
+        # an engine's batch on the CPU; under torch.compile inductor fuses apply_rope itself
+        if q.dim() == 3 and on_cpu_in_float32(q, cos) and not torch.compiler.is_compiling():
             q, k = _cpu_kernels().rope_qk(q, k, cos, sin)  # one loop each, apply_rope exactly
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -7,8 +7,10 @@ KiB each. vLLM's default (compiled) mode hands the model to inductor, which fuse
 a few generated C++ loops and runs the graph without Python. This module does the same for
 minivllm's model: in the book model's graph the embedding and the first RMSNorm become one loop,
 RoPE one loop with the q/k/v split, and each residual add rides in its matmul (`addmm`); the
-matmuls stay MKL's. The weights are graph inputs, not constants: another model of the same
-shapes runs on the same graph, and a weight changed in place is seen.
+matmuls stay MKL's. A real model's big weights keep their packed oneDNN path (model/fused.py
+`linear`) as another opaque op, `minivllm::packed_linear`, as vLLM keeps its `onednn_mm`. The
+weights are graph inputs, not constants: another model of the same shapes runs on the same graph,
+and a weight changed in place is seen.
 
 Attention stays the engine's backend. It reads and writes the K/V cache, which the graph never
 sees, so inductor gets it as one opaque op, `minivllm::attention`: the op calls the pass's
@@ -17,7 +19,8 @@ backend object, which `CompiledForward.__call__` puts in a thread-local before t
 the graph touches the cache, so nothing can be reordered around the write.
 
 What it costs:
-- the first pass compiles: about 20 s on two cores. The batch's sizes are marked unbacked, so one
+- the first pass compiles: about 20 s on two cores for the book's model, about 100 s for a
+  random Qwen3-0.6B-shaped one (28 layers). The batch's sizes are marked unbacked, so one
   graph serves every batch (a backed size would be specialised at 1: a second compile for a lone
   row). Inductor's cache on disk serves later processes in seconds;
 - the logits move by float32 rounding (fused reductions sum in another order): greedy tokens can
