@@ -21,9 +21,14 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.attention.backend import get_backend
 from minivllm.engine.config import _resolve_device
 from minivllm.model.fused import fuse_projections
+from minivllm.runner import compiled as compiled_module
 from minivllm.runner.batch import run_model
-from minivllm.runner.compiled import CompiledForward
+from minivllm.runner.compiled import CompiledForward, cpp_compiler
 from minivllm.training.corpus import shipped_validation_text
+
+needs_cxx = pytest.mark.skipif(
+    cpp_compiler() is None, reason="no C++ compiler: inductor cannot build CPU code here"
+)
 
 # The largest logit difference compiled against eager: the fused loops sum in another order.
 TOLERANCE = 1e-4
@@ -31,6 +36,7 @@ TOLERANCE = 1e-4
 NEAR_TIE = 1e-3
 
 
+@needs_cxx
 @pytest.mark.parametrize("backend", ["numba", "torch"])
 def test_compiled_logits_are_the_eager_ones_to_rounding(target, backend) -> None:
     model = fuse_projections(target)
@@ -45,6 +51,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+@needs_cxx
 def test_a_compiled_engine_gives_the_eager_greedy_tokens(target) -> None:
     text = shipped_validation_text()
     prompts = [text[300 * i : 300 * i + 20 + 37 * i] for i in range(10)]
@@ -70,6 +77,7 @@ def test_a_compiled_engine_gives_the_eager_greedy_tokens(target) -> None:
     assert parted <= 2, f"{parted} of {len(prompts)} requests parted"
 
 
+@needs_cxx
 def test_another_model_runs_on_the_same_graph_with_its_own_weights(target) -> None:
     """The weights are graph inputs, not constants folded in: a second model of the same shapes
     (or a weight changed in place) is computed with its own values."""
@@ -85,6 +93,7 @@ def test_another_model_runs_on_the_same_graph_with_its_own_weights(target) -> No
         torch.testing.assert_close(compiled, eager, rtol=0, atol=TOLERANCE)
 
 
+@needs_cxx
 def test_packed_weights_stay_packed_inside_the_graph(target, monkeypatch) -> None:
     """A real model's big weights go through oneDNN packed (model/fused.py `linear`); under
     compile that path is one opaque op (`minivllm::packed_linear`), called with the graph's own
@@ -123,6 +132,7 @@ def test_a_compiled_engine_runs_on_the_cpu_where_a_gpu_is_present() -> None:
     assert _resolve_device(EngineConfig(compile_forward=True)) == "cpu"
 
 
+@needs_cxx
 def test_the_benchmark_steps_both_engines_to_the_same_tokens(tmp_path, monkeypatch) -> None:
     """benchmarks/compiled_forward.py kept working (its numbers are the benchmark's, not a
     test's): both engines step the whole workload, every step kind is timed on both, and the
@@ -138,3 +148,9 @@ def test_the_benchmark_steps_both_engines_to_the_same_tokens(tmp_path, monkeypat
     assert record["rows"] and all(row["count"] > 0 for row in record["rows"])
     assert record["rows"][0]["steps"] == "with prefill"
     assert all(t > 0 for t in record["total_step_s"].values())
+
+
+def test_without_a_cpp_compiler_the_engine_says_so_when_built(target, monkeypatch) -> None:
+    monkeypatch.setattr(compiled_module.shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match="compile_forward needs a C\\+\\+ compiler"):
+        LLMEngine(target, EngineConfig(num_blocks=16, compile_forward=True))

@@ -25,6 +25,7 @@ from minivllm.model.checkpoint import (  # noqa: E402
 from minivllm.model.families import HFTransformer, rope_inv_freq  # noqa: E402
 from minivllm.model.fused import fuse_model  # noqa: E402
 from minivllm.model.hf_tokenizer import HFTokenizer  # noqa: E402
+from minivllm.runner.compiled import cpp_compiler  # noqa: E402
 from minivllm.sched.sequence import SamplingParams  # noqa: E402
 
 LLAMA3_ROPE = {
@@ -147,6 +148,7 @@ def test_greedy_tokens_match_generate(checkpoints, hf_models, family, backend) -
         assert_same_or_near_tie(hf, prompt, out.token_ids, theirs, FP32_TOLERANCE)
 
 
+@pytest.mark.skipif(cpp_compiler() is None, reason="no C++ compiler: inductor needs one")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_forward_matches_generate(checkpoints, hf_models, family) -> None:
     """Each family's forward under torch.compile (Qwen2's biases, Qwen3's q/k norms, the rope

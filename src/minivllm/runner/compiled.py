@@ -29,6 +29,7 @@ What it costs:
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import torch
@@ -56,11 +57,26 @@ def _attention_seam(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return attention_op(q, k, v, layer)
 
 
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor will call for CPU code (`CXX`, else g++), where it is installed."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        return shutil.which(get_cpp_compiler())
+    except RuntimeError:  # torch found none it can use
+        return None
+
+
 class CompiledForward:
     """`model`'s forward, compiled: called like the model (`run_model` takes either), it runs
     the graph with `attention` behind the custom op. Compiles on first use."""
 
     def __init__(self, model: Transformer) -> None:
+        if cpp_compiler() is None:  # else inductor fails inside the first step
+            raise ValueError(
+                "compile_forward needs a C++ compiler (inductor writes C++ for the CPU) and none "
+                "was found: install g++ (or name one in CXX), or run without compile_forward"
+            )
         self.model = model
         self.graph = torch.compile(self._forward, dynamic=True)
 
