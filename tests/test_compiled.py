@@ -1,9 +1,10 @@
 """The forward under torch.compile (runner/compiled.py, `EngineConfig(compile_forward=True)`):
 its logits are the eager model's to float32 rounding on a mixed batch, on both CPU backends; an
 engine on it gives the eager engine's greedy tokens (where one differs, the eager logits nearly
-tie there); another model of the same shapes runs on the same graph with its own weights; the
-configurations it cannot run in are refused. One compile per test process (about 20 s): every
-test here shares the graph."""
+tie there); another model of the same shapes runs on the same graph with its own weights; big
+weights stay on the packed oneDNN path inside one graph, with no graph break; the configurations
+it cannot run in (and a machine without a C++ compiler) are refused. One compile per test process
+(about 20 s) serves most tests here; the packed one compiles its own."""
 
 from __future__ import annotations
 
