@@ -79,6 +79,30 @@ def test_a_compiled_engine_gives_the_eager_greedy_tokens(target) -> None:
 
 
 @needs_cxx
+def test_a_compiled_engine_compiles_as_it_starts(target, monkeypatch) -> None:
+    """One warm-up pass when the engine is built (a server's first request does not wait for
+    the compile), in a block lent and taken back: later blocks go as they would have."""
+    passes = []
+    original = CompiledForward.__call__
+
+    def counted(self, *args, **kwargs):
+        passes.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledForward, "__call__", counted)
+    engines = [
+        LLMEngine(target, EngineConfig(num_blocks=32, block_size=16, compile_forward=compiled))
+        for compiled in (False, True)
+    ]
+    assert passes == [1]
+    for engine in engines:
+        assert engine.manager.num_free == 32 and not engine.manager.tables
+        engine.add_request("ROMEO:\nBut soft", SamplingParams(max_tokens=20, temperature=0))
+        engine.step()
+    assert engines[0].manager.block_table(0) == engines[1].manager.block_table(0)
+
+
+@needs_cxx
 def test_another_model_runs_on_the_same_graph_with_its_own_weights(target) -> None:
     """The weights are graph inputs, not constants folded in: a second model of the same shapes
     (or a weight changed in place) is computed with its own values."""

@@ -168,6 +168,7 @@ class LLMEngine:
             from minivllm.runner.compiled import CompiledForward
 
             self.runner.compiled = CompiledForward(runner_model)
+            self.runner.compiled.warm_up(self.storage, self.manager, backend)  # compiles here
         if config.forward_processes > 1:  # ForwardWorkers refuses a cache off the CPU
             self.runner.workers = ForwardWorkers(
                 runner_model,

@@ -19,8 +19,9 @@ backend object, which `CompiledForward.__call__` puts in a thread-local before t
 the graph touches the cache, so nothing can be reordered around the write.
 
 What it costs:
-- the first pass compiles: about 20 s on two cores for the book's model, about 100 s for a
-  random Qwen3-0.6B-shaped one (28 layers). The batch's sizes are marked unbacked, so one
+- the engine compiles as it starts (`warm_up`, as vLLM does: not in a request's first step): about
+  20 s on two cores for the book's model, about 100 s for a random Qwen3-0.6B-shaped one (28
+  layers). The batch's sizes are marked unbacked, so one
   graph serves every batch (a backed size would be specialised at 1: a second compile for a lone
   row). Inductor's cache on disk serves later processes in seconds;
 - the logits move by float32 rounding (fused reductions sum in another order): greedy tokens can
@@ -34,9 +35,14 @@ import threading
 
 import torch
 
+from minivllm.attention.backend import BackendFactory
+from minivllm.attention.storage import PagedKVStorage
+from minivllm.kv.block_manager import BlockManager
 from minivllm.model.transformer import Transformer
+from minivllm.runner.batch import BatchPiece, pack_batch, run_model
 
 _PASS = threading.local()  # .attention: the pass's backend object, while the graph runs
+WARM_UP_SEQ = -1  # the warm-up pass's sequence id: no request has it
 
 
 @torch.library.custom_op("minivllm::attention", mutates_args=())
@@ -93,3 +99,14 @@ class CompiledForward:
             return self.graph(input_ids, positions, rows)
         finally:
             _PASS.attention = None
+
+    def warm_up(self, storage: PagedKVStorage, manager: BlockManager, backend: BackendFactory):
+        """Compile now, on one token in a block `manager` lends and takes back (the front of its
+        free queue, where it came from: later blocks go as they would have). The token's K/V
+        lands in that free block, which a sequence writes before it reads."""
+        manager.allocate(WARM_UP_SEQ, 1)
+        try:
+            batch = pack_batch([BatchPiece(WARM_UP_SEQ, 0, [0], 1)], manager)
+            run_model(self, storage, batch, backend)
+        finally:
+            manager.free(WARM_UP_SEQ)
