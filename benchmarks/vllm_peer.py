@@ -22,7 +22,8 @@ unless asked), by
   scheduler process and leave one thread on a 2-core machine), and its KV cache from
   `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 here). Either can be overridden from the environment. Three
   modes, the first two run unless `--vllm-modes` names others: `compiled` is vLLM's default
-  (torch.compile with inductor, compiled at start-up and cached under ~/.cache/vllm), `eager` is
+  (torch.compile, compiled at start-up and cached under ~/.cache/vllm; vLLM 0.32's CPU build
+  also logs "Inductor compilation was disabled by user settings" there), `eager` is
   `enforce_eager=True` (plain PyTorch modules, like minivllm). vLLM runs with libgomp's default
   wait policy (idle OpenMP threads spin a while before they sleep), as it ships;
   `compiled-passive` runs the compiled mode with `OMP_WAIT_POLICY=PASSIVE`, the setting minivllm
@@ -30,7 +31,10 @@ unless asked), by
 * minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
   on each attention backend of `--backends`, with each number of forward processes of
   `--processes` (`EngineConfig.forward_processes`; 2: each pass split by sequence between this
-  process and a worker, one thread each -- the same 2 cores; CPU seconds then count both).
+  process and a worker, one thread each -- the same 2 cores; CPU seconds then count both), eager
+  and with its forward compiled (`--minivllm-modes`; `EngineConfig.compile_forward`, compiled when
+  the engine is built, in one process only). `benchmarks/compiled_forward.py` compares minivllm's
+  two modes step by step, a finer measure than these whole runs.
 
 Each system warms up (vLLM after start-up, minivllm once per backend), then one run over the
 whole workload is timed with the wall clock (start-up and compilation not counted): vLLM's is
