@@ -153,7 +153,9 @@ def test_compiling_is_refused_off_the_cpu_or_in_several_processes(settings) -> N
         EngineConfig(compile_forward=True, **settings)
 
 
-def test_a_compiled_engine_runs_on_the_cpu_where_a_gpu_is_present() -> None:
+def test_a_compiled_engine_runs_on_the_cpu_where_a_gpu_is_present(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU, as far as "auto" asks
+    assert _resolve_device(EngineConfig()) == "cuda"
     assert _resolve_device(EngineConfig(compile_forward=True)) == "cpu"
 
 

@@ -4,10 +4,14 @@ the GPU, whose CUDA graphs never call the clocked backend: attention would read 
 
 from __future__ import annotations
 
+import torch
+
 from minivllm.book.step_timing import decode_engine, time_decode_steps
 
 
-def test_decode_engines_time_cpu_steps_with_their_attention(target) -> None:
+def test_decode_engines_time_cpu_steps_with_their_attention(target, monkeypatch) -> None:
+    # a GPU, as far as device="auto" asks: the engines must stay on the CPU all the same
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     engines = {name: decode_engine(target, name, num_seqs=4) for name in ("torch", "numba")}
     for engine in engines.values():
         assert engine.config.device == "cpu"

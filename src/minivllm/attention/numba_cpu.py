@@ -646,7 +646,8 @@ def start_thread_pool() -> None:
     NUMBA_NUM_THREADS -- every core, unless set -- and torch reads its own count from that same
     setting. On a machine with more cores than torch was told to use, every torch op after the
     first parallel kernel would run on every core: the 16-core host of a lent GPU went from 2 to
-    16, where MKL splits the matmuls otherwise (the fused model's logits then move by a bit).
+    16, where some op splits its work otherwise (the fused model's logits then move by float32
+    rounding, model/fused.py).
     Every start of the pool in this module goes through here."""
     torch_threads = torch.get_num_threads()
     numba.get_num_threads()  # starts the pool
