@@ -40,7 +40,8 @@ whose fused kernels no longer map onto modules) and with its engine core in the 
 core is a process of its own and the front end's output processing overlaps its next step). Its
 own profiling scopes are on (`VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`). Two vLLM runs by default:
 `vllm` as it ships (libgomp's idle OpenMP threads spin before they sleep) and `vllm-passive`
-(`OMP_WAIT_POLICY=PASSIVE`, minivllm's setting): on a machine with more runnable threads than
+(`OMP_WAIT_POLICY=PASSIVE`, vLLM's recommended setting; minivllm's adds a short spin for torch's
+threads, `GOMP_SPINCOUNT`): on a machine with more runnable threads than
 cores a spinning thread can hold the core the thread it waits for needs. The engines alternate --
 vLLM's processes, then minivllm, for `--rounds` rounds -- and each component's number is the
 median over every profiled step of every round.
@@ -370,17 +371,20 @@ def vllm_patches(shapes: dict[tuple[int, int], str]) -> list:
 
 def run_vllm(python: str, spec: dict, threads: int, timeout: float, passive: bool) -> dict:
     """One vLLM process: every batch size, timed and profiled. `passive`: OpenMP's idle threads
-    sleep at once (minivllm's setting) instead of libgomp's default spin-then-sleep."""
+    sleep at once (vLLM's recommended setting) instead of libgomp's default spin-then-sleep."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(threads))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["OMP_NUM_THREADS"] = str(threads)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
+    # vLLM as it ships, or with its recommended passive threads (see vllm_peer.vllm_thread_policy):
+    # never with the short spin count minivllm put in this process's environment
+    env.pop("GOMP_SPINCOUNT", None)
     if passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     else:
-        env.pop("OMP_WAIT_POLICY", None)  # vLLM as it ships (see vllm_peer.run_vllm)
+        env.pop("OMP_WAIT_POLICY", None)
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -727,7 +731,7 @@ def main() -> int:
         choices=ENGINES,
         default=ENGINES,
         help="vllm: as it ships (libgomp's spinning idle threads); vllm-passive: with "
-        "OMP_WAIT_POLICY=PASSIVE, minivllm's setting",
+        "OMP_WAIT_POLICY=PASSIVE (vLLM's recommended setting)",
     )
     parser.add_argument(
         "--vllm-python", default=os.environ.get("VLLM_PEER_PYTHON", DEFAULT_VLLM_PYTHON)

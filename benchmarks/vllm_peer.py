@@ -20,14 +20,15 @@ unless asked), by
   Its CPU backend takes its OpenMP threads from `VLLM_CPU_OMP_THREADS_BIND` (here the first
   `--threads` CPUs this process may run on: `0-1`; vLLM's `auto` would keep one core back for its
   scheduler process and leave one thread on a 2-core machine), and its KV cache from
-  `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 here). Either can be overridden from the environment. Three
+  `VLLM_CPU_KVCACHE_SPACE` (GiB; 1 here). Either can be overridden from the environment. Four
   modes, the first two run unless `--vllm-modes` names others: `compiled` is vLLM's default
   (torch.compile, compiled at start-up and cached under ~/.cache/vllm; vLLM 0.32's CPU build
   also logs "Inductor compilation was disabled by user settings" there), `eager` is
   `enforce_eager=True` (plain PyTorch modules, like minivllm). vLLM runs with libgomp's default
   wait policy (idle OpenMP threads spin a while before they sleep), as it ships;
-  `compiled-passive` runs the compiled mode with `OMP_WAIT_POLICY=PASSIVE`, the setting minivllm
-  makes when it is imported;
+  `compiled-passive` runs the compiled mode with `OMP_WAIT_POLICY=PASSIVE` (vLLM's recommended
+  setting: threads sleep at once), `compiled-spin` with minivllm's own (`PASSIVE` and a short
+  `GOMP_SPINCOUNT`, set when minivllm is imported: `vllm_thread_policy`);
 * minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
   on each attention backend of `--backends`, with each number of forward processes of
   `--processes` (`EngineConfig.forward_processes`; 2: each pass split by sequence between this
@@ -276,20 +277,33 @@ def run_as_group(command: list[str], timeout: float, **popen) -> subprocess.Comp
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def vllm_thread_policy(mode: str) -> dict[str, str | None]:
+    """libgomp's settings for a vLLM mode (None: not set). vLLM as it ships leaves libgomp's
+    default: idle threads spin a while (about 3 ms by libgomp's estimate), then sleep. minivllm sets
+    PASSIVE and a short spin in this process's environment when it is imported, so those come out
+    unless the mode asks: "-passive", OMP_WAIT_POLICY=PASSIVE, vLLM's recommended setting (threads
+    sleep at once); "-spin", minivllm's own (PASSIVE and GOMP_SPINCOUNT=TORCH_SPIN_COUNT): with one
+    OpenMP runtime for its matmuls and attention alike, vLLM gets what torch's threads get here."""
+    if mode.endswith("-passive"):
+        return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+    if mode.endswith("-spin"):
+        from minivllm import TORCH_SPIN_COUNT
+
+        return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": TORCH_SPIN_COUNT}
+    return {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}
+
+
 def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout: float) -> dict:
     """One vLLM run: a fresh process in vLLM's venv (start-up, warm-up, one timed generate)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(threads))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["OMP_NUM_THREADS"] = str(threads)
-    # OpenMP's idle threads: vLLM as it ships leaves libgomp's default (spin, then sleep); minivllm
-    # sets PASSIVE in this process's environment when it is imported, so take it out here unless
-    # the mode asks for it ("compiled-passive": vLLM under minivllm's setting, for a like-for-like).
-    mode, passive = mode.removesuffix("-passive"), mode.endswith("-passive")
-    if passive:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-    else:
-        env.pop("OMP_WAIT_POLICY", None)
+    policy = vllm_thread_policy(mode)
+    env.update((name, value) for name, value in policy.items() if value is not None)
+    for name in (name for name, value in policy.items() if value is None):
+        env.pop(name, None)
+    mode, setting = mode.split("-")[0], mode.partition("-")[2]
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
     command = [python, str(Path(__file__).resolve()), "--worker", "vllm"]
@@ -301,7 +315,7 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
         tail = "\n".join(lines[-40:])
         raise RuntimeError(f"vLLM worker failed (exit {done.returncode}):\n{tail}")
     result = json.loads(found[-1][len(MARKER) :])
-    result["system"] = f"vLLM {result['vllm']} ({mode}{', passive' if passive else ''})"
+    result["system"] = f"vLLM {result['vllm']} ({mode}{', ' + setting if setting else ''})"
     result["_tokens"] = result.pop("token_ids")
     result["_ttft"] = result.pop("ttft")
     notes = []  # vLLM's own words on threads, dtype, KV cache, compilation; and its warnings
@@ -488,10 +502,12 @@ def main() -> int:
     parser.add_argument(
         "--vllm-modes",
         nargs="+",
-        choices=["compiled", "eager", "compiled-passive"],
+        choices=["compiled", "eager", "compiled-passive", "compiled-spin"],
         default=["compiled", "eager"],
         help="compiled: vLLM's default (torch.compile); eager: enforce_eager=True; "
-        "compiled-passive: compiled with OMP_WAIT_POLICY=PASSIVE, minivllm's setting",
+        "compiled-passive: compiled with OMP_WAIT_POLICY=PASSIVE (vLLM's recommended setting); "
+        "compiled-spin: compiled with minivllm's thread setting (PASSIVE and a short "
+        "GOMP_SPINCOUNT)",
     )
     parser.add_argument(
         "--vllm-python",

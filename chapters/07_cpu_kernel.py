@@ -560,10 +560,17 @@ assert same_logits
 # torch's own OpenMP threads spin too: by default libgomp keeps an idle thread busy-waiting for a
 # while after every parallel region, in case another comes soon. In an engine step that is the core
 # the attention kernel, the engine's Python or — on a shared machine — another process wants next.
-# `OMP_WAIT_POLICY=PASSIVE` makes idle threads sleep at once. libgomp reads it only when torch
-# loads, so minivllm sets it on import when torch has not loaded yet (and a value you set wins); the
-# Makefile exports it as well. The same small workload in two fresh processes, alternating, torch's
-# default against passive threads — wall clock and the CPU time all threads of the process used:
+# `OMP_WAIT_POLICY=PASSIVE` makes idle threads sleep at once; but then each of the few hundred
+# parallel ops of a step must wake them again — a system call, and on a virtual machine a sleeping
+# virtual CPU to rouse. minivllm's setting sits between: passive, with `GOMP_SPINCOUNT` (libgomp's
+# spins before a thread sleeps, about 100,000 a millisecond by its own estimate) set to
+# `minivllm.TORCH_SPIN_COUNT` for torch's threads — enough to bridge the gap between two ops, not
+# to hold a core through a kernel of numba's or the engine's host work. numba's own libgomp is
+# loaded without it (`_load_openmp_sleeping`), so its threads sleep at once: a layer of matmuls lies
+# between two of its kernels. libgomp reads both settings only when it loads, so minivllm sets them
+# on import when torch has not loaded yet (and a value you set wins); the Makefile exports them as
+# well. The same small workload in fresh processes, alternating, under torch's default, passive
+# threads and minivllm's setting — wall clock and the CPU time all threads of the process used:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -572,7 +579,7 @@ import subprocess
 import sys
 
 POLICY_RUN = """
-import json, time, torch  # torch first: libgomp reads OMP_WAIT_POLICY from the environment given
+import json, time, torch  # torch first: libgomp reads its settings from the environment given
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.model.checkpoint import load_model
 from minivllm.training.corpus import shipped_validation_text
@@ -588,22 +595,30 @@ print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu,
 """
 
 
-def run_policy(policy: str | None) -> tuple[float, float, list]:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if policy is not None:
-        env["OMP_WAIT_POLICY"] = policy
+from minivllm import TORCH_SPIN_COUNT
+
+POLICIES = {  # libgomp's settings for torch's threads; numba's sleep at once under PASSIVE
+    "default (spin)": {},
+    "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "minivllm's": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": TORCH_SPIN_COUNT},
+}
+
+
+def run_policy(settings: dict[str, str]) -> tuple[float, float, list]:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(settings)
     done = subprocess.run(
         [sys.executable, "-c", POLICY_RUN], env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
-        raise RuntimeError(f"the run with OMP_WAIT_POLICY={policy} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the run with {settings} failed:\n{done.stderr[-3000:]}")
     return tuple(json.loads(done.stdout.splitlines()[-1]))
 
 
-policy_runs = {"default (spin)": [], "PASSIVE": []}
+policy_runs = {name: [] for name in POLICIES}
 for _ in range(2):
-    for name, policy in (("default (spin)", None), ("PASSIVE", "PASSIVE")):
-        policy_runs[name].append(run_policy(policy))
+    for name, settings in POLICIES.items():
+        policy_runs[name].append(run_policy(settings))
 for name, runs in policy_runs.items():
     print(
         f"{name:>14}: wall {statistics.median(r[0] for r in runs):5.2f} s, CPU "
@@ -617,7 +632,11 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # On a quiet machine the wall clocks are close and the difference is CPU time, burnt spinning. On a
 # busy one the spinning threads hold cores the threads with work are waiting for, and the same run
 # can take many times longer; run this cell while something else keeps the machine busy to see it.
-# The benchmarks record the policy and the load average beside every run.
+# minivllm's setting buys fewer wake-ups with a little spinning, bounded: a thread spins at most
+# the short count after an op, never through the gaps that default threads spin through. A run
+# this small moves by more than the difference between the last two; `benchmarks/vllm_peer.py`
+# (its `compiled-spin` mode gives vLLM the same setting) measures them on a whole workload. The
+# benchmarks record both settings and the load average beside every run.
 # %% [markdown]
 # ## Exercises
 #

@@ -11,6 +11,7 @@ engine on the kernel gives the torch backend's greedy tokens.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 from numba import njit
 
+import minivllm
 from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from minivllm.attention import numba_cpu
 from minivllm.attention.numba_cpu import (
@@ -391,6 +393,38 @@ def test_importing_minivllm_before_torch_makes_torchs_idle_threads_sleep(
         [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
     )
     assert done.stdout.strip() == expected
+
+
+SPIN_PROBE = """
+import os
+import minivllm
+from minivllm.attention import numba_cpu
+numba_cpu.warm_up(2)
+print(os.environ.get("GOMP_SPINCOUNT", "unset"))
+"""
+
+
+@pytest.mark.parametrize("preset", [None, "777"])
+def test_torchs_threads_spin_briefly_and_numbas_sleep_at_once(preset: str | None) -> None:
+    """Two libgomps load in the engine's process, torch's and numba's, and each prints the settings
+    it read (OMP_DISPLAY_ENV): torch's threads get the package's short spin (or the user's), and
+    numba's none -- they sleep at once -- while the environment still says what torch got."""
+    try:
+        import numba.np.ufunc.omppool  # noqa: F401
+    except ImportError:
+        pytest.skip("numba finds no libgomp here: its threads are the workqueue's")
+    unset = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(OMP_DISPLAY_ENV="VERBOSE", NUMBA_NUM_THREADS="2")
+    if preset is not None:
+        env["GOMP_SPINCOUNT"] = preset
+    done = subprocess.run(
+        [sys.executable, "-c", SPIN_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    torch_spin = preset or minivllm.TORCH_SPIN_COUNT
+    read = re.findall(r"GOMP_SPINCOUNT = '(\d+)'", done.stderr)
+    assert read == [torch_spin, "0"], done.stderr[-2000:]  # torch's libgomp loads first
+    assert done.stdout.split()[-1] == torch_spin
 
 
 LAYER_PROBE = """

@@ -65,6 +65,31 @@ if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER ==
     os.environ.setdefault(
         "NUMBA_THREADING_LAYER_PRIORITY", " ".join(numba.config.THREADING_LAYER_PRIORITY)
     )
+
+
+def _load_openmp_sleeping() -> None:
+    """Load numba's OpenMP layer (its libgomp) with its idle threads sleeping at once.
+
+    minivllm gives torch's OpenMP threads a short spin (GOMP_SPINCOUNT, see the package's
+    `__init__`), to bridge the gap between two torch ops. numba loads a libgomp of its own, which
+    would read the same setting as it loads -- but between two attention kernels lies a layer of
+    matmuls, longer than any spin, and a numba thread spinning there holds a core torch's threads
+    need. So, under the passive policy, numba's libgomp loads without the spin count in the
+    environment, which is then put back (for torch in child processes). A libgomp already loaded --
+    one runtime shared with torch, on builds that link the system's -- keeps what it read."""
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    if spin is None or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        return
+    del os.environ["GOMP_SPINCOUNT"]
+    try:
+        importlib.import_module("numba.np.ufunc.omppool")
+    except ImportError:
+        pass  # no libgomp numba can load: the workqueue layer runs the kernels (`openmp_layer`)
+    finally:
+        os.environ["GOMP_SPINCOUNT"] = spin
+
+
+_load_openmp_sleeping()
 # One parallel kernel at a time in a process: the workqueue layer aborts the process if two threads
 # launch at once, so engines stepping in different threads (a server each) take turns here.
 _LAUNCH = threading.Lock()
