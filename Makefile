@@ -9,10 +9,8 @@ DEST ?= student
 STUDENT_FLAGS ?=
 # Chapters and tests are CPU programs: keep torch's threads predictable.
 export OMP_NUM_THREADS ?= 2
-# ... and sleep when idle instead of spinning, after a short spin for torch's threads (why, and
-# the value: src/minivllm/__init__.py; numba's threads sleep at once, attention/numba_cpu.py)
+# ... and sleep when idle instead of spinning (why: src/minivllm/__init__.py)
 export OMP_WAIT_POLICY ?= PASSIVE
-export GOMP_SPINCOUNT ?= 20000
 export PYTHONHASHSEED := 0
 
 .PHONY: book html test lint lab notebooks student bench serve check-notebooks clean help gpu-check

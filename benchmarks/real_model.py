@@ -501,7 +501,11 @@ def main() -> int:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument(
-        "--vllm-modes", nargs="+", choices=["compiled", "eager"], default=["compiled", "eager"]
+        "--vllm-modes",
+        nargs="+",
+        choices=["compiled", "eager", "compiled-passive", "compiled-spin"],
+        default=["compiled", "eager"],
+        help="as vllm_peer.py's (vllm_thread_policy: -passive, -spin)",
     )
     parser.add_argument(
         "--vllm-python",

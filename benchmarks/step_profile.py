@@ -40,8 +40,8 @@ whose fused kernels no longer map onto modules) and with its engine core in the 
 core is a process of its own and the front end's output processing overlaps its next step). Its
 own profiling scopes are on (`VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`). Two vLLM runs by default:
 `vllm` as it ships (libgomp's idle OpenMP threads spin before they sleep) and `vllm-passive`
-(`OMP_WAIT_POLICY=PASSIVE`, vLLM's recommended setting; minivllm's adds a short spin for torch's
-threads, `GOMP_SPINCOUNT`): on a machine with more runnable threads than
+(`OMP_WAIT_POLICY=PASSIVE`, vLLM's recommended setting and minivllm's): on a machine with more
+runnable threads than
 cores a spinning thread can hold the core the thread it waits for needs. The engines alternate --
 vLLM's processes, then minivllm, for `--rounds` rounds -- and each component's number is the
 median over every profiled step of every round.
@@ -379,7 +379,7 @@ def run_vllm(python: str, spec: dict, threads: int, timeout: float, passive: boo
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     # vLLM as it ships, or with its recommended passive threads (see vllm_peer.vllm_thread_policy):
-    # never with the short spin count minivllm put in this process's environment
+    # never with a spin count exported for minivllm
     env.pop("GOMP_SPINCOUNT", None)
     if passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"

@@ -562,15 +562,16 @@ assert same_logits
 # the attention kernel, the engine's Python or — on a shared machine — another process wants next.
 # `OMP_WAIT_POLICY=PASSIVE` makes idle threads sleep at once; but then each of the few hundred
 # parallel ops of a step must wake them again — a system call, and on a virtual machine a sleeping
-# virtual CPU to rouse. minivllm's setting sits between: passive, with `GOMP_SPINCOUNT` (libgomp's
-# spins before a thread sleeps, about 100,000 a millisecond by its own estimate) set to
-# `minivllm.TORCH_SPIN_COUNT` for torch's threads — enough to bridge the gap between two ops, not
-# to hold a core through a kernel of numba's or the engine's host work. numba's own libgomp is
-# loaded without it (`_load_openmp_sleeping`), so its threads sleep at once: a layer of matmuls lies
-# between two of its kernels. libgomp reads both settings only when it loads, so minivllm sets them
-# on import when torch has not loaded yet (and a value you set wins); the Makefile exports them as
-# well. The same small workload in fresh processes, alternating, under torch's default, passive
-# threads and minivllm's setting — wall clock and the CPU time all threads of the process used:
+# virtual CPU to rouse. Between the two lies a short spin: `GOMP_SPINCOUNT` (libgomp's spins before
+# a thread sleeps, about 100,000 a millisecond by its own estimate) set to
+# `minivllm.SHORT_SPIN_COUNT` — enough to bridge the gap between two ops, not to hold a core
+# through a kernel of numba's or the engine's host work. numba's own libgomp is loaded without it
+# (`_load_openmp_sleeping`), so its threads sleep at once either way: a layer of matmuls lies
+# between two of its kernels. libgomp reads these settings only when it loads, so minivllm sets
+# PASSIVE on import when torch has not loaded yet (and a value you set wins); the Makefile exports
+# it as well. The same small workload in fresh processes, alternating, under torch's default,
+# passive threads and the short spin — wall clock and the CPU time all threads of the process used;
+# then two processes at once, sharing the cores, under the last two:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -595,48 +596,66 @@ print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu,
 """
 
 
-from minivllm import TORCH_SPIN_COUNT
+from minivllm import SHORT_SPIN_COUNT
 
 POLICIES = {  # libgomp's settings for torch's threads; numba's sleep at once under PASSIVE
     "default (spin)": {},
     "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
-    "minivllm's": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": TORCH_SPIN_COUNT},
+    "short spin": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_SPIN_COUNT},
 }
 
 
-def run_policy(settings: dict[str, str]) -> tuple[float, float, list]:
+def run_policy(settings: dict[str, str], at_once: int = 1) -> list[tuple[float, float, list]]:
+    """`at_once` processes started together under `settings`; each one's wall, CPU and tokens."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(settings)
-    done = subprocess.run(
-        [sys.executable, "-c", POLICY_RUN], env=env, capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the run with {settings} failed:\n{done.stderr[-3000:]}")
-    return tuple(json.loads(done.stdout.splitlines()[-1]))
+    command = [sys.executable, "-c", POLICY_RUN]
+    running = [
+        subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(at_once)
+    ]
+    results = []
+    for process in running:
+        stdout, stderr = process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"the run with {settings} failed:\n{stderr[-3000:]}")
+        results.append(tuple(json.loads(stdout.splitlines()[-1])))
+    return results
 
 
 policy_runs = {name: [] for name in POLICIES}
 for _ in range(2):
     for name, settings in POLICIES.items():
-        policy_runs[name].append(run_policy(settings))
+        policy_runs[name] += run_policy(settings)
+shared_runs = {name: run_policy(POLICIES[name], at_once=2) for name in ("PASSIVE", "short spin")}
 for name, runs in policy_runs.items():
     print(
         f"{name:>14}: wall {statistics.median(r[0] for r in runs):5.2f} s, CPU "
         f"{statistics.median(r[1] for r in runs):5.2f} s (medians of {len(runs)}; 8 requests x "
         f"32 tokens); load average {os.getloadavg()[0]:.1f}"
     )
-tokens = [r[2] for runs in policy_runs.values() for r in runs]
+for name, runs in shared_runs.items():
+    print(
+        f"{name:>14}, two processes at once: wall {statistics.mean(r[0] for r in runs):5.2f} s "
+        f"each (mean of the two)"
+    )
+every = [*policy_runs.values(), *shared_runs.values()]
+tokens = [r[2] for runs in every for r in runs]
 print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 
 # %% [markdown]
 # On a quiet machine the wall clocks are close and the difference is CPU time, burnt spinning. On a
 # busy one the spinning threads hold cores the threads with work are waiting for, and the same run
 # can take many times longer; run this cell while something else keeps the machine busy to see it.
-# minivllm's setting buys fewer wake-ups with a little spinning, bounded: a thread spins at most
-# the short count after an op, never through the gaps that default threads spin through. A run
-# this small moves by more than the difference between the last two; `benchmarks/vllm_peer.py`
-# (its `compiled-spin` mode gives vLLM the same setting) measures them on a whole workload. The
-# benchmarks record both settings and the load average beside every run.
+# The short spin buys fewer wake-ups with a little spinning, bounded: a thread spins at most the
+# short count after an op. Alone, a run this small moves by about as much as that saves
+# (`benchmarks/vllm_peer.py` measures it on a whole workload: export `GOMP_SPINCOUNT` for minivllm;
+# its `compiled-spin` mode gives vLLM the same). Two processes at once show its price: each
+# spinning thread holds a core the other process's thread with work is waiting for, at every op.
+# That is why minivllm's default is passive, and the short spin an opt-in for a machine the engine
+# has to itself. The benchmarks record both settings and the load average beside every run.
 # %% [markdown]
 # ## Exercises
 #

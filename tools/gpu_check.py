@@ -142,7 +142,6 @@ def environment() -> dict[str, str]:
         OMP_WAIT_POLICY="PASSIVE",
     )
     env.setdefault("OMP_NUM_THREADS", "2")
-    env.setdefault("GOMP_SPINCOUNT", "20000")  # the Makefile's (src/minivllm/__init__.py says why)
     return env
 
 

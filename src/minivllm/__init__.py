@@ -29,21 +29,20 @@ from typing import TYPE_CHECKING
 # torch's OpenMP threads (libgomp) spin after each parallel region by default, waiting for the next
 # one on cores that numba's attention threads, the engine's Python or another process need; on a
 # busy 2-core machine that made the engine an order of magnitude slower (chapter 07 measures it).
-# Passive threads sleep at once -- and then every parallel op of a step wakes them again, a few
-# hundred times a step, each a system call and, on a virtual machine, a sleeping virtual CPU to
-# rouse. So torch's threads get a short spin first: GOMP_SPINCOUNT spins (libgomp's own estimate:
-# 100,000 a millisecond), long enough to bridge the gap between two ops of a pass, too short to
-# hold a core through the attention kernel or the engine's host work. numba's OpenMP threads sleep
-# at once (`attention/numba_cpu.py`: a layer of matmuls lies between two of its kernels). On the
-# book's 2-core machine the short spin ran the 128-request vllm_peer workload in 0.92x the time
-# eager and 0.89x compiled, against passive threads alone (medians of 6 alternating runs, issue 32).
-# libgomp reads both once, when torch loads: so only when torch has not loaded yet (the environment
-# then says what torch really got), and a value already set wins. The Makefile exports them too,
-# for notebooks and scripts that import torch first.
-TORCH_SPIN_COUNT = "20000"
+# Passive threads sleep at once. libgomp reads this once, when torch loads: so only when torch has
+# not loaded yet (the environment then says what torch really got), and a value already set wins.
+# The Makefile exports it too, for notebooks and scripts that import torch first.
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", TORCH_SPIN_COUNT)
+# A short spin before torch's threads sleep (GOMP_SPINCOUNT; libgomp's own estimate is 100,000
+# spins a millisecond), which you can opt into on a machine the engine has to itself: passive
+# threads must be woken by each of the few hundred parallel ops of a step, and this bridges the gap
+# between two ops. numba's threads sleep at once all the same (`attention/numba_cpu.py`). Measured
+# on the book's 2-core machine (issue 32), vllm_peer's workload at 128 requests ran in 0.92x the
+# time eager and 0.89x compiled (medians of 6 alternating runs) -- but two engine processes sharing
+# the two cores each took 4x as long as passive ones (33 s against 8 s): a spinning thread holds
+# the core that the other process's thread with work is waiting for. So it is not the default.
+SHORT_SPIN_COUNT = "20000"
 
 _HOMES = {
     "CompletionOutput": "minivllm.engine.processing",

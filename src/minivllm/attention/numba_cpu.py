@@ -70,7 +70,7 @@ if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER ==
 def _load_openmp_sleeping() -> None:
     """Load numba's OpenMP layer (its libgomp) with its idle threads sleeping at once.
 
-    minivllm gives torch's OpenMP threads a short spin (GOMP_SPINCOUNT, see the package's
+    torch's OpenMP threads may be given a short spin (GOMP_SPINCOUNT, an opt-in: the package's
     `__init__`), to bridge the gap between two torch ops. numba loads a libgomp of its own, which
     would read the same setting as it loads -- but between two attention kernels lies a layer of
     matmuls, longer than any spin, and a numba thread spinning there holds a core torch's threads
