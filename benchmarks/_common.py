@@ -123,7 +123,7 @@ def machine_record(note: str, **extra) -> dict:
         "torch_threads": torch.get_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),  # torch's threads' (numba's: 0)
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),  # torch's (numba's sleep, if PASSIVE)
         **extra,
         "load_average_at_end": load_str(),
         "recorded_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -41,10 +41,9 @@ core is a process of its own and the front end's output processing overlaps its 
 own profiling scopes are on (`VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`). Two vLLM runs by default:
 `vllm` as it ships (libgomp's idle OpenMP threads spin before they sleep) and `vllm-passive`
 (`OMP_WAIT_POLICY=PASSIVE`, vLLM's recommended setting and minivllm's): on a machine with more
-runnable threads than
-cores a spinning thread can hold the core the thread it waits for needs. The engines alternate --
-vLLM's processes, then minivllm, for `--rounds` rounds -- and each component's number is the
-median over every profiled step of every round.
+runnable threads than cores a spinning thread can hold the core the thread it waits for needs. The
+engines alternate -- vLLM's processes, then minivllm, for `--rounds` rounds -- and each component's
+number is the median over every profiled step of every round.
 
 The roofline: the script measures this machine's stream bandwidth (a large float32 copy and add,
 GB/s of bytes read and written) and matmul FLOP/s (a large float32 GEMM; and the small-M GEMMs of
