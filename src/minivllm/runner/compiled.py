@@ -21,9 +21,9 @@ the graph touches the cache, so nothing can be reordered around the write.
 What it costs:
 - the engine compiles as it starts (`warm_up`, as vLLM does: not in a request's first step): about
   20 s on two cores for the book's model, about 100 s for a random Qwen3-0.6B-shaped one (28
-  layers). The batch's sizes are marked unbacked, so one
-  graph serves every batch (a backed size would be specialised at 1: a second compile for a lone
-  row). Inductor's cache on disk serves later processes in seconds;
+  layers). The batch's sizes are marked unbacked, so one graph serves every batch (a backed size
+  would be specialised at 1: a second compile for a lone row). Inductor's cache on disk serves
+  later processes in seconds;
 - the logits move by float32 rounding (fused reductions sum in another order): greedy tokens can
   differ from the eager model's where two logits nearly tie.
 """
@@ -75,7 +75,8 @@ def cpp_compiler() -> str | None:
 
 class CompiledForward:
     """`model`'s forward, compiled: called like the model (`run_model` takes either), it runs
-    the graph with `attention` behind the custom op. Compiles on first use."""
+    the graph with `attention` behind the custom op. Compiles on first use: the engine makes that
+    use `warm_up`, while it is built."""
 
     def __init__(self, model: Transformer) -> None:
         if cpp_compiler() is None:  # else inductor fails inside the first step
