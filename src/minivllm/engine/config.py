@@ -72,10 +72,10 @@ class EngineConfig:
     fuse_projections: bool = True
     # Run the forward under torch.compile (runner/compiled.py), as vLLM's default mode: inductor
     # fuses the small ops between the matmuls and runs the graph without Python; attention stays
-    # the backend's, as one opaque op. The first pass compiles (about 20 s on two cores for the
-    # book's model, minutes for a 28-layer one; inductor's disk cache serves later processes), and
-    # the logits move by float32 rounding. On the CPU, in one process: a GPU engine replays CUDA
-    # graphs instead.
+    # the backend's, as one opaque op. The engine compiles as it is built (about 20 s on two cores
+    # for the book's model, minutes for a 28-layer one; inductor's disk cache serves later ones),
+    # and the logits move by float32 rounding. On the CPU, in one process: a GPU engine replays
+    # CUDA graphs instead.
     compile_forward: bool = False
     # Processes that share each forward pass on a CPU, each running whole sequences on one thread
     # (runner/workers.py, chapter 11): 1 runs it here on torch's threads; 2 uses a second core
