@@ -155,6 +155,34 @@ def test_a_big_weight_goes_through_onednn_packed_once(monkeypatch) -> None:
     )
 
 
+def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> None:
+    """Every weight `linear` would pack is packed while the engine is built (`pack_weights`), so
+    no request's step packs one: a real model's first step would otherwise pay seconds for it.
+    The book's weights are under the threshold: nothing to pack there."""
+    if not fused_module.ONEDNN_LINEAR:
+        pytest.skip("this torch has no oneDNN linear ops")
+    assert (
+        fused_module.pack_weights(LLMEngine(target, EngineConfig(num_blocks=16)).runner.model) == 0
+    )
+    monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
+    engine = LLMEngine(target, EngineConfig(num_blocks=64))
+    model = engine.runner.model
+    weights = [model.lm_head.weight] + [
+        w
+        for layer in model.model.layers
+        for w in (
+            layer.self_attn.qkv_weight,
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_weight,
+            layer.mlp.down_proj.weight,
+        )
+    ]
+    packed = {id(w): fused_module._PACKED.get(id(w)) for w in weights}
+    assert all(entry is not None and entry[0]() is w for w, entry in zip(weights, packed.values()))
+    engine.generate([shipped_validation_text()[:40]], SamplingParams(max_tokens=4, temperature=0))
+    assert all(fused_module._PACKED.get(key) is entry for key, entry in packed.items())
+
+
 def test_an_engine_on_packed_weights_gives_the_same_greedy_tokens(target, monkeypatch) -> None:
     """Every weight of the shipped model packed (the threshold at 0): the engine's greedy tokens
     are the ones of F.linear's."""

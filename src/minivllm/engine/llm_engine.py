@@ -52,7 +52,7 @@ from minivllm.model.checkpoint import (
     resolve_dtype,
     sampling_defaults,
 )
-from minivllm.model.fused import fuse_model
+from minivllm.model.fused import fuse_model, pack_weights
 from minivllm.model.hf_tokenizer import HFTokenizer, load_tokenizer
 from minivllm.model.parallel import check_shardable
 from minivllm.model.tokenizer import ByteTokenizer, Tokenizer
@@ -160,6 +160,7 @@ class LLMEngine:
             runner_model = self.parallel.model
         else:
             runner_model = fuse_model(model, own_model) if config.fuse_projections else model
+            pack_weights(runner_model)  # the big weights in oneDNN's layout now, not in a step
         # with tensor parallelism the runner's block copies go to every rank with the next step
         runner_storage = QueuedCopies(self.parallel) if parallel else self.storage
         self.runner = ModelRunner(runner_model, runner_storage, self.manager, backend, self.drafter)

@@ -30,7 +30,7 @@ takes q and k through RoPE in one compiled loop each (`cpu_kernels.rope_qk`) ins
 torch ops each, and every RMSNorm is torch's one `rms_norm` op instead of five. A weight of
 PACK_MIN_BYTES or more (a real model's; none of the book's) is multiplied through oneDNN in a
 packed layout (`linear`): there the logits match the unfused model's to float32 rounding, not bit
-for bit.
+for bit. The engine packs them as it starts (`pack_weights`), not in a request's step.
 """
 
 from __future__ import annotations
@@ -85,13 +85,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """oneDNN's linear on `weight` packed once (the cache above)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in oneDNN's packed layout, from the cache, packed (again) where it is not there."""
     key = id(weight)
     cached = _PACKED.get(key)
     if cached is None or cached[0]() is not weight or cached[1] != weight._version:
         gone = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
         cached = (gone, weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
         _PACKED[key] = cached
-    return torch.ops.mkldnn._linear_pointwise(x, cached[2], bias, "none", [], "")
+    return cached[2]
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Pack now every weight the fused `model`'s forward would pack (`linear`): the engine calls
+    this as it starts, as vLLM packs its weights at load, so no request's step pays for it -- a
+    Qwen3-0.6B in float32 took 4.8 s to pack, on the book's 2-core machine, all in the first step.
+    The packed copies are held beside the weights (the model keeps its own). Returns their
+    bytes: 0 where nothing is big enough, or the model is not on the CPU in float32."""
+    if not ONEDNN_LINEAR:
+        return 0
+    weights = {}  # by id: a tied LM head is packed once
+    for module in model.modules():
+        if isinstance(module, FusedLinear):
+            weights[id(module.weight)] = module.weight
+        for name in ("qkv_weight", "gate_up_weight"):
+            if isinstance(getattr(module, name, None), torch.Tensor):
+                weights[id(getattr(module, name))] = getattr(module, name)
+    packed_bytes = 0
+    with torch.no_grad():
+        for weight in weights.values():
+            if weight.numel() * 4 >= PACK_MIN_BYTES and on_cpu_in_float32(weight):
+                packed_bytes += _packed(weight).nbytes
+    return packed_bytes
 
 
 @torch.library.custom_op("minivllm::packed_linear", mutates_args=())

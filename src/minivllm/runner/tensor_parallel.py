@@ -57,7 +57,7 @@ from minivllm.attention.backend import get_backend, warm_up_backend
 from minivllm.attention.batch import VarlenBatch
 from minivllm.attention.storage import PagedKVStorage
 from minivllm.model.checkpoint import load_model
-from minivllm.model.fused import fuse_model
+from minivllm.model.fused import fuse_model, pack_weights
 from minivllm.model.parallel import Shard, local_config, shard_from_model
 from minivllm.model.transformer import Transformer
 from minivllm.runner.launcher import Launched, batch_fields, batch_of, join_group
@@ -124,6 +124,7 @@ class RankState:
         model = source.load(shard, str(device))
         if settings.fuse:
             model = fuse_model(model, in_place=True)
+            pack_weights(model)  # as the engine does: not in the first step
         storage = PagedKVStorage(
             local_config(model.config, shard),
             settings.num_blocks,

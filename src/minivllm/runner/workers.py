@@ -57,6 +57,7 @@ import torch
 from minivllm.attention.backend import BackendFactory, get_backend, warm_up_backend
 from minivllm.attention.batch import VarlenBatch, split_sequences
 from minivllm.attention.storage import PagedKVStorage
+from minivllm.model.fused import pack_weights
 from minivllm.model.transformer import ModelConfig, Transformer
 from minivllm.runner.batch import run_model
 from minivllm.runner.launcher import Launched, Messages, batch_fields, batch_of, join_group
@@ -113,6 +114,7 @@ def _serve(
     torch.set_num_threads(1)
     factory = get_backend(backend)
     warm_up_backend(factory, threads=1)
+    pack_weights(model)  # this process's own packed copies (the cache is per process)
     ready()
     messages = join_group(rank, world, init_method, timeout_s, default_group=False)
     try:
