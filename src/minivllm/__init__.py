@@ -39,7 +39,8 @@ if "torch" not in sys.modules:
 # threads must be woken by each of the few hundred parallel ops of a step, and this bridges the gap
 # between two ops. numba's threads sleep at once all the same (`attention/numba_cpu.py`). Measured
 # on the book's 2-core machine (issue 32), vllm_peer's workload at 128 requests ran in 0.92x the
-# time eager and 0.89x compiled (medians of 6 alternating runs) -- but two engine processes sharing
+# time eager and 0.89x compiled on an AMD Zen 3 (medians of 6 alternating runs), 0.76x eager on a
+# Zen 4, whose idle vCPUs wake slowly (medians of 3) -- but two engine processes sharing
 # the two cores each took 4x as long as passive ones (33 s against 8 s): a spinning thread holds
 # the core that the other process's thread with work is waiting for. So it is not the default.
 SHORT_SPIN_COUNT = "20000"

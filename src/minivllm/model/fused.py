@@ -76,11 +76,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     in place). The packed path sums in another order: equal to float32 rounding, not bit for
     bit. Under torch.compile (runner/compiled.py) the packed path is one opaque op, as vLLM's
     `onednn_mm`: inductor would otherwise hand the matmul to MKL's unpacked sgemm."""
-    if weight.numel() * 4 < PACK_MIN_BYTES or not ONEDNN_LINEAR or not on_cpu_in_float32(x, weight):
+    if not packs(weight) or not on_cpu_in_float32(x):
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         return packed_linear(x, weight, bias)
     return _packed_linear(x, weight, bias)
+
+
+def packs(weight: torch.Tensor) -> bool:
+    """Whether `linear` takes `weight` through oneDNN's packed path (with a float32 input on the
+    CPU): a float32 CPU weight of PACK_MIN_BYTES or more, where this torch has the ops."""
+    return ONEDNN_LINEAR and weight.numel() * 4 >= PACK_MIN_BYTES and on_cpu_in_float32(weight)
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -97,29 +103,6 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
         cached = (gone, weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
         _PACKED[key] = cached
     return cached[2]
-
-
-def pack_weights(model: nn.Module) -> int:
-    """Pack now every weight the fused `model`'s forward would pack (`linear`): the engine calls
-    this as it starts, as vLLM packs its weights at load, so no request's step pays for it -- a
-    Qwen3-0.6B in float32 took 4.8 s to pack, on the book's 2-core machine, all in the first step.
-    The packed copies are held beside the weights (the model keeps its own). Returns their
-    bytes: 0 where nothing is big enough, or the model is not on the CPU in float32."""
-    if not ONEDNN_LINEAR:
-        return 0
-    weights = {}  # by id: a tied LM head is packed once
-    for module in model.modules():
-        if isinstance(module, FusedLinear):
-            weights[id(module.weight)] = module.weight
-        for name in ("qkv_weight", "gate_up_weight"):
-            if isinstance(getattr(module, name, None), torch.Tensor):
-                weights[id(getattr(module, name))] = getattr(module, name)
-    packed_bytes = 0
-    with torch.no_grad():
-        for weight in weights.values():
-            if weight.numel() * 4 >= PACK_MIN_BYTES and on_cpu_in_float32(weight):
-                packed_bytes += _packed(weight).nbytes
-    return packed_bytes
 
 
 @torch.library.custom_op("minivllm::packed_linear", mutates_args=())
@@ -220,6 +203,27 @@ def fuse_projections(model: Transformer, in_place: bool = False) -> Transformer:
     for module in fused.modules():
         module.__class__ = _FUSED_CLASSES.get(type(module), type(module))
     return fused
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Pack now every weight the fused `model`'s forward would pack (`linear`): the engine calls
+    this as it starts, as vLLM packs its weights at load, so no request's step pays for it -- a
+    Qwen3-0.6B in float32 took 4.8 s to pack, on the book's 2-core machine, all in the first step.
+    The packed copies are held beside the weights (the model keeps its own). Returns their
+    bytes: 0 where nothing is big enough, or the model is not on the CPU in float32."""
+    weights = {}  # by id: a tied LM head is packed once
+    for module in model.modules():
+        if isinstance(module, FusedLinear):
+            weights[id(module.weight)] = module.weight
+        for name in ("qkv_weight", "gate_up_weight"):
+            if isinstance(getattr(module, name, None), torch.Tensor):
+                weights[id(getattr(module, name))] = getattr(module, name)
+    packed_bytes = 0
+    with torch.no_grad():
+        for weight in weights.values():
+            if packs(weight):
+                packed_bytes += _packed(weight).nbytes
+    return packed_bytes
 
 
 def fuse_model(model: Transformer, in_place: bool = False) -> Transformer:
