@@ -155,17 +155,21 @@ def test_a_big_weight_goes_through_onednn_packed_once(monkeypatch) -> None:
     )
 
 
+def cpu_config(num_blocks: int) -> EngineConfig:
+    """An engine on the CPU whatever the machine has: packing is a CPU path, and on a GPU machine
+    `device='auto'` would put the weights where nothing is packed."""
+    return EngineConfig(num_blocks=num_blocks, device="cpu")
+
+
 def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> None:
     """Every weight `linear` would pack is packed while the engine is built (`pack_weights`), so
     no request's step packs one: a real model's first step would otherwise pay seconds for it.
     The book's weights are under the threshold: nothing to pack there."""
     if not fused_module.ONEDNN_LINEAR:
         pytest.skip("this torch has no oneDNN linear ops")
-    assert (
-        fused_module.pack_weights(LLMEngine(target, EngineConfig(num_blocks=16)).runner.model) == 0
-    )
+    assert fused_module.pack_weights(LLMEngine(target, cpu_config(num_blocks=16)).runner.model) == 0
     monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
-    engine = LLMEngine(target, EngineConfig(num_blocks=64))
+    engine = LLMEngine(target, cpu_config(num_blocks=64))
     model = engine.runner.model
     weights = [model.lm_head.weight] + [
         w
@@ -194,6 +198,6 @@ def test_an_engine_on_packed_weights_gives_the_same_greedy_tokens(target, monkey
     tokens = []
     for threshold in (fused_module.PACK_MIN_BYTES, 0):
         monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", threshold)
-        engine = LLMEngine(target, EngineConfig(num_blocks=64))
+        engine = LLMEngine(target, cpu_config(num_blocks=64))
         tokens.append([o.token_ids for o in engine.generate(prompts, params)])
     assert tokens[0] == tokens[1]
