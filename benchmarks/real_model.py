@@ -344,6 +344,7 @@ MEMORY_PROBE = r"""
 import json, resource, sys, time
 import minivllm, torch  # the baseline: an interpreter that imported torch (and minivllm)
 from minivllm.engine.llm_engine import LLM
+from minivllm.model import fused
 from minivllm.model.checkpoint import load_model
 
 def status(field):  # VmRSS (resident now) or VmHWM (its peak), in bytes
@@ -360,10 +361,14 @@ def reset_peak():
     except OSError:
         return False
 
-def distinct_bytes(*models):
-    tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
+def distinct_bytes(*models):  # what the models' tensors hold (a released weight holds nothing)
+    tensors = [t for m in models for t in (*m.parameters(), *m.buffers()) if not t.is_meta]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
+
+def model_bytes(model):  # one model's weights, by their shapes, whatever holds them
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 folder, dtype, what = sys.argv[1:4]
 torch.set_num_threads(2)
@@ -384,8 +389,10 @@ if what == "load_model":
 else:  # the engine's start: LLM(folder) loads, places and fuses the model, makes the K/V cache
     llm = LLM(folder, dtype=dtype, num_blocks=16, attention_backend="torch", device="cpu")
     engine = llm.engine
-    weights = distinct_bytes(engine.runner.model)  # the model the engine runs
-    held = distinct_bytes(engine.model, engine.runner.model)  # all the engine keeps
+    weights = model_bytes(engine.runner.model)  # the model the engine runs
+    # all the engine keeps: its models' tensors and the weights packed for oneDNN (model/fused.py)
+    packed = sum(entry[2].nbytes for entry in fused._PACKED.values())
+    held = distinct_bytes(engine.model, engine.runner.model) + packed
     kv_bytes = engine.storage.bytes
 seconds = time.perf_counter() - started
 peak = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -5,6 +5,7 @@ place, so its weights live once."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -161,17 +162,9 @@ def cpu_config(num_blocks: int) -> EngineConfig:
     return EngineConfig(num_blocks=num_blocks, device="cpu")
 
 
-def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> None:
-    """Every weight `linear` would pack is packed while the engine is built (`pack_weights`), so
-    no request's step packs one: a real model's first step would otherwise pay seconds for it.
-    The book's weights are under the threshold: nothing to pack there."""
-    if not fused_module.ONEDNN_LINEAR:
-        pytest.skip("this torch has no oneDNN linear ops")
-    assert fused_module.pack_weights(LLMEngine(target, cpu_config(num_blocks=16)).runner.model) == 0
-    monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
-    engine = LLMEngine(target, cpu_config(num_blocks=64))
-    model = engine.runner.model
-    weights = [model.lm_head.weight] + [
+def packable_weights(model) -> list[torch.Tensor]:
+    """The fused model's weights that `linear` multiplies: every one but the embedding's."""
+    return [model.lm_head.weight] + [
         w
         for layer in model.model.layers
         for w in (
@@ -181,6 +174,18 @@ def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> N
             layer.mlp.down_proj.weight,
         )
     ]
+
+
+def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> None:
+    """Every weight `linear` would pack is packed while the engine is built (`pack_weights`), so
+    no request's step packs one: a real model's first step would otherwise pay seconds for it.
+    The book's weights are under the threshold: nothing to pack there."""
+    if not fused_module.ONEDNN_LINEAR:
+        pytest.skip("this torch has no oneDNN linear ops")
+    assert fused_module.pack_weights(LLMEngine(target, cpu_config(num_blocks=16)).runner.model) == 0
+    monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
+    engine = LLMEngine(target, cpu_config(num_blocks=64))
+    weights = packable_weights(engine.runner.model)
     packed = {id(w): fused_module._PACKED.get(id(w)) for w in weights}
     assert all(entry is not None and entry[0]() is w for w, entry in zip(weights, packed.values()))
     engine.generate([shipped_validation_text()[:40]], SamplingParams(max_tokens=4, temperature=0))
@@ -201,3 +206,41 @@ def test_an_engine_on_packed_weights_gives_the_same_greedy_tokens(target, monkey
         engine = LLMEngine(target, cpu_config(num_blocks=64))
         tokens.append([o.token_ids for o in engine.generate(prompts, params)])
     assert tokens[0] == tokens[1]
+
+
+def test_an_engine_keeps_only_the_packed_copy_of_a_model_it_alone_holds(target, monkeypatch):
+    """The fused copy an engine runs is its alone: each packed weight's own copy is dropped (a
+    meta tensor of its shape is left, which fails loudly when read), so the weights are not held
+    twice; the caller's model keeps its own, a tied LM head stays for the embedding, and the
+    tokens are those of an engine that packed nothing."""
+    if not fused_module.ONEDNN_LINEAR:
+        pytest.skip("this torch has no oneDNN linear ops")
+    text = shipped_validation_text()
+    prompts = [text[900 * i : 900 * i + 30 + 7 * i] for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0)
+    unpacked = LLMEngine(target, cpu_config(num_blocks=64))
+    assert not any(w.is_meta for w in packable_weights(unpacked.runner.model))
+    monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
+    engine = LLMEngine(target, cpu_config(num_blocks=64))
+    assert engine.runner.model is not engine.model and engine.model is target
+    assert all(w.is_meta for w in packable_weights(engine.runner.model))
+    assert not any(p.is_meta for p in target.parameters())  # the caller's model is untouched
+    assert engine.packed_weight_bytes >= sum(
+        w.numel() * 4 for w in packable_weights(engine.runner.model)
+    )
+    with pytest.raises(NotImplementedError, match="meta"):
+        engine.runner.model.model.layers[0].mlp.gate_up_weight.tolist()
+    expected = [o.token_ids for o in unpacked.generate(prompts, params)]
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    # an engine handed that fused model (not its alone) packs nothing again and drops nothing
+    again = LLMEngine(engine.runner.model, cpu_config(num_blocks=64))
+    assert [o.token_ids for o in again.generate(prompts, params)] == expected
+
+    tied = fused_module.fuse_model(copy.deepcopy(target))
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    kept = LLMEngine(tied, cpu_config(num_blocks=16))
+    assert kept.runner.model is tied  # already fused: the caller's, so nothing is dropped
+    assert not any(w.is_meta for w in packable_weights(tied))
+    fused_module.pack_weights(tied, release=True)
+    assert not tied.lm_head.weight.is_meta  # the embedding reads it
+    assert all(w.is_meta for w in packable_weights(tied)[1:])

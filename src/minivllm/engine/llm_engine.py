@@ -156,11 +156,17 @@ class LLMEngine:
                 scheduler_config, num_lookahead_slots=config.speculative.num_speculative_tokens
             )
         self.scheduler = Scheduler(scheduler_config, self.manager)
+        self.packed_weight_bytes = 0  # the weights held in oneDNN's layout too (model/fused.py)
         if parallel:
             runner_model = self.parallel.model
         else:
             runner_model = fuse_model(model, own_model) if config.fuse_projections else model
-            pack_weights(runner_model)  # the big weights in oneDNN's layout now, not in a step
+            # The big weights in oneDNN's layout now, not in a step; where the model run is the
+            # engine's alone (loaded for it, or the fused copy), only that layout is kept.
+            # Forward workers map the weights themselves, and a compiled graph holds them.
+            private = own_model or runner_model is not model
+            release = private and config.forward_processes == 1 and not config.compile_forward
+            self.packed_weight_bytes = pack_weights(runner_model, release=release)
         # with tensor parallelism the runner's block copies go to every rank with the next step
         runner_storage = QueuedCopies(self.parallel) if parallel else self.storage
         self.runner = ModelRunner(runner_model, runner_storage, self.manager, backend, self.drafter)

@@ -30,7 +30,8 @@ takes q and k through RoPE in one compiled loop each (`cpu_kernels.rope_qk`) ins
 torch ops each, and every RMSNorm is torch's one `rms_norm` op instead of five. A weight of
 PACK_MIN_BYTES or more (a real model's; none of the book's) is multiplied through oneDNN in a
 packed layout (`linear`): there the logits match the unfused model's to float32 rounding, not bit
-for bit. The engine packs them as it starts (`pack_weights`), not in a request's step.
+for bit. The engine packs them as it starts (`pack_weights`), not in a request's step, and where
+the model is its alone keeps only the packed copies: the weights are not held twice.
 """
 
 from __future__ import annotations
@@ -85,7 +86,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def packs(weight: torch.Tensor) -> bool:
     """Whether `linear` takes `weight` through oneDNN's packed path (with a float32 input on the
-    CPU): a float32 CPU weight of PACK_MIN_BYTES or more, where this torch has the ops."""
+    CPU): a float32 CPU weight of PACK_MIN_BYTES or more, where this torch has the ops -- or a
+    weight `pack_weights` released, of which only the packed copy is left."""
+    if weight.is_meta:
+        cached = _PACKED.get(id(weight))
+        return cached is not None and cached[0]() is weight
     return ONEDNN_LINEAR and weight.numel() * 4 >= PACK_MIN_BYTES and on_cpu_in_float32(weight)
 
 
@@ -96,13 +101,18 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
     """`weight` in oneDNN's packed layout, from the cache, packed (again) where it is not there."""
-    key = id(weight)
-    cached = _PACKED.get(key)
+    cached = _PACKED.get(id(weight))
     if cached is None or cached[0]() is not weight or cached[1] != weight._version:
-        gone = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
-        cached = (gone, weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-        _PACKED[key] = cached
+        cached = _cache(weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
     return cached[2]
+
+
+def _cache(weight: torch.Tensor, packed: torch.Tensor) -> tuple:
+    """`packed` as `weight`'s entry in the cache, which goes when `weight` does."""
+    key = id(weight)
+    gone = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
+    _PACKED[key] = (gone, weight._version, packed)
+    return _PACKED[key]
 
 
 @torch.library.custom_op("minivllm::packed_linear", mutates_args=())
@@ -205,24 +215,45 @@ def fuse_projections(model: Transformer, in_place: bool = False) -> Transformer:
     return fused
 
 
-def pack_weights(model: nn.Module) -> int:
+def pack_weights(model: nn.Module, release: bool = False) -> int:
     """Pack now every weight the fused `model`'s forward would pack (`linear`): the engine calls
     this as it starts, as vLLM packs its weights at load, so no request's step pays for it -- a
     Qwen3-0.6B in float32 took 4.8 s to pack, on the book's 2-core machine, all in the first step.
-    The packed copies are held beside the weights (the model keeps its own). Returns their
-    bytes: 0 where nothing is big enough, or the model is not on the CPU in float32."""
-    weights = {}  # by id: a tied LM head is packed once
+    Returns the packed copies' bytes: 0 where nothing is big enough, or the model is not on the
+    CPU in float32.
+
+    The packed copies are held beside the weights, so a model holds those weights twice -- unless
+    `release`, for a model that is the caller's alone (the engine's own, loaded for it): then each
+    packed weight's own copy is dropped, as vLLM drops its (`remove_weight`), and the model holds
+    in its place a meta tensor of its shape, which `linear` runs through the packed copy and
+    anything else fails on loudly (no data). A weight an embedding reads (a tied LM head) stays."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}  # by id: a tied weight is packed once
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in model.modules():
-        if isinstance(module, FusedLinear):
-            weights[id(module.weight)] = module.weight
-        for name in ("qkv_weight", "gate_up_weight"):
-            if isinstance(getattr(module, name, None), torch.Tensor):
-                weights[id(getattr(module, name))] = getattr(module, name)
+        names = ["weight"] if isinstance(module, FusedLinear) else []
+        names += [
+            n
+            for n in ("qkv_weight", "gate_up_weight")
+            if isinstance(getattr(module, n, None), torch.Tensor)
+        ]
+        for name in names:
+            holders.setdefault(id(getattr(module, name)), []).append((module, name))
     packed_bytes = 0
     with torch.no_grad():
-        for weight in weights.values():
-            if packs(weight):
-                packed_bytes += _packed(weight).nbytes
+        for where in holders.values():
+            weight = getattr(*where[0])
+            if not packs(weight):
+                continue
+            packed = _packed(weight)
+            packed_bytes += packed.nbytes
+            if release and not weight.is_meta and id(weight) not in embedded:
+                stand_in = torch.empty_like(weight, device="meta")
+                if isinstance(weight, nn.Parameter):
+                    stand_in = nn.Parameter(stand_in, requires_grad=False)
+                for module, name in where:
+                    held = module._parameters if name in module._parameters else module._buffers
+                    held[name] = stand_in
+                _cache(stand_in, packed)
     return packed_bytes
 
 

@@ -124,7 +124,7 @@ class RankState:
         model = source.load(shard, str(device))
         if settings.fuse:
             model = fuse_model(model, in_place=True)
-            pack_weights(model)  # as the engine does: not in the first step
+            pack_weights(model, release=True)  # as the engine does; the shard is this rank's alone
         storage = PagedKVStorage(
             local_config(model.config, shard),
             settings.num_blocks,
