@@ -167,9 +167,10 @@ for name, c in real.items():
 # ## The engine's first way to use more processes: whole sequences
 #
 # The engine already has one way to use more processes, `runner/workers.py`, built for the 2-core
-# machine this book was written on. First, what is a second core worth the usual way — each
-# matmul and each kernel call split between two threads? A decode step of 32 requests, on one
-# thread and on two, alternating (the second engine, started here too, comes in below):
+# machine this book was written on. First, what is a second core worth the usual way — threads
+# inside the step? A decode step of 32 requests, on one thread and on two, alternating (the second
+# engine, started here too, comes in below). On two, the engine splits the attention kernel and
+# leaves a pass this small's matmuls on one thread; the reason follows.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -187,7 +188,10 @@ print(f"the second thread: the step {speed_change(by_threads[1] / by_threads[2])
 # work on 32 × 256 floats, which torch does not split at all below its grain size. Splitting a
 # matmul that takes one core a fraction of a millisecond means waking the other core's thread,
 # handing it half, and waiting for both at the end, 25 times a step; on a virtual machine a
-# wake-up alone can eat much of what the split saves.
+# wake-up alone can eat much of what the split saves. So `run_model` gives a pass whose biggest
+# matmul is under `ONE_THREAD_BELOW_MACS` multiply-adds one torch thread, and only the attention
+# kernel, set up before, both (`runner/threads.py` has the measurements); a 512-token prefill
+# chunk, or a real checkpoint's decode, keeps both threads for everything.
 #
 # The split that needs no meeting inside the step is coarser: **by sequence**. Attention keeps
 # sequences apart, and every other layer works on each token's row alone, so a batch cut between

@@ -20,6 +20,7 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.transformer import Transformer
+from minivllm.runner.threads import pass_threads, torch_threads
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.sequence import Sequence
 
@@ -145,8 +146,10 @@ def run_model(
     # Inference mode, not just no_grad: autograd keeps no version counters or view metadata on
     # the pass's few hundred small operations, a few percent of a CPU decode step.
     with torch.inference_mode():
-        attention = backend(storage, batch)
-        rows = model(batch.input_ids, batch.positions, attention, rows=batch.logits_indices)
+        attention = backend(storage, batch)  # picks its threads from torch's count: every one
+        threads = pass_threads(model, batch.input_ids.numel(), storage.kv.device)
+        with torch_threads(threads):  # a small pass's matmuls on one (runner/threads.py)
+            rows = model(batch.input_ids, batch.positions, attention, rows=batch.logits_indices)
     # Copied out of inference mode: the sampler edits its logits in place (bans, biases), which
     # an inference tensor refuses outside it.
     return rows.to("cpu" if on_host else rows.device, torch.float32, copy=True)
