@@ -15,7 +15,10 @@ from minivllm.training.corpus import shipped_validation_text
 
 
 @pytest.fixture
-def two_torch_threads():
+def two_torch_threads(monkeypatch):
+    """torch on two threads that sleep between ops (the rule's case, whatever this process's
+    environment says), and its own count again after."""
+    monkeypatch.setattr(threads_module, "THREADS_SLEEP", True)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -82,3 +85,23 @@ def test_a_small_pass_runs_the_model_on_one_thread_and_the_kernel_on_two(
     monkeypatch.setattr(threads_module, "ONE_THREAD_BELOW_MACS", 0)
     again = [o.token_ids for o in LLMEngine(target, config).generate(prompts, params)]
     assert again == tokens
+
+
+def test_threads_that_spin_keep_every_thread(target, two_torch_threads, monkeypatch):
+    """With a spin before the threads sleep (the short-spin opt-in, or OpenMP's active default),
+    waking them costs nothing and every pass keeps torch's count."""
+    cpu = torch.device("cpu")
+    for policy, spin, sleeps in [
+        ("PASSIVE", None, True),
+        ("PASSIVE", "0", True),
+        ("PASSIVE", "20000", False),
+        (None, None, False),
+    ]:
+        for name, value in (("OMP_WAIT_POLICY", policy), ("GOMP_SPINCOUNT", spin)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert threads_module.threads_sleep_at_once() is sleeps
+    monkeypatch.setattr(threads_module, "THREADS_SLEEP", False)
+    assert pass_threads(target, 1, cpu) == 2

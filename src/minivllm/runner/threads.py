@@ -13,13 +13,20 @@ two threads: 6.17-6.41 s against 6.66-6.72 s, the same tokens.
 
 A pass whose biggest matmul (its rows times the largest weight's elements) reaches
 `ONE_THREAD_BELOW_MACS` keeps every thread: a 512-row prefill chunk, or a real checkpoint's decode,
-whose weights stream faster from two cores. The count is a pure function of the pass's rows and
-the model, never of the clock.
+whose weights stream faster from two cores. The count is a pure function of the pass's rows, the
+model and the threads' wait policy, never of the clock.
+
+The rule is for threads that sleep as soon as an op ends (`OMP_WAIT_POLICY=PASSIVE`, minivllm's
+default). Threads that spin first (the short-spin opt-in, `GOMP_SPINCOUNT`, or OpenMP's own
+default) are awake for the next op, and there a split matmul pays: with the short spin, the
+128-request workload took 5.47-6.62 s (median 5.96) with every op on two threads against 6.02-8.19
+s (median 6.27) under the rule (4 alternating pairs), so a spinning process keeps every thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Iterator
 
@@ -31,6 +38,16 @@ from torch import nn
 # took the 1024 x 256 gate/up in 0.78x the time.
 ONE_THREAD_BELOW_MACS = 32 << 20
 
+
+def threads_sleep_at_once() -> bool:
+    """Whether torch's idle OpenMP threads sleep as soon as an op ends, as libgomp reads the
+    environment when torch loads: `OMP_WAIT_POLICY=PASSIVE` and no `GOMP_SPINCOUNT` spin."""
+    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    return passive and os.environ.get("GOMP_SPINCOUNT", "0").strip() in ("", "0")
+
+
+# Read once, when the engine's runner is imported: libgomp read it once, when torch loaded.
+THREADS_SLEEP = threads_sleep_at_once()
 _LARGEST: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
@@ -46,9 +63,9 @@ def largest_weight(model) -> int:
 
 def pass_threads(model, rows: int, device: torch.device) -> int:
     """torch's threads for a pass of `rows` rows through `model` on `device`: 1 for a small pass
-    on the CPU, else torch's own count."""
+    on the CPU whose threads sleep between ops, else torch's own count."""
     threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
+    if device.type != "cpu" or threads == 1 or not THREADS_SLEEP:
         return threads
     return 1 if rows * largest_weight(model) < ONE_THREAD_BELOW_MACS else threads
 
