@@ -61,6 +61,7 @@ from minivllm.model.fused import fuse_model, pack_weights
 from minivllm.model.parallel import Shard, local_config, shard_from_model
 from minivllm.model.transformer import Transformer
 from minivllm.runner.launcher import Launched, batch_fields, batch_of, join_group
+from minivllm.runner.threads import torch_threads
 
 
 @dataclass(frozen=True)
@@ -273,21 +274,18 @@ class TensorParallelGroup:
         if self._ranks.messages is None or not self._ranks.healthy:
             raise RuntimeError("the tensor-parallel ranks were closed (or one failed before)")
         self.state.storage.check_slots(batch.slot_mapping)  # a bad batch never reaches the ranks
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.settings.threads)
-        try:
-            started = time.perf_counter()
-            self._ranks.messages.broadcast((batch_fields(batch), list(copies)))
-            self.broadcast_s += time.perf_counter() - started
-            return self.state.step(batch, list(copies))
-        except RuntimeError as error:  # a collective failed: a rank died or timed out
-            raise self._failed(error) from error
-        except BaseException:  # Ctrl-C mid-step: the ranks are out of step, stop them all
-            self._ranks.healthy = False
-            self.close()
-            raise
-        finally:
-            torch.set_num_threads(threads)
+        with torch_threads(self.settings.threads):
+            try:
+                started = time.perf_counter()
+                self._ranks.messages.broadcast((batch_fields(batch), list(copies)))
+                self.broadcast_s += time.perf_counter() - started
+                return self.state.step(batch, list(copies))
+            except RuntimeError as error:  # a collective failed: a rank died or timed out
+                raise self._failed(error) from error
+            except BaseException:  # Ctrl-C mid-step: the ranks are out of step, stop them all
+                self._ranks.healthy = False
+                self.close()
+                raise
 
     def _failed(self, error: RuntimeError) -> RuntimeError:
         why = self._ranks.failure(error)

@@ -61,6 +61,7 @@ from minivllm.model.fused import pack_weights
 from minivllm.model.transformer import ModelConfig, Transformer
 from minivllm.runner.batch import run_model
 from minivllm.runner.launcher import Launched, Messages, batch_fields, batch_of, join_group
+from minivllm.runner.threads import torch_threads
 
 # A reply's first two numbers, before the logits: the length of the error the worker sends next (0:
 # none), and its part's forward time in seconds.
@@ -253,14 +254,12 @@ class ForwardWorkers:
         # batch is one sequence) ...
         if len(parts) > 1:
             self._message(self._ranks.messages.broadcast, [batch_fields(p) for p in parts])
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # ... and this process runs its own on one thread, as they do
         try:
-            started = time.perf_counter()
-            logits = [run_model(self.model, self.storage, parts[0], backend)]
-            self.part_seconds = [time.perf_counter() - started]
+            with torch_threads(1):  # ... and this process runs its own on one thread, as they do
+                started = time.perf_counter()
+                logits = [run_model(self.model, self.storage, parts[0], backend)]
+                self.part_seconds = [time.perf_counter() - started]
         finally:
-            torch.set_num_threads(threads)
             # every sent part is answered, even when this process's part failed
             replies = [
                 self._receive(i, len(part.logits_indices)) for i, part in enumerate(parts[1:], 1)
