@@ -63,6 +63,7 @@ import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as 
 
 # isort: split
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -504,6 +505,13 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="rounds over every system")
+    parser.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        help="with N > 1, also minivllm as N engine replicas (EngineConfig.data_parallel_size, "
+        "each on THREADS / N threads, holding its own copy of the weights)",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
@@ -616,6 +624,18 @@ def main() -> int:
         engine = LLMEngine(model, config, tokenizer)
         name = f"minivllm ({backend}: {engine.runner.backend.__name__})"
         engines[f"minivllm/{backend}"] = engine, name
+    if args.data_parallel > 1:  # replicas of the default backend, on a copy of the weights
+        from minivllm.engine.data_parallel import DataParallelEngine
+
+        config = EngineConfig(
+            num_blocks=blocks,
+            scheduler=scheduler,
+            dtype=dtype,
+            data_parallel_size=args.data_parallel,
+        )
+        replicas = DataParallelEngine(copy.deepcopy(model), config, tokenizer)
+        name = f"minivllm (auto, data parallel {args.data_parallel})"
+        engines[f"minivllm/auto/dp{args.data_parallel}"] = replicas, name
     systems = {
         key: (lambda e=engine, n=name: run_engine(e, requests, n))
         for key, (engine, name) in engines.items()

@@ -1,7 +1,8 @@
 """vLLM as a peer: vLLM's CPU build and minivllm on one seeded workload (optional, not in tests).
 
     python benchmarks/vllm_peer.py [--requests 256] [--seed 0] [--repeats 3]
-    [--backends auto|torch numba ...] [--processes 1 2] [--vllm-modes compiled eager]
+    [--backends auto|torch numba ...] [--processes 1 2] [--data-parallel 1 2]
+    [--vllm-modes compiled eager compiled-passive compiled-spin compiled-dp2 ...]
     [--vllm-python PATH] [--model DIR] [--dtype float32|bfloat16|float16]
     [--threads 2] [--out PATH]
 
@@ -28,11 +29,18 @@ unless asked), by
   wait policy (idle OpenMP threads spin a while before they sleep), as it ships;
   `compiled-passive` runs the compiled mode with `OMP_WAIT_POLICY=PASSIVE` (vLLM's recommended
   setting: threads sleep at once), `compiled-spin` with `PASSIVE` and a short `GOMP_SPINCOUNT`
-  (`vllm_thread_policy`), the opt-in a minivllm run gets when it is exported;
+  (`vllm_thread_policy`), the opt-in a minivllm run gets when it is exported. `compiled-dp2`
+  is vLLM's offline data parallelism as its example runs it: two `vllm.LLM` processes at once,
+  each bound to one CPU with one thread and given its share of the requests
+  (`data_parallel_split`: minivllm's own rule), timed from a common start to the last one's end;
+  `compiled-dp2-1proc` the same with each engine core inside its LLM's process
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one process per rank as minivllm's replicas are;
 * minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
   on each attention backend of `--backends`, with each number of forward processes of
   `--processes` (`EngineConfig.forward_processes`; 2: each pass split by sequence between this
-  process and a worker, one thread each -- the same 2 cores; CPU seconds then count both), eager
+  process and a worker, one thread each -- the same 2 cores; CPU seconds then count both), with
+  each number of engine replicas of `--data-parallel` (`EngineConfig.data_parallel_size`: 2 runs
+  two whole engines of one thread each, `DataParallelEngine`, warmed up before the timed run), eager
   and with its forward compiled (`--minivllm-modes`; `EngineConfig.compile_forward`, compiled when
   the engine is built, in one process only). `benchmarks/compiled_forward.py` compares minivllm's
   two modes step by step, a finer measure than these whole runs.
@@ -72,6 +80,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -131,13 +140,16 @@ def cpu_seconds_of_tree() -> float:
     return total
 
 
-def vllm_worker(workload_path: Path, mode: str) -> None:
+def vllm_worker(workload_path: Path, mode: str, go_file: Path | None = None) -> None:
     """Build `vllm.LLM`, warm up, time one run over the workload, print one JSON line.
 
     The workload file holds the model folder, its settings and the requests (`write_workload`).
     The run is `LLM.generate`'s own loop (`llm_engine.step()` until nothing is unfinished) with
     every request's new tokens returned each step (`RequestOutputKind.DELTA`), so the time each
-    request's first token came back (its TTFT) is seen as minivllm's is."""
+    request's first token came back (its TTFT) is seen as minivllm's is. With `go_file` (a
+    data-parallel rank), the warmed-up worker says so (a file named as its workload, plus
+    ".ready") and waits for `go_file` to exist before its timed run, so that the ranks start it
+    together."""
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -178,6 +190,10 @@ def vllm_worker(workload_path: Path, mode: str) -> None:
         use_tqdm=False,
     )
     engine = llm.llm_engine
+    if go_file is not None:
+        Path(f"{workload_path}.ready").touch()
+        while not go_file.exists():
+            time.sleep(0.005)
     load_before, cpu = load_str(), cpu_seconds_of_tree()
     started = time.perf_counter()
     for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -277,6 +293,112 @@ def run_as_group(command: list[str], timeout: float, **popen) -> subprocess.Comp
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def data_parallel_split(requests: list[dict], ranks: int) -> list[list[int]]:
+    """Which requests each data-parallel rank runs: in order, each to the rank with the fewest
+    prompt and output tokens so far (the lower rank on a tie) -- the rule minivllm's
+    `DataParallelEngine.add_request` applies, so both systems' ranks get the same requests."""
+    load, shares = [0] * ranks, [[] for _ in range(ranks)]
+    for index, request in enumerate(requests):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shares[rank].append(index)
+        load[rank] += len(request["prompt_ids"]) + request["max_tokens"]
+    return shares
+
+
+def run_vllm_data_parallel(
+    python: str, workload_path: Path, mode: str, threads: int, timeout: float
+) -> dict:
+    """vLLM's offline data parallelism, as its example runs it: one `vllm.LLM` per rank, each a
+    process of its own with its share of the requests (`data_parallel_split`) and of the CPUs
+    (`threads // ranks` each, bound to its own), started together once every rank has warmed up.
+    The run's time is the last rank's; its tokens are the ranks' put back in request order."""
+    base, _, ranks = mode.partition("-dp")
+    ranks, _, one_process = ranks.partition("-")
+    ranks = int(ranks)
+    workload = json.loads(workload_path.read_text())
+    shares = data_parallel_split(workload["requests"], ranks)
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    each = max(1, threads // ranks)
+    processes, go = [], workload_path.with_name(f"go-{time.monotonic_ns()}")
+    paths = [workload_path.with_name(f"{go.name}-rank{rank}.json") for rank in range(ranks)]
+    try:
+        for rank, (share, path) in enumerate(zip(shares, paths)):
+            requests = [workload["requests"][i] for i in share]
+            path.write_text(json.dumps({**workload, "requests": requests}))
+            bind = ",".join(map(str, cpus[rank * each : (rank + 1) * each]))
+            command = [python, str(Path(__file__).resolve()), "--worker", "vllm"]
+            command += ["--workload", str(path), "--vllm-mode", base.split("-")[0]]
+            command += ["--go-file", str(go)]
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    start_new_session=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    cwd=ROOT,
+                    env={
+                        **vllm_env(base, bind, each),
+                        # "-1proc": the engine core inside the LLM's process, as minivllm's
+                        # replica is one process; else a process of its own, as vLLM ships
+                        **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if one_process else {}),
+                    },
+                )
+            )
+        # every rank warmed up (or one ended: its output says why), then all start at once;
+        # the pipes are read meanwhile, so that a chatty start-up never blocks on a full pipe
+        deadline = time.monotonic() + timeout
+        logs = [[] for _ in processes]
+        readers = [
+            threading.Thread(target=lambda p=p, log=log: log.extend(p.stdout), daemon=True)
+            for p, log in zip(processes, logs)
+        ]
+        for reader in readers:
+            reader.start()
+        while not all(Path(f"{path}.ready").exists() for path in paths):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
+                break
+            time.sleep(0.01)
+        go.touch()
+        for process, reader in zip(processes, readers):
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            reader.join(timeout=10)
+        outputs = ["".join(log) for log in logs]
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    results = []
+    for rank, (process, output) in enumerate(zip(processes, outputs)):
+        found = [line for line in output.splitlines() if line.startswith(MARKER)]
+        if process.returncode != 0 or not found:
+            tail = "\n".join(output.splitlines()[-40:])
+            raise RuntimeError(f"vLLM data-parallel rank {rank} failed:\n{tail}")
+        results.append(json.loads(found[-1][len(MARKER) :]))
+    tokens: list = [None] * len(workload["requests"])
+    ttft: list = [None] * len(workload["requests"])
+    for share, result in zip(shares, results):
+        for i, row, first in zip(share, result["token_ids"], result["ttft"]):
+            tokens[i], ttft[i] = row, first
+    result = {k: v for k, v in results[0].items() if k not in ("token_ids", "ttft")}
+    result.update(
+        seconds=max(r["seconds"] for r in results),
+        tokens=sum(r["tokens"] for r in results),
+        cpu_seconds_all_processes=round(sum(r["cpu_seconds_all_processes"] for r in results), 3),
+        rank_seconds=[round(r["seconds"], 3) for r in results],
+        rank_requests=[len(share) for share in shares],
+        system=f"vLLM {results[0]['vllm']} ({base.replace('-', ', ')}, data parallel {ranks}"
+        + (", 1 process each)" if one_process else ")"),
+        _tokens=tokens,
+        _ttft=ttft,
+        log_notes=[],
+        engine_compilation_mode=None,
+        engine_compilation_backend=None,
+        engine_dtype=results[0]["dtype"],
+    )
+    return result
+
+
 def vllm_thread_policy(mode: str) -> dict[str, str | None]:
     """libgomp's settings for a vLLM mode (None: not set). vLLM as it ships leaves libgomp's
     default: idle threads spin a while (about 3 ms by libgomp's estimate), then sleep. minivllm sets
@@ -294,19 +416,27 @@ def vllm_thread_policy(mode: str) -> dict[str, str | None]:
     return {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}
 
 
-def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout: float) -> dict:
-    """One vLLM run: a fresh process in vLLM's venv (start-up, warm-up, one timed generate)."""
+def vllm_env(mode: str, bind: str, threads: int) -> dict[str, str]:
+    """The environment of a vLLM worker: its CPUs and threads, and the mode's thread policy."""
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(threads))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["OMP_NUM_THREADS"] = str(threads)
     policy = vllm_thread_policy(mode)
     env.update((name, value) for name, value in policy.items() if value is not None)
     for name in (name for name, value in policy.items() if value is None):
         env.pop(name, None)
-    mode, setting = mode.split("-")[0], mode.partition("-")[2]
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout: float) -> dict:
+    """One vLLM run: a fresh process in vLLM's venv (start-up, warm-up, one timed generate)."""
+    if "-dp" in mode:
+        return run_vllm_data_parallel(python, workload_path, mode, threads, timeout)
+    env = vllm_env(mode, cpu_bind(threads), threads)
+    mode, setting = mode.split("-")[0], mode.partition("-")[2]
     command = [python, str(Path(__file__).resolve()), "--worker", "vllm"]
     command += ["--workload", str(workload_path), "--vllm-mode", mode]
     done = run_as_group(command, timeout, cwd=ROOT, env=env)
@@ -367,16 +497,37 @@ def peer_config(requests, backend: str, dtype, processes: int = 1, compiled: boo
 
 
 def run_minivllm(
-    model, requests, backend: str, processes: int = 1, tokenizer=None, compiled: bool = False
+    model,
+    requests,
+    backend: str,
+    processes: int = 1,
+    tokenizer=None,
+    compiled: bool = False,
+    replicas: int = 1,
 ) -> dict:
+    import copy
+    from dataclasses import replace
+
     from _common import cpu_seconds_of
 
+    from minivllm.engine.data_parallel import DataParallelEngine
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sched.sequence import SamplingParams
 
     config = peer_config(requests, backend, next(model.parameters()).dtype, processes, compiled)
-    engine = LLMEngine(model, config, tokenizer)
-    workers = engine.runner.workers.pids if engine.runner.workers else []
+    if replicas > 1:  # the spawned replicas start, and warm up, before the timed run
+        config = replace(config, data_parallel_size=replicas)
+        # a copy: handing a model to spawned processes moves its weights to shared memory, and
+        # the other systems here run the original
+        engine = DataParallelEngine(copy.deepcopy(model), config, tokenizer)
+        workers = engine._replicas.pids
+        engine.generate(
+            [r.prompt_ids for r in requests[: WARMUP_REQUESTS * replicas]],
+            SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True),
+        )
+    else:
+        engine = LLMEngine(model, config, tokenizer)
+        workers = engine.runner.workers.pids if engine.runner.workers else []
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests
     ]
@@ -389,9 +540,11 @@ def run_minivllm(
     tokens = [list(o.token_ids) for o in outputs]
     label = f"{backend} attention" + (f", {processes} processes" if processes > 1 else "")
     label += ", compiled" if compiled else ""
+    label += f", data parallel {replicas}" if replicas > 1 else ""
     return {
         "system": f"minivllm ({label})",
         "forward_processes": processes,
+        "data_parallel_size": replicas,
         "seconds": seconds,
         "tokens": sum(map(len, tokens)),
         "cpu_seconds": round(cpu, 3),
@@ -401,9 +554,9 @@ def run_minivllm(
     }
 
 
-def minivllm_key(backend: str, processes: int, compiled: bool = False) -> str:
+def minivllm_key(backend: str, processes: int, compiled: bool = False, replicas: int = 1) -> str:
     key = f"minivllm/{backend}" + (f"/{processes}p" if processes > 1 else "")
-    return key + ("/compiled" if compiled else "")
+    return key + ("/compiled" if compiled else "") + (f"/dp{replicas}" if replicas > 1 else "")
 
 
 def warm_minivllm(model, requests, backend: str, tokenizer=None, compiled: bool = False) -> None:
@@ -493,6 +646,14 @@ def main() -> int:
         "2 splits each pass by sequence between this process and a worker, one thread each)",
     )
     parser.add_argument(
+        "--data-parallel",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="minivllm engine replicas to run each backend with (EngineConfig.data_parallel_size: "
+        "2 runs two whole engines, one thread each, the requests shared between them)",
+    )
+    parser.add_argument(
         "--minivllm-modes",
         nargs="+",
         choices=["eager", "compiled"],
@@ -503,11 +664,21 @@ def main() -> int:
     parser.add_argument(
         "--vllm-modes",
         nargs="+",
-        choices=["compiled", "eager", "compiled-passive", "compiled-spin"],
+        choices=[
+            "compiled",
+            "eager",
+            "compiled-passive",
+            "compiled-spin",
+            "compiled-dp2",
+            "compiled-passive-dp2",
+            "compiled-dp2-1proc",
+        ],
         default=["compiled", "eager"],
         help="compiled: vLLM's default (torch.compile); eager: enforce_eager=True; "
         "compiled-passive: compiled with OMP_WAIT_POLICY=PASSIVE (vLLM's recommended setting); "
-        "compiled-spin: compiled with PASSIVE and a short GOMP_SPINCOUNT (minivllm's opt-in)",
+        "compiled-spin: compiled with PASSIVE and a short GOMP_SPINCOUNT (minivllm's opt-in); "
+        "-dp2: vLLM's offline data parallelism, two LLMs of one thread each, the requests shared "
+        "(-1proc: each engine core inside its LLM's process, VLLM_ENABLE_V1_MULTIPROCESSING=0)",
     )
     parser.add_argument(
         "--vllm-python",
@@ -534,10 +705,11 @@ def main() -> int:
     parser.add_argument("--worker", choices=["vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--workload", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--vllm-mode", default="compiled", help=argparse.SUPPRESS)
+    parser.add_argument("--go-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker == "vllm":
-        vllm_worker(args.workload, args.vllm_mode)
+        vllm_worker(args.workload, args.vllm_mode, args.go_file)
         return 0
     # Not at the top: the vLLM worker runs this file in vLLM's venv, which has no minivllm.
     import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
@@ -581,15 +753,17 @@ def main() -> int:
         flush=True,
     )
 
-    # every minivllm system: (backend, forward processes, compiled); compiled runs in one process
+    # every minivllm system: (backend, forward processes, compiled, replicas); compiled runs in
+    # one process per replica, and forward workers with one replica
     minis = [
-        (b, p, m == "compiled")
+        (b, p, m == "compiled", d)
         for b in args.backends
         for p in args.processes
         for m in args.minivllm_modes
-        if p == 1 or m == "eager"
+        for d in args.data_parallel
+        if (p == 1 or m == "eager") and (p == 1 or d == 1)
     ]
-    for backend, _, compiled in dict.fromkeys((b, 1, c) for b, _, c in minis):
+    for backend, _, compiled in dict.fromkeys((b, 1, c) for b, _, c, _ in minis):
         warm_minivllm(model, requests, backend, tokenizer, compiled)
 
     runs: dict[str, list[dict]] = {}
@@ -611,10 +785,12 @@ def main() -> int:
                 ),
                 *(
                     (
-                        minivllm_key(b, p, c),
-                        lambda b=b, p=p, c=c: run_minivllm(model, requests, b, p, tokenizer, c),
+                        minivllm_key(b, p, c, d),
+                        lambda b=b, p=p, c=c, d=d: run_minivllm(
+                            model, requests, b, p, tokenizer, c, d
+                        ),
                     )
-                    for b, p, c in minis
+                    for b, p, c, d in minis
                 ),
             ]:
                 r = run()
@@ -624,7 +800,7 @@ def main() -> int:
 
     results = {key: summary(rs) for key, rs in runs.items()}
     vllm_keys = [f"vllm/{m}" for m in args.vllm_modes]
-    mini_keys = [minivllm_key(b, p, c) for b, p, c in minis]
+    mini_keys = [minivllm_key(b, p, c, d) for b, p, c, d in minis]
     if any(r["tokens"] != sum(out_lens) for rs in runs.values() for r in rs):
         print("  note: a system generated a different number of tokens than asked for")
 

@@ -216,8 +216,10 @@ else:
             f"{agreement['identical']} of {agreement['requests']}",
         ],
     ]
-    # the same engine with each pass split between 2 processes, and with its forward compiled
-    for other in (peer.get("minivllm_split"), peer.get("minivllm_compiled")):
+    # the same engine with each pass split between 2 processes, with its forward compiled, and as
+    # two replicas (data parallel)
+    others = ("minivllm_split", "minivllm_compiled", "minivllm_data_parallel")
+    for other in (peer.get(key) for key in others):
         if other is not None:
             peer_rows.append(
                 [
@@ -228,6 +230,9 @@ else:
                     f"{other['greedy_agreement']['requests']}",
                 ]
             )
+    if peer.get("vllm_data_parallel") is not None:  # vLLM as two replicas too
+        theirs = peer["vllm_data_parallel"]
+        peer_rows.append([theirs["system"], f"{theirs['tokens_per_s_median']:,.1f}", "", ""])
     peer_recorded = recorded_at(peer["machine"].get("source"), peer.get("date"))
     display(
         Table(

@@ -14,7 +14,8 @@
 # :::{admonition} At a glance
 # - **Builds:** tensor parallelism on `torch.distributed`: each layer split by heads and hidden
 #   units across ranks (processes), two all-reduces a layer, rank 0 scheduling and sampling for
-#   all; then the hand-off to vLLM.
+#   all; engine replicas that share out the requests (data parallelism); then the hand-off to
+#   vLLM.
 # - **Needs:** chapters 03 and 04 (the paged cache, the engine step), chapter 07 (the CPU kernel,
 #   its threads and their wait policy), chapter 10 (real configs, the K/V arithmetic).
 # - **Runs in:** about 30 s, start to end (`make book` on a quiet 2-core AMD EPYC).
@@ -26,7 +27,9 @@
 # the one multi-process mechanism the engine had so far — whole sequences given to processes
 # that share one machine's memory — and why it stops there. Then it builds what every engine the
 # book stands beside answers with, **{term}`tensor parallelism`**: every layer split across devices, so
-# each holds a share of the weights and of the K/V cache. It ends where this book hands you over:
+# each holds a share of the weights and of the K/V cache. For throughput on one machine there is
+# a third way, whole engine replicas that never meet (data parallelism), and the chapter measures
+# all three. It ends where this book hands you over:
 # the weights folder the engine serves is served by vLLM, token for token, with
 # `--tensor-parallel-size` and many machines.
 
@@ -45,13 +48,14 @@ import numpy as np
 import torch
 
 import minivllm
-from minivllm import LLMEngine
+from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.attention.batch import split_sequences
 from minivllm.book import show, use_book_style
 from minivllm.book.figures.parallel import draw_rank_layout
 from minivllm.book.stats import speed_change, within
 from minivllm.book.step_timing import decode_engine, time_decode_steps, time_thread_counts
 from minivllm.book.tiny_checkpoint import shipped_config
+from minivllm.engine.data_parallel import DataParallelEngine
 from minivllm.kv.block_manager import BlockManager
 from minivllm.kv.sizing import kv_bytes_per_token
 from minivllm.model.checkpoint import config_from_hf, load_model
@@ -66,6 +70,7 @@ from minivllm.model.parallel import (
 )
 from minivllm.runner.tensor_parallel import serve_rank
 from minivllm.runner.workers import ForwardWorkers, balanced_bounds
+from minivllm.training.corpus import shipped_validation_text
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
@@ -564,6 +569,95 @@ for shape in ("tensor_parallel.json", "tensor_parallel_100m.json"):
 # device's memory and past one machine — the one that carries over to GPUs and to vLLM. They are
 # not combined (`EngineConfig` refuses both at once).
 #
+# ## A third way: replicas that never meet
+#
+# Both mechanisms meet inside every step, and both pay for it: a gloo round trip, or two
+# all-reduces a layer, and each process the fixed cost of a whole pass. Where the model fits every
+# process's memory, as the target model does many times over, there is a way that never meets:
+# **data parallelism**. Each process runs a whole engine — its own scheduler, block manager, K/V
+# pool and steps, on one core — and the requests are shared out between them. Nothing crosses
+# between the replicas but requests going in and outputs coming back. A request is no faster (its
+# step is one replica's), but the machine does twice the work when each core steps a full batch
+# of its own. It is vLLM's `data_parallel_size`, and what a fleet of servers does with machines.
+#
+# `EngineConfig(data_parallel_size=2)` (or `LLM(..., data_parallel_size=2)`) builds a
+# `DataParallelEngine`: replica 0 in this process, the others spawned by the same launcher as the
+# ranks above, each on its share of torch's threads. A request goes to the replica with the least
+# work outstanding — prompt and output tokens still to compute — and keeps its request id, from
+# which its seed comes, so where it runs does not change its tokens:
+
+# %%
+show(DataParallelEngine.add_request)
+
+# %% [markdown]
+# A step runs one step of replica 0 and gathers what the others sent meanwhile; with nothing for
+# replica 0 to do, it waits for theirs. Two replicas of one thread against one engine on two
+# threads, the same 64 requests, each warmed up first:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+text = shipped_validation_text()
+replica_prompts = [text[4000 + 97 * i : 4000 + 97 * i + 60] for i in range(64)]
+replica_params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+one_engine = LLMEngine(target, EngineConfig(device="cpu"))
+replicas = DataParallelEngine(target, EngineConfig(device="cpu", data_parallel_size=2))
+by_system = {}
+for name, engine in (
+    ("one engine, 2 threads", one_engine),
+    ("2 replicas, 1 thread each", replicas),
+):
+    engine.generate(replica_prompts[:8], SamplingParams(max_tokens=4))  # warm-up
+    started = time.perf_counter()
+    outputs = engine.generate(replica_prompts, replica_params)
+    seconds = time.perf_counter() - started
+    by_system[name] = (outputs, sum(len(o.token_ids) for o in outputs) / seconds)
+    print(f"{name:>26}: {by_system[name][1]:7.0f} tokens/s")
+(single, one_rate), (shared, two_rate) = by_system.values()
+print(f"two replicas: {speed_change(two_rate / one_rate, than='one engine')}")
+
+# %% [markdown]
+# The check: every request's greedy tokens, from one engine and from two replicas.
+
+# %%
+same = sum(a.token_ids == b.token_ids for a, b in zip(single, shared))
+print(f"{same} of {len(single)} requests: identical greedy tokens from one engine and two replicas")
+assert same == len(single)
+replicas.close()
+
+# %% [markdown]
+# Why it wins where the split by sequence did not: each replica's step carries a batch of its
+# own, so the cost that does not shrink with the batch — measured above — is paid once per batch
+# of work, not twice per batch; and no step waits for another process. What it costs is memory:
+# each replica holds its own copy of the weights and its own K/V pool, so $N$ replicas hold $N$
+# times one engine's bytes — the opposite of tensor parallelism, and no help for a model that does
+# not fit. `benchmarks/vllm_peer.py --data-parallel 1 2` runs the whole 256-request workload both
+# ways, beside vLLM's CPU build as it ships and run as replicas too (`compiled-dp2`: two
+# `vllm.LLM` of one thread each, the requests split by the same rule, as vLLM's offline
+# data-parallel example runs them; `-1proc`: each with its engine core inside its own process, one
+# process per replica as here). Two recordings, each alternating its systems round by round:
+
+# %%
+for recording in ("vllm_peer.json", "vllm_peer_data_parallel.json"):
+    peer = json.loads((RESULTS / recording).read_text())
+    rates = {key: r["tokens_per_second_median"] for key, r in peer["results"].items()}
+    print(
+        f"{recording}: {peer['machine']['cpu_model']}, {peer['machine']['cpus']} CPUs; median of "
+        f"{peer['config']['repeats']} runs, load average {peer['load_average']['start']} at the "
+        "start"
+    )
+    for key, rate in rates.items():
+        print(f"  {peer['results'][key]['system']:<56} {rate:7.0f} tokens/s")
+    for theirs in [key for key in rates if key.startswith("vllm/")]:
+        ratio = rates["minivllm/numba/dp2"] / rates[theirs]
+        print(f"  minivllm's 2 replicas against {theirs}: {speed_change(ratio, than='vLLM')}")
+
+# %% [markdown]
+# Read the two together. The first says what replicas buy each engine against its own single
+# process, on this machine; the second is the like-for-like comparison, replicas against
+# replicas, one process each. What is left between those two is each engine's work per core —
+# the step that chapter 07's roofline measures, which no way of adding processes changes.
+
+# %% [markdown]
 # ## The hand-off: the same folder, served by vLLM
 #
 # Everything this engine loads is a Hugging Face folder, and so is what vLLM loads.
@@ -714,7 +808,9 @@ for pair, agreement in peer["greedy_agreement"].items():
 # broadcast of the batch a step; the greedy tokens are one process's. The number that says why it
 # matters is the table at the top: at TP $W$ a rank holds $1/W$ of the weights and of each token's
 # K/V, so a model that does not fit one device fits $W$, and the tokens each can cache grow faster
-# than $W$ — until the K/V heads run out.
+# than $W$ — until the K/V heads run out. Where the model fits every core's memory and the goal
+# is throughput, whole replicas that share out the requests and never meet do better still on a
+# small machine: each step carries a full batch of its own, and none waits for another process.
 #
 # **The same ideas in vLLM.** `vllm/model_executor/layers/linear.py` (`QKVParallelLinear`,
 # `MergedColumnParallelLinear`, `RowParallelLinear`),

@@ -91,6 +91,12 @@ class EngineConfig:
     # shared out between the ranks, each holding its heads' part of every block (with fewer K/V
     # heads than ranks, a rank holds one whole head: more than its share).
     tensor_parallel_size: int = 1
+    # Whole engine replicas on a CPU (engine/data_parallel.py, vLLM's name): each runs its own
+    # requests -- scheduler, K/V pool and steps of its own -- on its share of torch's threads, in
+    # its own process (replica 0 in this one), and they never meet. More throughput from a
+    # machine's cores, not a faster request; N replicas hold N copies of the weights and of the
+    # cache. `LLM` builds a `DataParallelEngine` for it; an `LLMEngine` is one replica.
+    data_parallel_size: int = 1
     # A tensor-parallel step whose collectives wait longer than this (a rank hung) fails.
     distributed_timeout_s: float = 300.0
     # How sequences hold K/V blocks (kv/block_manager.py): "paged" grows each sequence a block at
@@ -132,6 +138,15 @@ class EngineConfig:
                 "tensor_parallel_size and forward_processes are two ways to use more processes: "
                 "choose one"
             )
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+            raise ValueError(f"EngineConfig.data_parallel_size must be an int >= 1, got {dp!r}")
+        if dp > 1 and (tp > 1 or self.forward_processes > 1 or self.device == "cuda"):
+            raise ValueError(
+                "data_parallel_size runs whole replicas on the CPU's cores, one process each: "
+                "use it with device 'cpu' or 'auto', tensor_parallel_size 1 and "
+                "forward_processes 1"
+            )
         if tp > 1 and self.speculative is not None and self.speculative.method == "draft":
             raise ValueError(
                 "speculative decoding with a draft model is not split over tensor-parallel "
@@ -170,6 +185,7 @@ def _resolve_device(config: EngineConfig) -> str:
         return config.device
     cpu_only = (
         config.forward_processes > 1
+        or config.data_parallel_size > 1
         or config.compile_forward
         or backend_device(config.attention_backend) == "cpu"
     )

@@ -95,6 +95,12 @@ class LLMEngine:
         (`resolve_capacity`); `self.config` is the config with `num_blocks` and `max_model_len`
         filled in, and `self.cache` says what the blocks hold."""
         config = config or EngineConfig()
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                f"an LLMEngine is one replica: build a DataParallelEngine "
+                f"(minivllm.engine.data_parallel) or LLM(..., data_parallel_size="
+                f"{config.data_parallel_size}) for data_parallel_size > 1"
+            )
         if tokenizer is not None:  # a tokenizer given must fit the model (not the default one)
             check_vocabulary(model.config, tokenizer)
         self.tokenizer = tokenizer or ByteTokenizer()
@@ -542,12 +548,12 @@ class LLM:
         # vLLM style: speculative={"method": "ngram", ...}
         if isinstance(config.get("speculative"), dict):
             config["speculative"] = SpeculativeConfig(**config["speculative"])
-        self.engine = LLMEngine(
-            model,
-            EngineConfig(scheduler=scheduler, **config),
-            tokenizer,
-            default_params,
-            own_model=folder is not None,
+        engine_config = EngineConfig(scheduler=scheduler, **config)
+        engine_class = LLMEngine
+        if engine_config.data_parallel_size > 1:  # replicas, each an LLMEngine
+            from minivllm.engine.data_parallel import DataParallelEngine as engine_class
+        self.engine = engine_class(
+            model, engine_config, tokenizer, default_params, own_model=folder is not None
         )
 
     def get_tokenizer(self) -> Tokenizer:
