@@ -96,6 +96,18 @@ def test_streaming_outputs_come_from_both_replicas_step_by_step(replicas) -> Non
     assert {len(t) for t in tokens.values()} == {6}  # every token, each in its own step's output
 
 
+def test_streams_from_replicas_are_the_generated_text_and_a_stream_left_early_aborts(replicas):
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    texts = {}
+    for delta in replicas.stream(PROMPTS, params):
+        texts[delta.request_id] = texts.get(delta.request_id, "") + delta.text
+    assert [texts[i] for i in sorted(texts)] == [o.text for o in replicas.generate(PROMPTS, params)]
+    for _ in replicas.stream(PROMPTS[:2], SamplingParams(max_tokens=300)):
+        break  # the consumer leaves after one delta
+    assert not replicas.has_unfinished() and replicas.load == [0, 0]
+    assert "2 data-parallel replicas, each with its own KV cache" in replicas.describe_capacity()
+
+
 @pytest.mark.parametrize("where", [0, 1])
 def test_an_abort_ends_the_request_on_its_replica_and_nothing_of_it_comes_after(
     replicas, where

@@ -122,7 +122,7 @@ def _stop(conns: list[Connection], replicas: Launched) -> None:
 
 class DataParallelEngine:
     """`config.data_parallel_size` engine replicas behind `LLMEngine`'s request API
-    (`add_request`, `step`, `abort`, `has_unfinished`, `generate`, `close`)."""
+    (`add_request`, `step`, `abort`, `has_unfinished`, `generate`, `stream`, `close`)."""
 
     def __init__(
         self,
@@ -263,7 +263,16 @@ class DataParallelEngine:
         return kept
 
     generate = LLMEngine.generate
+    stream = LLMEngine.stream
     _add_all = LLMEngine._add_all
+
+    def _is_running(self, request_id: int) -> bool:
+        return request_id in self.requests
+
+    def describe_capacity(self) -> str:
+        """`LLMEngine.describe_capacity` of one replica, and how many there are."""
+        one = self.local.describe_capacity()
+        return f"{self.size} data-parallel replicas, each with its own {one}"
 
     def close(self) -> None:
         """Stop the spawned replicas; idempotent."""

@@ -473,8 +473,12 @@ class LLMEngine:
                         yield out.delta()
         finally:  # a consumer that stops early must not leave its requests holding blocks
             for i in {i for i, _ in unfinished}:
-                if i in self.scheduler.sequences or i in self.groups:
+                if self._is_running(i):
                     self.abort(i)
+
+    def _is_running(self, request_id: int) -> bool:
+        """Whether a request still holds sequences here (what `stream` aborts when left early)."""
+        return request_id in self.scheduler.sequences or request_id in self.groups
 
     def _add_all(self, prompts, params) -> list[int]:
         if isinstance(prompts, str):
