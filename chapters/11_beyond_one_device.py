@@ -576,9 +576,10 @@ for shape in ("tensor_parallel.json", "tensor_parallel_100m.json"):
 # process's memory, as the target model does many times over, there is a way that never meets:
 # **data parallelism**. Each process runs a whole engine — its own scheduler, block manager, K/V
 # pool and steps, on one core — and the requests are shared out between them. Nothing crosses
-# between the replicas but requests going in and outputs coming back. A request is no faster (its
-# step is one replica's), but the machine does twice the work when each core steps a full batch
-# of its own. It is vLLM's `data_parallel_size`, and what a fleet of servers does with machines.
+# between the replicas but requests going in and outputs coming back. A request is no faster —
+# its step is one replica's, on fewer threads — but the machine can do up to twice the work: each
+# core steps a full batch of its own, and most of a step's cost does not shrink with its batch.
+# It is vLLM's `data_parallel_size`, and what a fleet of servers does with machines.
 #
 # `EngineConfig(data_parallel_size=2)` (or `LLM(..., data_parallel_size=2)`) builds a
 # `DataParallelEngine`: replica 0 in this process, the others spawned by the same launcher as the
