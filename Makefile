@@ -87,8 +87,9 @@ student: $(BOOK_STAMP)
 # vLLM's own virtualenv for benchmarks/vllm_peer.py: VLLM_PEER_PYTHON (the script reads it too), or
 # the script's DEFAULT_VLLM_PYTHON. Its docstring says how to build it.
 VLLM_PEER_PYTHON ?= $(shell sed -n 's/^DEFAULT_VLLM_PYTHON = "\(.*\)"$$/\1/p' benchmarks/vllm_peer.py)
-# the runs the scoreboard's vLLM rows read: one and two forward processes
-VLLM_PEER_ARGS ?= --processes 1 2
+# the runs the scoreboard's vLLM rows read: one and two forward processes, one engine and two
+# replicas (vLLM's as two LLMs of one process each), and vLLM eager
+VLLM_PEER_ARGS ?= --processes 1 2 --data-parallel 1 2 --vllm-modes compiled eager compiled-dp2-1proc
 
 # Every benchmark in alphabetical order, except that scoreboard.py goes last, after vllm_peer.py
 # has written the results/vllm_peer.json it reads (vllm_peer.py only where vLLM's venv exists).

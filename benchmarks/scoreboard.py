@@ -352,14 +352,18 @@ def vllm_row() -> dict | None:
         "minivllm_split": variant("minivllm/numba/2p"),  # forward_processes=2
         "minivllm_compiled": variant("minivllm/numba/compiled"),  # compile_forward=True
         "minivllm_data_parallel": variant("minivllm/numba/dp2"),  # data_parallel_size=2
-        # vLLM's own data parallelism (two vllm.LLM of one thread each), where it was run
-        "vllm_data_parallel": (
-            {
-                "system": results["vllm/compiled-dp2"]["system"],
-                "tokens_per_s_median": results["vllm/compiled-dp2"]["tokens_per_second_median"],
-            }
-            if "vllm/compiled-dp2" in results
-            else None
+        # vLLM's own data parallelism (two vllm.LLM of one thread each), where it was run: one
+        # process per replica as minivllm's, else as vLLM's example runs it
+        "vllm_data_parallel": next(
+            (
+                {
+                    "system": results[key]["system"],
+                    "tokens_per_s_median": results[key]["tokens_per_second_median"],
+                }
+                for key in ("vllm/compiled-dp2-1proc", "vllm/compiled-dp2")
+                if key in results
+            ),
+            None,
         ),
         "load_average": peer.get("load_average"),
         # When and at which commit vllm_peer.py ran (its record has no date before it wrote one):

@@ -639,6 +639,8 @@ replicas.close()
 
 # %%
 for recording in ("vllm_peer.json", "vllm_peer_data_parallel.json"):
+    if not (RESULTS / recording).exists():
+        continue
     peer = json.loads((RESULTS / recording).read_text())
     rates = {key: r["tokens_per_second_median"] for key, r in peer["results"].items()}
     print(
@@ -648,8 +650,9 @@ for recording in ("vllm_peer.json", "vllm_peer_data_parallel.json"):
     )
     for key, rate in rates.items():
         print(f"  {peer['results'][key]['system']:<56} {rate:7.0f} tokens/s")
-    for theirs in [key for key in rates if key.startswith("vllm/")]:
-        ratio = rates["minivllm/numba/dp2"] / rates[theirs]
+    mine = "minivllm/numba/dp2"  # recorded with --data-parallel 2
+    for theirs in [key for key in rates if key.startswith("vllm/") and mine in rates]:
+        ratio = rates[mine] / rates[theirs]
         print(f"  minivllm's 2 replicas against {theirs}: {speed_change(ratio, than='vLLM')}")
 
 # %% [markdown]
