@@ -77,8 +77,8 @@ def test_vllm_peer_gives_vllms_ranks_the_requests_the_engine_gives_its_replicas(
     lengths = [(3 + 7 * i % 23, 2 + 11 * i % 17) for i in range(30)]  # (prompt, output) tokens
     prompts = [[65 + (i % 26)] * prompt for i, (prompt, _) in enumerate(lengths)]
     ids = [
-        replicas.add_request(ids, SamplingParams(max_tokens=out, ignore_eos=True))
-        for ids, (_, out) in zip(prompts, lengths)
+        replicas.add_request(prompt, SamplingParams(max_tokens=out, ignore_eos=True))
+        for prompt, (_, out) in zip(prompts, lengths)
     ]
     placed = [[i for i in ids if replicas.requests[i][0] == r] for r in range(2)]
     while replicas.has_unfinished():
@@ -89,11 +89,14 @@ def test_vllm_peer_gives_vllms_ranks_the_requests_the_engine_gives_its_replicas(
 
 def test_streaming_outputs_come_from_both_replicas_step_by_step(replicas) -> None:
     ids = [replicas.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS]
-    tokens = {i: [] for i in ids}
+    assert {replicas.requests[i][0] for i in ids} == {0, 1}
+    tokens, outputs = {i: [] for i in ids}, {i: 0 for i in ids}
     while replicas.has_unfinished():
         for output in replicas.step():
             tokens[output.request_id] += output.new_token_ids
-    assert {len(t) for t in tokens.values()} == {6}  # every token, each in its own step's output
+            outputs[output.request_id] += 1
+    assert {len(t) for t in tokens.values()} == {6}  # every token came back,
+    assert set(outputs.values()) == {6}  # each in an output of its own step
 
 
 def test_streams_from_replicas_are_the_generated_text_and_a_stream_left_early_aborts(replicas):
