@@ -88,6 +88,11 @@ def test_vllm_peer_gives_vllms_ranks_the_requests_the_engine_gives_its_replicas(
 
 
 def test_streaming_outputs_come_from_both_replicas_step_by_step(replicas) -> None:
+    # a step tells the replicas what it wants (every output, not final_only) before they have
+    # requests: a replica that hears of it only after a step of its own sends that step's tokens
+    # in its next output's new_token_ids (the stream test below, right after a final_only
+    # generate, covers that case)
+    replicas.step()
     ids = [replicas.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS]
     assert {replicas.requests[i][0] for i in ids} == {0, 1}
     tokens, outputs = {i: [] for i in ids}, {i: 0 for i in ids}

@@ -240,7 +240,11 @@ class DataParallelEngine:
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One step of replica 0 (on its share of the threads), and the outputs the spawned
-        replicas sent meanwhile. With nothing for replica 0 to do, it waits for theirs."""
+        replicas sent meanwhile. With nothing for replica 0 to do, it waits for theirs.
+
+        The spawned replicas step on their own and learn `final_only` from these calls: one that
+        stepped before it heard that every output is wanted sends those steps' tokens in its
+        next output (`new_token_ids` holds every token since a request's last output)."""
         self._check_alive()
         if final_only != self._final_only:
             self._final_only = final_only
