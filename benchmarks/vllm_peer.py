@@ -293,6 +293,16 @@ def run_as_group(command: list[str], timeout: float, **popen) -> subprocess.Comp
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def worker_result(returncode: int, stdout: str, log: str, who: str) -> dict:
+    """A vLLM worker's JSON line (the last MARKER line of its stdout), or an error with the tail
+    of its `log` when it failed or printed none."""
+    found = [line for line in stdout.splitlines() if line.startswith(MARKER)]
+    if returncode != 0 or not found:
+        tail = "\n".join(log.splitlines()[-40:])
+        raise RuntimeError(f"{who} failed (exit {returncode}):\n{tail}")
+    return json.loads(found[-1][len(MARKER) :])
+
+
 def data_parallel_split(requests: list[dict], ranks: int) -> list[list[int]]:
     """Which requests each data-parallel rank runs: in order, each to the rank with the fewest
     prompt and output tokens so far (the lower rank on a tie) -- the rule minivllm's
@@ -368,13 +378,10 @@ def run_vllm_data_parallel(
         for process in processes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-    results = []
-    for rank, (process, output) in enumerate(zip(processes, outputs)):
-        found = [line for line in output.splitlines() if line.startswith(MARKER)]
-        if process.returncode != 0 or not found:
-            tail = "\n".join(output.splitlines()[-40:])
-            raise RuntimeError(f"vLLM data-parallel rank {rank} failed:\n{tail}")
-        results.append(json.loads(found[-1][len(MARKER) :]))
+    results = [
+        worker_result(process.returncode, output, output, f"vLLM data-parallel rank {rank}")
+        for rank, (process, output) in enumerate(zip(processes, outputs))
+    ]
     tokens: list = [None] * len(workload["requests"])
     ttft: list = [None] * len(workload["requests"])
     for share, result in zip(shares, results):
@@ -441,11 +448,7 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
     command += ["--workload", str(workload_path), "--vllm-mode", mode]
     done = run_as_group(command, timeout, cwd=ROOT, env=env)
     lines = (done.stdout + "\n" + done.stderr).splitlines()
-    found = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
-    if done.returncode != 0 or not found:
-        tail = "\n".join(lines[-40:])
-        raise RuntimeError(f"vLLM worker failed (exit {done.returncode}):\n{tail}")
-    result = json.loads(found[-1][len(MARKER) :])
+    result = worker_result(done.returncode, done.stdout, "\n".join(lines), "vLLM worker")
     result["system"] = f"vLLM {result['vllm']} ({mode}{', ' + setting if setting else ''})"
     result["_tokens"] = result.pop("token_ids")
     result["_ttft"] = result.pop("ttft")

@@ -49,7 +49,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from minivllm.engine.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine, checked_request_id
 from minivllm.engine.processing import RequestOutput
 from minivllm.model.tokenizer import Tokenizer
 from minivllm.model.transformer import Transformer
@@ -192,9 +192,7 @@ class DataParallelEngine:
         queued on the replica with the least outstanding work."""
         self._check_alive()
         request = self.inputs.process(prompt, params)
-        request_id = self._next_id if request_id is None else request_id
-        if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
-            raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
+        request_id = checked_request_id(self._next_id if request_id is None else request_id)
         n = request.params.n
         replica = min(range(self.size), key=lambda r: (self.load[r], r))
         # the seq ids its samples take there, as that replica's LLMEngine picks them
@@ -254,7 +252,7 @@ class DataParallelEngine:
         if self.local.has_unfinished():
             with torch_threads(self.threads):
                 outputs += self.local.step(final_only)
-        elsewhere = any(replica != 0 for replica, _, _ in self.requests.values())
+        elsewhere = any(self.load[1:])  # a spawned replica holds requests (each costs > 0)
         idle = not self.local.has_unfinished()
         outputs += self._receive(block=elsewhere and idle and not outputs)
         kept = []
@@ -320,32 +318,34 @@ class DataParallelEngine:
         return outputs
 
     def _read(self, conn: Connection) -> list[RequestOutput]:
+        """The outputs in a spawned replica's next message (`_message`)."""
         replica = self.conns.index(conn) + 1
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            self._fail(self._replicas.failure(RuntimeError(f"replica {replica} closed its pipe")))
-        if message[0] == "outputs":
-            return message[1]
-        if message[0] == "failed":
-            self._fail(f"replica {replica} failed: {message[1]}")
-        raise RuntimeError(f"unexpected message from replica {replica}: {message[0]!r}")
+        message = self._message(replica)
+        if message[0] != "outputs":
+            raise RuntimeError(f"unexpected message from replica {replica}: {message[0]!r}")
+        return message[1]
 
     def _await_abort(self, replica: int, request_id: int) -> RequestOutput:
-        conn = self.conns[replica - 1]
+        """The abort's answer from `replica`; outputs sent before it wait for the next step."""
         while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                self._fail(self._replicas.failure(RuntimeError(f"replica {replica} is gone")))
-            if message[0] == "aborted" and message[1] == request_id:
-                return message[2]
-            if message[0] == "not_aborted" and message[1] == request_id:
-                raise KeyError(message[2])
+            message = self._message(replica)
             if message[0] == "outputs":
                 self._pending += message[1]
-            elif message[0] == "failed":
-                self._fail(f"replica {replica} failed: {message[1]}")
+            elif message[1] == request_id and message[0] == "aborted":
+                return message[2]
+            elif message[1] == request_id and message[0] == "not_aborted":
+                raise KeyError(message[2])
+
+    def _message(self, replica: int) -> tuple:
+        """`replica`'s next message; one saying it failed, or a closed pipe (it died), stops
+        the engine and raises."""
+        try:
+            message = self.conns[replica - 1].recv()
+        except (EOFError, OSError):
+            self._fail(self._replicas.failure(RuntimeError(f"replica {replica} closed its pipe")))
+        if message[0] == "failed":
+            self._fail(f"replica {replica} failed: {message[1]}")
+        return message
 
     def _fail(self, why: str):
         self._failed = why

@@ -239,9 +239,7 @@ class LLMEngine:
         checked then and is queued as it is."""
         request = self.inputs.process(prompt, params)
         prompt_ids, params = list(request.prompt_ids), request.params
-        request_id = self._next_id if request_id is None else request_id
-        if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
-            raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
+        request_id = checked_request_id(self._next_id if request_id is None else request_id)
         first_sibling = max(self._next_id, request_id + 1)
         seq_ids = [request_id, *range(first_sibling, first_sibling + params.n - 1)]
         if request_id in self.groups or any(i in self.scheduler.sequences for i in seq_ids):
@@ -621,6 +619,13 @@ class EngineStats:
     peak_blocks_used: int = 0  # the most blocks in use after any step's schedule
     num_requests: int = 0  # requests added since the engine was built (n samples count once)
     num_generated_tokens: int = 0  # tokens generated since then, every sample's
+
+
+def checked_request_id(request_id) -> int:
+    """A caller's request id, refused unless it is an int >= 0."""
+    if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
+        raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
+    return request_id
 
 
 def uses_cuda_graphs(config: EngineConfig, device: str) -> bool:
