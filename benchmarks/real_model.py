@@ -264,6 +264,21 @@ def make_requests(
 
 
 # -- the systems -----------------------------------------------------------------------------------
+def warmed(run, warm: list[Request], requests: list[Request]):
+    """A system's timed run: `run(requests)` right after `run(warm)`, whose result is dropped. The
+    first pass pays for thread pools, allocator growth, a kernel's compilation; and every round
+    warms up again, as each vLLM run does in its fresh process just before it is timed. An engine
+    built once and left idle while the other systems ran had gone cold: on the book's VM (an AMD
+    EPYC, Qwen3-0.6B's shape) minivllm's rounds after vLLM's took 23.0-24.0 s against 20.3-21.7 s
+    for the round right after the one warm-up there was."""
+
+    def timed() -> dict:
+        run(warm)
+        return run(requests)
+
+    return timed
+
+
 def run_engine(engine, requests: list[Request], label: str) -> dict:
     """All requests added at once, then `LLMEngine.step()` until none is left; each request's first
     token is timed when the step that made it returns (as vLLM's worker times its own)."""
@@ -636,8 +651,9 @@ def main() -> int:
         replicas = DataParallelEngine(copy.deepcopy(model), config, tokenizer)
         name = f"minivllm (auto, data parallel {args.data_parallel})"
         engines[f"minivllm/auto/dp{args.data_parallel}"] = replicas, name
+    warm = [replace(r, max_tokens=2) for r in requests[:2]]
     systems = {
-        key: (lambda e=engine, n=name: run_engine(e, requests, n))
+        key: warmed(lambda rs, e=engine, n=name: run_engine(e, rs, n), warm, requests)
         for key, (engine, name) in engines.items()
     }
     hf = None
@@ -645,7 +661,7 @@ def main() -> int:
         import transformers
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-        systems["hf"] = lambda: run_hf(hf, requests)
+        systems["hf"] = warmed(lambda rs: run_hf(hf, rs), warm, requests)
     vllm_note = None
     tmp = tempfile.TemporaryDirectory()
     if args.skip_vllm:
@@ -669,13 +685,6 @@ def main() -> int:
             )
     if vllm_note:
         print(f"vLLM {vllm_note}")
-
-    # warm-up: a first pass pays for thread pools, allocator growth, a kernel's compilation
-    warm = requests[:2]
-    for key, (engine, _) in engines.items():
-        run_engine(engine, [replace(r, max_tokens=2) for r in warm], key)
-    if hf is not None:
-        run_hf(hf, [replace(r, max_tokens=2) for r in warm])
 
     runs: dict[str, list[dict]] = {}
     try:
@@ -784,6 +793,7 @@ def main() -> int:
             "vllm_max_model_len": MAX_MODEL_LEN,
             "repeats": args.repeats,
             "order": "alternating: " + ", ".join(systems) + " per round",
+            "warmup": "before every timed run, 2 requests x 2 tokens (vLLM: in its fresh process)",
             "hf": "one generate call over every request (left padding), to the longest "
             "max_tokens; each request's own max_tokens count; TTFT: the first step, for all",
         },

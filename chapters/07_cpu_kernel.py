@@ -528,7 +528,10 @@ plt.show()
 # float32: each RMSNorm becomes torch's single `rms_norm` op (the same five steps in one call),
 # and an engine's batch takes q and k through RoPE in one compiled loop each
 # (`model/cpu_kernels.py`) instead of seven torch ops. Each computes what it replaces with the
-# same roundings, so the logits do not move by a bit. (`EngineConfig(compile_forward=True)` goes
+# same roundings, so the logits do not move by a bit. A real checkpoint's weights are big enough
+# to go through oneDNN in a packed layout, which sums in its own order: its logits already move by
+# float32 rounding, so there each norm is one compiled loop as well (`cpu_kernels.rms_norm`; torch's
+# `rms_norm` op is still five steps inside). (`EngineConfig(compile_forward=True)` goes
 # further, as vLLM's default mode does: `torch.compile` fuses every small op between the matmuls
 # and runs the forward without Python, with this kernel inside the graph as one opaque op —
 # `runner/compiled.py`; there the logits move by float32 rounding.)

@@ -117,6 +117,25 @@ def test_the_cpu_rope_kernel_is_apply_rope_bit_for_bit(heads, kv_heads, dim, row
     assert torch.equal(qkv, before)
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 32), (16, 8, 128), (2, 1, 6)])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_the_cpu_norm_kernel_is_rms_norm_to_float32_rounding(heads, kv_heads, dim, rows) -> None:
+    """`cpu_kernels.rms_norm` on a hidden state, on Qwen3's q and k (views into the q|k|v matmul's
+    output) and on a contiguous copy: torch's rms_norm to float32 rounding, a new contiguous
+    tensor, the input untouched."""
+    generator = torch.Generator().manual_seed(rows + dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator) * 3
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    before = qkv.clone()
+    for x in (qkv, q.view(rows, heads, dim), k.view(rows, kv_heads, dim), q.contiguous()):
+        weight = torch.rand(x.shape[-1], generator=generator) + 0.5
+        out = cpu_kernels.rms_norm(x, weight, 1e-6)
+        expected = F.rms_norm(x, weight.shape, weight, 1e-6)
+        torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+        assert out.shape == x.shape and out.is_contiguous()
+    assert torch.equal(qkv, before)
+
+
 def test_the_cpu_kernels_take_float32_cpu_tensors_only() -> None:
     x = torch.zeros(2, 2)
     assert on_cpu_in_float32(x, x)
@@ -176,15 +195,25 @@ def packable_weights(model) -> list[torch.Tensor]:
     ]
 
 
+def norms(model) -> list[fused_module.FusedRMSNorm]:
+    found = [m for m in model.modules() if isinstance(m, fused_module.FusedRMSNorm)]
+    assert len(found) == 2 * len(model.model.layers) + 1
+    return found
+
+
 def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> None:
     """Every weight `linear` would pack is packed while the engine is built (`pack_weights`), so
     no request's step packs one: a real model's first step would otherwise pay seconds for it.
     The book's weights are under the threshold: nothing to pack there."""
     if not fused_module.ONEDNN_LINEAR:
         pytest.skip("this torch has no oneDNN linear ops")
-    assert fused_module.pack_weights(LLMEngine(target, cpu_config(num_blocks=16)).runner.model) == 0
+    book = LLMEngine(target, cpu_config(num_blocks=16)).runner.model
+    assert fused_module.pack_weights(book) == 0
+    assert not any(norm.compiled_loop for norm in norms(book))  # torch's norm: bit for bit
     monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
     engine = LLMEngine(target, cpu_config(num_blocks=64))
+    # packed logits are equal to rounding already: the norms take the compiled loop too
+    assert all(norm.compiled_loop for norm in norms(engine.runner.model))
     weights = packable_weights(engine.runner.model)
     packed = {id(w): fused_module._PACKED.get(id(w)) for w in weights}
     assert all(entry is not None and entry[0]() is w for w, entry in zip(weights, packed.values()))
@@ -193,8 +222,8 @@ def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> N
 
 
 def test_an_engine_on_packed_weights_gives_the_same_greedy_tokens(target, monkeypatch) -> None:
-    """Every weight of the shipped model packed (the threshold at 0): the engine's greedy tokens
-    are the ones of F.linear's."""
+    """Every weight of the shipped model packed (the threshold at 0), and so its norms compiled
+    loops: the engine's greedy tokens are the ones of F.linear's and torch's norm."""
     if not fused_module.ONEDNN_LINEAR:
         pytest.skip("this torch has no oneDNN linear ops")
     text = shipped_validation_text()
