@@ -44,6 +44,7 @@ import torch
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.attention.numba_cpu import (
+    WIDE_VALUES_TILE,
     _add_row4,
     _attend,
     _attend_units,
@@ -260,15 +261,72 @@ show(_scores_simd)
 # as the register tiles of a fast matmul {cite}`goto2008anatomy`, and sized like them to the
 # register file: a CPU with AVX-512 has 32 vector registers, room for eight query vectors (sixteen
 # accumulators), so each value row loaded feeds twice the multiply-adds (`WIDE_VALUES_TILE`, read
-# from the CPU's features). A long prefill chunk has vectors to spare — 16 rows times the group —
-# and there the wide tile took a 512-token chunk of a Qwen3-0.6B-shaped layer from 32 to 23.5 ms
-# on one core of the book's AMD EPYC. With AVX2's 16 registers the same tile would spill to memory.
-# `_load4` and `_store4` move four vectors' accumulators between memory and registers; `_add_row4`
-# is one value row's multiply-adds into them:
+# from the CPU's features). A prefill chunk has vectors to spare — 16 rows times the group — a
+# decode has only its group. With AVX2's 16 registers the wide tile would spill to memory. `_load4`
+# and `_store4` move four vectors' accumulators between memory and registers; `_add_row4` is one
+# value row's multiply-adds into them:
 
 # %%
 show(_values_simd)
 show(_add_row4)
+
+# %% [markdown]
+# Each accumulator adds the same terms in the same order whichever tile holds it, so both tiles
+# give the same output; `wide_tile=` picks one on any CPU. One layer of a prefill chunk, for the
+# book's model and for a real checkpoint's shapes (Qwen3-0.6B: 16 query heads on 8 K/V heads of
+# 128 dimensions, chapter 10):
+
+
+# %%
+def prefill_inputs(rows, heads, kv_heads, head_dim, seed):
+    """One sequence's chunk of `rows` new tokens: q, a pool of 16-slot blocks, its block table."""
+    rng = np.random.default_rng(seed)
+    blocks = rows // 16
+    pool_shape = (blocks + 2, 16, kv_heads, head_dim)
+    return (
+        rng.standard_normal((rows, heads, head_dim), dtype=np.float32),
+        rng.standard_normal(pool_shape, dtype=np.float32),
+        rng.standard_normal(pool_shape, dtype=np.float32),
+        rng.permutation(blocks + 2)[None, :blocks],  # its blocks, scattered over the pool
+        np.array([rows]),
+        np.array([0, rows]),
+    )
+
+
+chunks = {
+    "the book's model, 256 tokens": prefill_inputs(
+        256, config.n_heads, config.n_kv_heads, config.head_dim, seed=2
+    ),
+    "Qwen3-0.6B's shapes, 512 tokens": prefill_inputs(512, 16, 8, 128, seed=3),
+}
+for name, args in chunks.items():
+    four, wide = (paged_attention_cpu(*args, wide_tile=w) for w in (False, True))
+    print(f"{name}: four-vector and wide tiles identical bit for bit: {np.array_equal(four, wide)}")
+    assert np.array_equal(four, wide)
+
+# %% [markdown]
+# And their times on this machine, alternating, the median of 10 calls each:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"this CPU has AVX-512's 32 vector registers: {WIDE_VALUES_TILE}")
+for name, args in chunks.items():
+    tile_ms = {False: [], True: []}
+    for _ in range(10):
+        for wide in (False, True):
+            started = time.perf_counter()
+            paged_attention_cpu(*args, wide_tile=wide)
+            tile_ms[wide].append(1e3 * (time.perf_counter() - started))
+    four_ms, wide_ms = (float(np.median(tile_ms[wide])) for wide in (False, True))
+    print(
+        f"{name}, one layer: four-vector tile {four_ms:.2f} ms, wide tile {wide_ms:.2f} ms: "
+        f"{speed_change(four_ms / wide_ms)}"
+    )
+
+# %% [markdown]
+# Where head_dim is 32 the block's sixteen keys are short work between loading and storing the
+# tile, and the two tiles come out about even; at head_dim 128 each value row feeds twice the
+# multiply-adds, and the wide tile pays where the CPU has it.
 
 # %% [markdown]
 # One more wait is the memory's. Within a block a head's rows lie at a fixed stride, which the

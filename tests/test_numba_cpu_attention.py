@@ -107,7 +107,7 @@ def numba_threads(request):
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_the_wide_values_tile_gives_the_four_vector_ones_bit_for_bit(
-    group: int, numba_threads, monkeypatch
+    group: int, numba_threads
 ) -> None:
     """`_values_simd`'s wide tile (eight query vectors at once, where the CPU has AVX-512's 32
     registers) and its four-vector one, both forced, on prefill chunks whose tiles leave 0-7
@@ -116,11 +116,8 @@ def test_the_wide_values_tile_gives_the_four_vector_ones_bit_for_bit(
     query_lens = [1, 1, 3, 16, 21]
     context_lens = [5, 40, 19, 16, 60]
     inputs = random_batch(query_lens, context_lens, 2 * group, 2, 64, 16, seed=10 + group)
-    outputs = []
-    for wide in (True, False):
-        monkeypatch.setattr(numba_cpu, "WIDE_VALUES_TILE", wide)
-        outputs.append(paged_attention_cpu(*inputs, simd=True))
-    assert np.array_equal(outputs[0], outputs[1])
+    wide, four = (paged_attention_cpu(*inputs, simd=True, wide_tile=w) for w in (True, False))
+    assert np.array_equal(wide, four)
     assert relative_error(*inputs, simd=True) <= 1e-5
 
 

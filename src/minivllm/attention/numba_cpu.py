@@ -508,10 +508,12 @@ def _launch(kernel, *args) -> None:
     raise RuntimeError("a thread of the parallel kernel stopped early; on one thread it did not")
 
 
-def vector_paths(fits: bool) -> int:
+def vector_paths(fits: bool, wide_tile: bool | None = None) -> int:
     """The kernels' `simd` argument: PLAIN where the vector paths do not fit (or are not asked
-    for), else VECTORS, or WIDE_TILE where the CPU has the registers for it."""
-    return PLAIN if not fits else WIDE_TILE if WIDE_VALUES_TILE else VECTORS
+    for), else VECTORS, or WIDE_TILE with `wide_tile` (default: where the CPU has the registers
+    for it, `WIDE_VALUES_TILE`)."""
+    wide = WIDE_VALUES_TILE if wide_tile is None else wide_tile
+    return PLAIN if not fits else WIDE_TILE if wide else VECTORS
 
 
 def simd_fits(head_dim: int, block_size: int) -> bool:
@@ -627,6 +629,7 @@ def paged_attention_cpu(
     slot_mapping: np.ndarray | None = None,
     simd: bool | None = None,
     threads: int | None = None,
+    wide_tile: bool | None = None,
 ) -> np.ndarray:
     """Attention of every query row over its own sequence's cached keys and values, read in place
     through the block tables. `q` `[tokens, heads, head_dim]` holds each sequence's new rows end to
@@ -636,7 +639,9 @@ def paged_attention_cpu(
     head_dim]`) and `slot_mapping` (`[tokens]`) the new rows' keys and values are written to their
     slots first, in the same call. `simd`: the vector paths or the plain loops (default: the vector
     paths where `simd_fits`). `threads`: how many threads run it (default: numba's setting); with
-    one, the serial kernel runs on the calling thread. Returns `[tokens, heads, head_dim]`."""
+    one, the serial kernel runs on the calling thread. `wide_tile`: `_values_simd`'s eight-vector
+    tile (default: where the CPU has AVX-512's registers); either tile runs on any CPU, with the
+    same results bit for bit. Returns `[tokens, heads, head_dim]`."""
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int64)
     context_lens = np.ascontiguousarray(context_lens, dtype=np.int64)
     query_start = np.ascontiguousarray(query_start, dtype=np.int64)
@@ -657,7 +662,7 @@ def paged_attention_cpu(
     threads = default_threads() if threads is None else threads
     work = plan_work(context_lens, query_start, key_cache.shape[2], threads)
     args = (key_cache, value_cache, block_tables, context_lens, query_start, *work)
-    simd = vector_paths(fits and simd is not False)
+    simd = vector_paths(fits and simd is not False, wide_tile)
     _launch(
         _kernel_for(threads), out, q, k_new, v_new, slot_mapping, *args, np.float32(scale), simd
     )
