@@ -36,7 +36,6 @@ roadmap(7)
 # %%
 import json
 import os
-import time
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -66,7 +65,13 @@ from minivllm.attention.simd import sum8x8
 from minivllm.attention.torch_backend import DecodeAttention
 from minivllm.book import show, use_book_style
 from minivllm.book.figures.kernels import draw_work_plan
-from minivllm.book.kernel_check import decode_call, random_inputs, reference_attention
+from minivllm.book.kernel_check import (
+    alternating_ms,
+    decode_call,
+    prefill_call,
+    random_inputs,
+    reference_attention,
+)
 from minivllm.book.roofline import (
     attention_traffic,
     floor_seconds,
@@ -276,28 +281,13 @@ show(_add_row4)
 # book's model and for a real checkpoint's shapes (Qwen3-0.6B: 16 query heads on 8 K/V heads of
 # 128 dimensions, chapter 10):
 
-
 # %%
-def prefill_inputs(rows, heads, kv_heads, head_dim, seed):
-    """One sequence's chunk of `rows` new tokens: q, a pool of 16-slot blocks, its block table."""
-    rng = np.random.default_rng(seed)
-    blocks = rows // 16
-    pool_shape = (blocks + 2, 16, kv_heads, head_dim)
-    return (
-        rng.standard_normal((rows, heads, head_dim), dtype=np.float32),
-        rng.standard_normal(pool_shape, dtype=np.float32),
-        rng.standard_normal(pool_shape, dtype=np.float32),
-        rng.permutation(blocks + 2)[None, :blocks],  # its blocks, scattered over the pool
-        np.array([rows]),
-        np.array([0, rows]),
-    )
-
-
 chunks = {
-    "the book's model, 256 tokens": prefill_inputs(
-        256, config.n_heads, config.n_kv_heads, config.head_dim, seed=2
+    # one sequence's chunk, its blocks scattered over a pool (book/kernel_check.py)
+    "the book's model, 256 tokens": prefill_call(
+        256, config.n_heads, config.n_kv_heads, config.head_dim
     ),
-    "Qwen3-0.6B's shapes, 512 tokens": prefill_inputs(512, 16, 8, 128, seed=3),
+    "Qwen3-0.6B's shapes, 512 tokens": prefill_call(512, 16, 8, 128, seed=3),
 }
 for name, args in chunks.items():
     four, wide = (paged_attention_cpu(*args, wide_tile=w) for w in (False, True))
@@ -311,13 +301,10 @@ for name, args in chunks.items():
 # NBVAL_IGNORE_OUTPUT
 print(f"this CPU has AVX-512's 32 vector registers: {WIDE_VALUES_TILE}")
 for name, args in chunks.items():
-    tile_ms = {False: [], True: []}
-    for _ in range(10):
-        for wide in (False, True):
-            started = time.perf_counter()
-            paged_attention_cpu(*args, wide_tile=wide)
-            tile_ms[wide].append(1e3 * (time.perf_counter() - started))
-    four_ms, wide_ms = (float(np.median(tile_ms[wide])) for wide in (False, True))
+    four_ms, wide_ms = alternating_ms(
+        {w: lambda w=w, a=args: paged_attention_cpu(*a, wide_tile=w) for w in (False, True)},
+        rounds=10,
+    ).values()
     print(
         f"{name}, one layer: four-vector tile {four_ms:.2f} ms, wide tile {wide_ms:.2f} ms: "
         f"{speed_change(four_ms / wide_ms)}"
@@ -349,13 +336,9 @@ warm_up()  # compile, or load the machine code cached by an earlier process
 # 64 decodes of 200-300 tokens, their blocks scattered over a pool (book/kernel_check.py)
 decode_args = decode_call(list(np.random.default_rng(1).integers(200, 300, 64)), config)
 print("vector paths fit the model's shapes:", simd_fits(config.head_dim, 16))
-call_ms = {False: [], True: []}
-for _ in range(30):
-    for simd in (False, True):
-        started = time.perf_counter()
-        paged_attention_cpu(*decode_args, simd=simd)
-        call_ms[simd].append(1e3 * (time.perf_counter() - started))
-plain, vector = (float(np.median(call_ms[simd])) for simd in (False, True))
+plain, vector = alternating_ms(
+    {simd: lambda simd=simd: paged_attention_cpu(*decode_args, simd=simd) for simd in (False, True)}
+).values()
 print(
     f"one layer, 64 decodes: plain loops {plain:.2f} ms, vector paths {vector:.2f} ms: "
     f"{speed_change(plain / vector)}"

@@ -33,6 +33,7 @@ from minivllm.attention.numba_cpu import (
     warm_up,
 )
 from minivllm.attention.simd import add8, fma8, load8, prefetch, splat8, store8, sum8x8, zero8
+from minivllm.book.kernel_check import alternating_ms, prefill_call
 from minivllm.training.corpus import shipped_validation_text
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -119,6 +120,17 @@ def test_the_wide_values_tile_gives_the_four_vector_ones_bit_for_bit(
     wide, four = (paged_attention_cpu(*inputs, simd=True, wide_tile=w) for w in (True, False))
     assert np.array_equal(wide, four)
     assert relative_error(*inputs, simd=True) <= 1e-5
+    chunk = prefill_call(48, 2 * group, 2, 64, seed=group)  # chapter 07's prefill chunk
+    wide, four = (paged_attention_cpu(*chunk, wide_tile=w) for w in (True, False))
+    assert np.array_equal(wide, four)
+    assert relative_error(*chunk) <= 1e-5
+
+
+def test_alternating_ms_calls_each_in_turn_and_gives_each_its_median() -> None:
+    order = []
+    medians = alternating_ms({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 3)
+    assert order == ["a", "b"] * 3
+    assert list(medians) == ["a", "b"] and all(ms >= 0 for ms in medians.values())
 
 
 @pytest.mark.exercise("ch07.1")

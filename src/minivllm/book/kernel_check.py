@@ -7,11 +7,14 @@ each sequence's blocks over the pool in shuffled order, leaving spare blocks nob
 `kernel_error` poisons the output with NaN before the launch, so an element the kernel forgets to
 write cannot pass, and compares with `reference_attention`: gather each sequence's K/V through its
 block table, then the model's own plain softmax attention. The tests, chapters 07 and 08 and the
-benchmark all check the kernels here.
+benchmark all check the kernels here. `decode_call` and `prefill_call` are the CPU kernel's
+arguments for a decode batch and a prefill chunk, and `alternating_ms` times calls against each
+other as chapter 07 does.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
@@ -76,6 +79,37 @@ def decode_call(
         spare_blocks=spare_blocks,
     )
     return (*(t.numpy() for t in tensors), np.arange(len(context_lens) + 1))
+
+
+def prefill_call(
+    rows: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int = 2
+) -> tuple[np.ndarray, ...]:
+    """`paged_attention_cpu`'s positional arguments for one sequence's prefill chunk of `rows` new
+    tokens (a multiple of 16) and nothing cached before them: q, a pool of 16-slot blocks with two
+    to spare, its block table (the blocks scattered over the pool), context_lens, query_start."""
+    rng = np.random.default_rng(seed)
+    blocks = rows // 16
+    pool_shape = (blocks + 2, 16, num_kv_heads, head_dim)
+    return (
+        rng.standard_normal((rows, num_heads, head_dim), dtype=np.float32),
+        rng.standard_normal(pool_shape, dtype=np.float32),
+        rng.standard_normal(pool_shape, dtype=np.float32),
+        rng.permutation(blocks + 2)[None, :blocks],
+        np.array([rows]),
+        np.array([0, rows]),
+    )
+
+
+def alternating_ms(calls: dict, rounds: int = 30) -> dict:
+    """The median milliseconds of each of `calls` (name -> a function of no arguments), called in
+    turn `rounds` times: alternating, so a shared machine's slow spells fall on all of them."""
+    times: dict = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            times[name].append(1e3 * (time.perf_counter() - started))
+    return {name: float(np.median(ms)) for name, ms in times.items()}
 
 
 def reference_attention(
