@@ -312,8 +312,9 @@ for name, args in chunks.items():
 
 # %% [markdown]
 # Where head_dim is 32 the block's sixteen keys are short work between loading and storing the
-# tile, and the two tiles come out about even; at head_dim 128 each value row feeds twice the
-# multiply-adds, and the wide tile pays where the CPU has it.
+# tile, and the two tiles come out about even (the wide one a few percent slower, as often as
+# not); at head_dim 128 each value row feeds twice the multiply-adds, and the wide tile pays where
+# the CPU has it.
 
 # %% [markdown]
 # One more wait is the memory's. Within a block a head's rows lie at a fixed stride, which the
