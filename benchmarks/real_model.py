@@ -21,12 +21,14 @@ benchmarks/gpu_engine.py can build the same folder on a GPU machine with `make_c
 
 The workload. `--requests` prompts cut from the validation plays as the checkpoint's tokenizer
 encodes them, of a seeded uniform number of tokens, each with a seeded uniform output length;
-greedy, `ignore_eos`, in `--dtype` (float32 by default: this AVX2 CPU has no bfloat16
-arithmetic -- no AVX-512 BF16, no AMX -- so bfloat16 matmuls are emulated, in every system). Run by
+greedy, `ignore_eos`, in `--dtype` (float32 by default: a CPU without bfloat16 arithmetic -- no
+AVX-512 BF16, no AMX, as the Intel machine this was first run on -- emulates bfloat16 matmuls, in
+every system; where the machine JSON's flags show `avx512_bf16` or `amx_bf16`, `--dtype bfloat16`
+is the comparison to make too). Run by
 
 * minivllm: `LLMEngine` on the default attention backend ("auto": the numba kernel for a float32
-  cache, the torch reference otherwise) and on the torch reference, both on one loaded model
-  (fused in place once), 64 sequences and 512 tokens per step, the folder's tokenizer
+  or bfloat16 cache, the torch reference otherwise) and on the torch reference, both on one loaded
+  model (fused in place once), 64 sequences and 512 tokens per step, the folder's tokenizer
   detokenizing as it goes. Every request is added, then `step()` runs until none is left;
 * Hugging Face `generate` (`AutoModelForCausalLM`, the same dtype): every request in one batch,
   left padding, greedy, run to the longest request's max_tokens (only each request's own tokens

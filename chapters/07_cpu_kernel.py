@@ -55,6 +55,7 @@ from minivllm.attention.numba_cpu import (
     _softmax_rows,
     _values_plain,
     _values_simd,
+    kernel_array,
     paged_attention_cpu,
     plan_work,
     simd_fits,
@@ -213,7 +214,8 @@ show(_attend)
 # %% [markdown]
 # Its pieces, first as plain loops. The scores are a dot product per (key, query vector), each key
 # row read once for every vector of the unit; the values add each value row into every vector's
-# accumulator:
+# accumulator. (Each K/V element passes through `as_float32`: for a float32 cache, the element
+# itself. The bfloat16 cache it is there for comes below, with the bytes a step reads.)
 
 # %%
 show(_scores_plain)
@@ -349,6 +351,25 @@ print(
 # The gap is smaller than the instruction counts suggest, and smaller in the engine than here: a
 # decode step reads each layer's whole cache once, megabytes that come from memory rather than the
 # caches, and once the arithmetic is fast that reading is most of what is left.
+#
+# A model that runs in bfloat16 (a real checkpoint in its own dtype) keeps its cache in bfloat16:
+# half those bytes. numpy has no bfloat16, so such a cache reaches the kernel as its bits
+# (`kernel_array`: int16), and the kernel widens each element as it reads it — `as_float32` in the
+# plain loops, `load8` in the vector paths. A bfloat16 is the upper half of a float32, so widening
+# moves the bits up sixteen places: exact, an instruction or two. numba compiles the kernel once
+# for each cache dtype, and each computes in float32. So the output over a bfloat16 cache is the
+# output over a float32 cache holding the same values, bit for bit:
+
+# %%
+keys16, values16 = (torch.from_numpy(cache).to(torch.bfloat16) for cache in decode_args[1:3])
+queries, rest = decode_args[0], decode_args[3:]
+over_bfloat16 = paged_attention_cpu(queries, kernel_array(keys16), kernel_array(values16), *rest)
+over_float32 = paged_attention_cpu(queries, keys16.float().numpy(), values16.float().numpy(), *rest)
+print(
+    f"cache: {keys16.nbytes / 2**20:.1f} MiB a side in bfloat16, "
+    f"{decode_args[1].nbytes / 2**20:.1f} MiB in float32"
+)
+print("same output, bit for bit:", np.array_equal(over_bfloat16, over_float32))
 #
 # ### The kernel: write, then attend, on every core
 #

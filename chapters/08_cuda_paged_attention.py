@@ -541,9 +541,9 @@ show(AttentionBackend)
 # switches on its simulator). "auto", the default, takes the first backend registered for the
 # engine's device, else the reference — the last line of the folded output below says what that
 # means on each device. A new kernel plugs in with one more `register_backend` line: chapter 07's
-# CPU kernel (`numba`) is the third, and "auto" picks it for a float32 cache on a CPU, where
-# `benchmarks/throughput.py` measures it ahead of the reference (its decode steps, and the whole
-# 64-request workload).
+# CPU kernel (`numba`) is the third, and "auto" picks it for a float32 or bfloat16 cache on a CPU,
+# where `benchmarks/throughput.py` measures it ahead of the reference (its decode steps, and the
+# whole 64-request workload), and `benchmarks/real_model.py` a real checkpoint's shapes.
 
 # %% tags=["hide-output"]
 registry = source(attention_backend)

@@ -146,7 +146,8 @@ def test_the_cpu_kernels_take_float32_cpu_tensors_only() -> None:
 def test_a_big_weight_goes_through_onednn_packed_once(monkeypatch) -> None:
     """`linear` packs a float32 weight of PACK_MIN_BYTES or more once, reuses the packing, packs
     again after an in-place change, forgets it with the weight, and matches F.linear to float32
-    rounding; a smaller weight, or one off float32, takes F.linear itself."""
+    rounding; a smaller weight takes F.linear itself, and a bfloat16 one gives F.linear's bits
+    (packed only where the CPU multiplies bfloat16: the next test)."""
     if not fused_module.ONEDNN_LINEAR:
         pytest.skip("this torch has no oneDNN linear ops")
     generator = torch.Generator().manual_seed(3)
@@ -173,6 +174,29 @@ def test_a_big_weight_goes_through_onednn_packed_once(monkeypatch) -> None:
     assert torch.equal(
         fused_module.linear(x.to(torch.bfloat16), half), F.linear(x.bfloat16(), half)
     )
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_a_big_bfloat16_weight_packs_where_the_cpu_multiplies_bfloat16(rows: int) -> None:
+    """Where oneDNN has a bfloat16 path on this CPU (AVX-512 BF16, AMX), a bfloat16 weight of
+    PACK_MIN_BYTES or more is packed, and the packed matmul gives F.linear's bits, with a bias
+    too (Qwen2's q|k|v): F.linear in bfloat16 is oneDNN's matmul already. Elsewhere nothing
+    bfloat16 packs, and F.linear runs."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(2048, 1024, generator=generator).to(torch.bfloat16)  # 4 MiB
+    bias = torch.randn(2048, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, 1024, generator=generator).to(torch.bfloat16)
+    assert fused_module.packs(weight) == fused_module.ONEDNN_BFLOAT16
+    assert not fused_module.packs(weight[:1000])  # under PACK_MIN_BYTES in bfloat16's bytes
+    with torch.inference_mode():
+        for b in (None, bias):
+            assert torch.equal(fused_module.linear(x, weight, b), F.linear(x, weight, b))
+        # a float32 input against a bfloat16 weight is F.linear's to decide (it refuses)
+        with pytest.raises(RuntimeError):
+            fused_module.linear(x.float(), weight)
+    assert (id(weight) in fused_module._PACKED) == fused_module.ONEDNN_BFLOAT16
+    if not fused_module.ONEDNN_BFLOAT16:
+        pytest.skip("bfloat16 packing not checked: oneDNN has no bfloat16 path on this CPU")
 
 
 def cpu_config(num_blocks: int) -> EngineConfig:

@@ -163,24 +163,27 @@ def test_compiled_forward_matches_generate(checkpoints, hf_models, family) -> No
 
 def test_bfloat16_engine_matches_generate_in_bfloat16(checkpoints) -> None:
     """`LLM(folder)`: the checkpoint's bfloat16 for the model and the cache; "auto" picks the
-    reference backend, the numba kernel being float32-only."""
+    numba kernel there (which reads a bfloat16 cache), and both it and the reference give
+    `generate`'s greedy tokens in bfloat16, or a near-tie. A float16 cache the kernel refuses."""
+    from minivllm.attention.numba_cpu import NumbaPagedAttention
     from minivllm.attention.torch_backend import TorchPagedAttention
 
     folder = checkpoints["qwen3"]
     tokenizer = ids_tokenizer(TINY["vocab_size"])  # the random checkpoints ship none
     cache = dict(num_blocks=32, block_size=4, device="cpu")
-    llm = LLM(str(folder), tokenizer, **cache)
-    assert llm.engine.config.dtype == torch.bfloat16
-    assert llm.engine.runner.backend is TorchPagedAttention
-    with pytest.raises(ValueError, match="backend 'numba' takes torch.float32, not torch.bfloat16"):
-        LLM(str(folder), tokenizer, **cache, attention_backend="numba")
+    with pytest.raises(ValueError, match="backend 'numba' takes .*, not torch.float16"):
+        LLM(str(folder), tokenizer, **cache, dtype="float16", attention_backend="numba")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        with torch.no_grad():
-            scale = hf(torch.tensor([prompt])).logits.float().abs().max().item()
-        theirs = hf_greedy(hf, prompt)
-        assert_same_or_near_tie(hf, prompt, out.token_ids, theirs, HALF_TOLERANCE * scale)
+    for backend, runs_on in (("auto", NumbaPagedAttention), ("torch", TorchPagedAttention)):
+        llm = LLM(str(folder), tokenizer, **cache, attention_backend=backend)
+        assert llm.engine.config.dtype == torch.bfloat16
+        assert llm.engine.runner.backend is runs_on
+        for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+            with torch.no_grad():
+                scale = hf(torch.tensor([prompt])).logits.float().abs().max().item()
+            theirs = hf_greedy(hf, prompt)
+            assert_same_or_near_tie(hf, prompt, out.token_ids, theirs, HALF_TOLERANCE * scale)
 
 
 def ids_tokenizer(vocab_size: int) -> HFTokenizer:

@@ -26,6 +26,7 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from minivllm.attention import numba_cpu
 from minivllm.attention.numba_cpu import (
     QUERY_TILE,
+    kernel_array,
     paged_attention_cpu,
     plan_work,
     simd_fits,
@@ -68,6 +69,17 @@ def random_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, bl
     q = rng.standard_normal((sum(query_lens), num_heads, head_dim), dtype=np.float32)
     query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
     return q, key_cache, value_cache, tables, np.array(context_lens, dtype=np.int64), query_start
+
+
+def new_row_slots(tables, query_lens, context_lens, block_size: int) -> np.ndarray:
+    """The slots of each sequence's new rows: its last positions, through its block table."""
+    return np.array(
+        [
+            int(tables[seq, p // block_size]) * block_size + p % block_size
+            for seq, (n, context) in enumerate(zip(query_lens, context_lens))
+            for p in range(context - n, context)
+        ]
+    )
 
 
 def reference(q, key_cache, value_cache, tables, context_lens, query_start):
@@ -124,6 +136,107 @@ def test_the_wide_values_tile_gives_the_four_vector_ones_bit_for_bit(
     wide, four = (paged_attention_cpu(*chunk, wide_tile=w) for w in (True, False))
     assert np.array_equal(wide, four)
     assert relative_error(*chunk) <= 1e-5
+
+
+def as_bfloat16(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`array` rounded to bfloat16: as the kernel takes it (its bits, int16) and as float32."""
+    rounded = torch.from_numpy(array).to(torch.bfloat16)
+    return kernel_array(rounded), rounded.float().numpy()
+
+
+@pytest.mark.parametrize("simd", [False, True], ids=["plain", "simd"])
+@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_a_bfloat16_cache_gives_the_float32_one_holding_its_values_bit_for_bit(
+    head_dim: int, group: int, simd: bool, numba_threads
+) -> None:
+    """A bfloat16 cache (handed over as its bits) is widened to float32 as the kernel reads it,
+    exactly, and the kernel computes as it does over float32: the output over a bfloat16 cache is
+    the output over a float32 cache of the same (rounded) values, bit for bit, on the plain loops
+    and the vector paths, through both values tiles. The new rows' K/V reach their slots as the
+    same bits."""
+    query_lens, context_lens, block_size = [1, 1, 9, 20], [1, 37, 9, 45], 16
+    q, key_cache, value_cache, tables, lens, starts = random_batch(
+        query_lens, context_lens, 2 * group, 2, head_dim, block_size, seed=group
+    )
+    keys, keys32 = as_bfloat16(key_cache)
+    values, values32 = as_bfloat16(value_cache)
+    slots = new_row_slots(tables, query_lens, context_lens, block_size)
+    where = (slots // block_size, slots % block_size)
+    new_rows = dict(k_new=keys[where], v_new=values[where], slot_mapping=slots)
+    keys[where] = 0  # forgotten: the kernel writes them back
+    metadata = (tables, lens, starts)
+    for wide in (False, True):
+        out = paged_attention_cpu(q, keys, values, *metadata, **new_rows, simd=simd, wide_tile=wide)
+        expected = paged_attention_cpu(q, keys32, values32, *metadata, simd=simd, wide_tile=wide)
+        assert np.array_equal(out, expected)
+    assert np.array_equal(keys[where], new_rows["k_new"])
+    assert relative_error(q, keys32, values32, tables, lens, starts, simd=simd) <= 1e-5
+
+
+def test_the_backend_on_a_bfloat16_cache_matches_the_torch_reference(target) -> None:
+    """The engine's backend over a bfloat16 cache, one layer of decodes and a prefill chunk: the
+    same K/V written as the reference writes them (bit for bit), and outputs equal to the
+    reference's to bfloat16 rounding (the kernel attends in float32, then rounds once; torch's
+    bfloat16 attention rounds along the way). "auto" picks the kernel for such a cache."""
+    from minivllm.attention.backend import resolve_backend_name
+    from minivllm.attention.batch import VarlenBatch
+    from minivllm.attention.numba_cpu import NumbaPagedAttention
+    from minivllm.attention.storage import PagedKVStorage
+    from minivllm.attention.torch_backend import TorchPagedAttention
+
+    assert resolve_backend_name("auto", "cpu", torch.bfloat16, torch.bfloat16) == "numba"
+    config, block_size = target.config, 16
+    query_lens, context_lens = [1, 1, 12], [20, 3, 30]
+    tables = torch.tensor([[4, 1], [6, 0], [2, 5]])
+    slots = torch.from_numpy(new_row_slots(tables, query_lens, context_lens, block_size))
+    batch = VarlenBatch(
+        input_ids=torch.zeros(len(slots), dtype=torch.long),
+        positions=torch.zeros(len(slots), dtype=torch.long),
+        slot_mapping=slots,
+        query_start=torch.tensor([0, 1, 2, 14]),
+        context_lens=torch.tensor(context_lens),
+        block_tables=tables,
+        num_decodes=2,
+        logits_indices=torch.tensor([0, 1, 13]),
+        block_size=block_size,
+        max_decode_context_len=20,
+    )
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = config.n_heads, config.n_kv_heads, config.head_dim
+    q = torch.randn(len(slots), heads, dim, generator=generator).bfloat16()
+    k, v = (torch.randn(len(slots), kv_heads, dim, generator=generator).bfloat16() for _ in "kv")
+    outputs, pools = [], []
+    for backend in (NumbaPagedAttention, TorchPagedAttention):
+        storage = PagedKVStorage(config, 8, block_size, dtype=torch.bfloat16)
+        torch.manual_seed(1)
+        storage.kv.copy_(torch.randn(storage.kv.shape))  # the cached prefixes
+        outputs.append(backend(storage, batch)(0, q, k, v))
+        pools.append(storage.kv)
+    assert outputs[0].dtype == torch.bfloat16
+    assert torch.equal(pools[0], pools[1])
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_a_decodes_two_query_vectors_give_what_each_gives_alone_bit_for_bit(
+    head_dim: int, numba_threads
+) -> None:
+    """A decode of a model with two query heads per K/V head has two query vectors, which
+    `_values_simd` takes as a pair (where head_dim is a multiple of 32); each head alone (a group
+    of one, the same K/V) takes the one-vector path. Each accumulator adds the same terms in the
+    same order either way: the same outputs bit for bit."""
+    query_lens, context_lens = [1, 1, 1], [9, 40, 77]
+    q, keys, values, tables, lens, starts = random_batch(
+        query_lens, context_lens, 4, 2, head_dim, 16, seed=head_dim
+    )
+    pairs = paged_attention_cpu(q, keys, values, tables, lens, starts)
+    for first in (0, 1):  # heads 0 and 2 (K/V heads 0 and 1), then heads 1 and 3
+        alone = np.ascontiguousarray(q[:, first::2])
+        assert np.array_equal(
+            paged_attention_cpu(alone, keys, values, tables, lens, starts), pairs[:, first::2]
+        )
+    assert relative_error(q, keys, values, tables, lens, starts) <= 1e-5
 
 
 def test_alternating_ms_calls_each_in_turn_and_gives_each_its_median() -> None:
@@ -235,6 +348,13 @@ def test_values_far_from_zero_do_not_overflow_the_softmax() -> None:
         (lambda a: a.update(query_start=a["query_start"][:-1]), "query_start"),
         (lambda a: a.update(query_start=np.array([0, 2, 1, 3])), "query_start"),
         (lambda a: a.update(q=a["q"][:, :3]), "heads"),
+        (lambda a: a.update(key_cache=a["key_cache"].astype(np.float64)), "bfloat16 bits"),
+        (
+            lambda a: a.update(
+                value_cache=kernel_array(torch.from_numpy(a["value_cache"]).bfloat16())
+            ),
+            "value_cache",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(change, message: str) -> None:
@@ -254,13 +374,7 @@ def test_new_keys_and_values_are_written_to_their_slots_in_the_same_call() -> No
     q, key_cache, value_cache, tables, lens, starts = random_batch(
         query_lens, context_lens, 4, 2, 32, block_size, seed=3
     )
-    slots = np.array(  # each sequence's new rows are its last positions
-        [
-            tables[seq, p // block_size] * block_size + p % block_size
-            for seq, (n, context) in enumerate(zip(query_lens, context_lens))
-            for p in range(context - n, context)
-        ]
-    )
+    slots = new_row_slots(tables, query_lens, context_lens, block_size)
     k_new = np.stack([key_cache[s // block_size, s % block_size] for s in slots])
     v_new = np.stack([value_cache[s // block_size, s % block_size] for s in slots])
     expected = reference(q, key_cache, value_cache, tables, lens, starts)

@@ -17,8 +17,9 @@ What plugs in here:
              "auto" never picks it: it replaces "cuda" once a GPU run has measured it faster.
     "numba"  `NumbaPagedAttention`, the native CPU kernel (numba_cpu.py, chapter 07): reads K/V
              in place through the block tables, decodes and prefill chunks in one call. "auto"
-             picks it for a float32 cache on a CPU, where `benchmarks/throughput.py` measures it
-             faster than the reference.
+             picks it for a float32 or bfloat16 cache on a CPU, where `benchmarks/throughput.py`
+             (float32) and `benchmarks/real_model.py` (bfloat16) measure it faster than the
+             reference.
 
 `EngineConfig.attention_backend` names one of `backend_names()`, or "auto": the first backend
 registered for the engine's device and cache dtype, else the reference.
@@ -130,12 +131,19 @@ def get_backend(name: str) -> BackendFactory:
     return entry.factory
 
 
-def warm_up_backend(factory: BackendFactory, threads: int | None = None) -> None:
-    """Compile (or load) a backend's kernel for `threads` (default: torch's count) now, rather
-    than in the first step, where the backend has one (a `warm_up` static method)."""
+def warm_up_backend(
+    factory: BackendFactory, threads: int | None = None, dtype: torch.dtype = torch.float32
+) -> None:
+    """Compile (or load) a backend's kernel for `threads` (default: torch's count) and a cache of
+    `dtype` now, rather than in the first step, where the backend has one (a `warm_up` static
+    method, taking `dtype` where it compiles one kernel per cache dtype)."""
     warm_up = getattr(factory, "warm_up", None)
-    if warm_up is not None:
+    if warm_up is None:
+        return
+    if dtype == torch.float32:
         warm_up(threads)
+    else:
+        warm_up(threads, dtype)
 
 
 def is_loaded(name: str) -> bool:
@@ -163,7 +171,7 @@ register_backend(
     "numba",
     "minivllm.attention.numba_cpu:NumbaPagedAttention",
     devices=("cpu",),
-    dtypes=(torch.float32,),
+    dtypes=(torch.float32, torch.bfloat16),  # a bfloat16 cache is read as such, in float32
     only_on="cpu",  # a CPU kernel over a cache in CPU memory
 )
 register_backend(

@@ -17,6 +17,10 @@ them **in place**, block by block, through the block table, the way a GPU kernel
   vector's dot products with eight keys are summed across their lanes together, by one `sum8x8`,
   not each on its own. Shapes the vector paths cannot take (head_dim not a multiple of 16, blocks
   not of 8) run the plain loops they replace, equal to float32 rounding;
+* a bfloat16 cache (a bfloat16 model's) is read as it is stored, two bytes an element, each
+  vector widened to float32 as it is loaded (`simd.load8`; numpy has no bfloat16, so the cache
+  arrives as its bits, `kernel_array`): the kernel computes in float32 over either cache, and the
+  engine's backend hands it float32 queries and takes its output back in the model's dtype;
 * the next block's rows are prefetched while this one is computed: a block table scatters them
   over the pool, where the hardware's stride prefetcher cannot follow;
 * `plan_work` deals the units to the threads by cost, so a prefill chunk does not leave one thread
@@ -50,7 +54,16 @@ import torch
 from numba import njit, prange
 
 from minivllm.attention.batch import VarlenBatch
-from minivllm.attention.simd import fma8, load8, prefetch, splat8, store8, sum8x8, zero8
+from minivllm.attention.simd import (
+    as_float32,
+    fma8,
+    load8,
+    prefetch,
+    splat8,
+    store8,
+    sum8x8,
+    zero8,
+)
 from minivllm.attention.storage import PagedKVStorage
 
 # numba's threading layer (see the module docstring): OpenMP where its threads sleep between
@@ -148,7 +161,7 @@ def _scores_plain(scores, queries, vectors, keys, kv_head, n, base):
         for v in range(vectors):
             s = np.float32(0.0)
             for d in range(dim):
-                s += queries[v, d] * keys[j, kv_head, d]
+                s += queries[v, d] * as_float32(keys[j, kv_head, d])
             scores[v, base + j] = s
 
 
@@ -193,7 +206,7 @@ def _values_plain(acc, scores, vectors, values, kv_head, n, base):
         for v in range(vectors):
             p = scores[v, base + j]
             for d in range(dim):
-                acc[v, d] += p * values[j, kv_head, d]
+                acc[v, d] += p * as_float32(values[j, kv_head, d])
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
@@ -247,11 +260,16 @@ def _values_simd(acc, scores, vectors, values, kv_head, n, base, wide):
     `wide`, for a CPU with 32 vector registers (AVX-512): eight vectors, sixteen accumulators, and
     each value row loaded feeds twice the multiply-adds; with 16 (AVX2) that tile would spill.
     Each accumulator adds its terms in the same order either way: the results do not move by a
-    bit. Vectors left over (a model with fewer than four query heads per K/V head) go one at a
-    time: two chains, each add waiting for the one before."""
+    bit. Vectors left over (a model with fewer than four query heads per K/V head) go in pairs,
+    32 lanes at a time, where head_dim allows (`_values_pair`); the last one alone: two chains,
+    each add waiting for the one before."""
     dim = acc.shape[1]
     eights = vectors - vectors % 8 if wide else 0
     fours = vectors - vectors % 4
+    # vectors left over, in pairs where head_dim is a multiple of 32 (`_values_pair`), after the
+    # others: each accumulator still adds its terms in the same order
+    pairs_from = fours
+    pairs_to = vectors - (vectors - fours) % 2 if dim % 32 == 0 else fours
     for d in range(0, dim, 16):
         for v in range(0, eights, 8):
             tile, next_tile = _load4(acc, v, d), _load4(acc, v + 4, d)
@@ -268,7 +286,7 @@ def _values_simd(acc, scores, vectors, values, kv_head, n, base, wide):
                 row = values[j, kv_head]
                 tile = _add_row4(tile, scores, v, base + j, load8(row, d), load8(row, d + 8))
             _store4(acc, v, d, tile)
-        for v in range(fours, vectors):
+        for v in range(pairs_to, vectors):
             weights, out = scores[v], acc[v]
             low, high = load8(out, d), load8(out, d + 8)
             for j in range(n):
@@ -276,6 +294,41 @@ def _values_simd(acc, scores, vectors, values, kv_head, n, base, wide):
                 low, high = fma8(w, load8(row, d), low), fma8(w, load8(row, d + 8), high)
             store8(out, d, low)
             store8(out, d + 8, high)
+    for d in range(0, dim if pairs_from < pairs_to else 0, 32):
+        for v in range(pairs_from, pairs_to, 2):
+            _values_pair(acc, scores, v, values, kv_head, n, base, d)
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _values_pair(acc, scores, v, values, kv_head, n, base, d):
+    """Query vectors v and v + 1, lanes d .. d + 32 of their accumulators over one block's value
+    rows: eight accumulators in registers, eight multiply-add chains. A decode of a model with two
+    query heads per K/V head (Qwen3-0.6B) has just these two vectors; one at a time, they were two
+    chains, each add waiting four cycles for the one before."""
+    first, second = acc[v], acc[v + 1]
+    a0, a1, a2, a3 = (
+        load8(first, d),
+        load8(first, d + 8),
+        load8(first, d + 16),
+        load8(first, d + 24),
+    )
+    b0, b1 = load8(second, d), load8(second, d + 8)
+    b2, b3 = load8(second, d + 16), load8(second, d + 24)
+    for j in range(n):
+        row = values[j, kv_head]
+        x0, x1, x2, x3 = load8(row, d), load8(row, d + 8), load8(row, d + 16), load8(row, d + 24)
+        w = splat8(scores[v, base + j])
+        a0, a1, a2, a3 = fma8(w, x0, a0), fma8(w, x1, a1), fma8(w, x2, a2), fma8(w, x3, a3)
+        w = splat8(scores[v + 1, base + j])
+        b0, b1, b2, b3 = fma8(w, x0, b0), fma8(w, x1, b1), fma8(w, x2, b2), fma8(w, x3, b3)
+    store8(first, d, a0)
+    store8(first, d + 8, a1)
+    store8(first, d + 16, a2)
+    store8(first, d + 24, a3)
+    store8(second, d, b0)
+    store8(second, d + 8, b1)
+    store8(second, d + 16, b2)
+    store8(second, d + 24, b3)
 
 
 @njit(cache=True, inline="always")
@@ -283,9 +336,10 @@ def _prefetch_block(cache, block, kv_head):
     """Ask for one K/V head's rows of a block before they are needed: the next block of a table is
     anywhere in the pool, where the hardware's own prefetcher, which follows strides, cannot
     guess it."""
+    line = 64 // cache.itemsize  # elements per 64-byte cache line: one request each
     for j in range(cache.shape[1]):
         row = cache[block, j, kv_head]
-        for d in range(0, row.shape[0], 16):  # one request per 64-byte cache line
+        for d in range(0, row.shape[0], line):
             prefetch(row, d)
 
 
@@ -556,15 +610,33 @@ def plan_work(
     return np.ascontiguousarray(units[by_thread], dtype=np.int64), work_start.astype(np.int64)
 
 
+# What the kernel reads a cache as: float32, or bfloat16's bits (`kernel_array`).
+CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.int16))
+# The cache dtypes the engine's backend takes (torch's names for the two above).
+BACKEND_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernel_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the kernel takes it, sharing its memory: float32 as it is, bfloat16 as its
+    bits (int16) -- numpy has no bfloat16, and `simd.load8` widens the bits to float32 itself."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy()
+    return tensor.numpy()
+
+
 def _check(
     q, key_cache, value_cache, block_tables, context_lens, query_start, k_new, v_new, slot_mapping
 ) -> None:
     """Every shape, dtype and length the kernel relies on, before it runs: the compiled loop does
     no bounds checks, so a bad argument would read or write the wrong memory instead of raising."""
-    arrays = (("q", q), ("key_cache", key_cache), ("value_cache", value_cache))
-    for name, array in (*arrays, ("k_new", k_new), ("v_new", v_new)):
-        if array.dtype != np.float32 or array.ndim not in (3, 4):
-            raise ValueError(f"{name} must be float32, got {array.dtype} with {array.ndim} dims")
+    if q.dtype != np.float32 or key_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"q must be float32 and the caches float32 or bfloat16 bits (int16), got {q.dtype} "
+            f"and {key_cache.dtype}"
+        )
+    for name, array in (("value_cache", value_cache), ("k_new", k_new), ("v_new", v_new)):
+        if array.dtype != key_cache.dtype:
+            raise ValueError(f"{name} must be {key_cache.dtype} as key_cache is, got {array.dtype}")
     if q.ndim != 3 or key_cache.ndim != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(
             f"q must be [tokens, heads, head_dim] and both caches [num_blocks, block_size, "
@@ -635,18 +707,20 @@ def paged_attention_cpu(
     through the block tables. `q` `[tokens, heads, head_dim]` holds each sequence's new rows end to
     end (`query_start` `[seqs + 1]`); sequence i's rows are its last positions, so its context
     (`context_lens[i]`, the new rows included) ends at its last row. Caches `[num_blocks,
-    block_size, kv_heads, head_dim]`; all float32. With `k_new`, `v_new` (`[tokens, kv_heads,
-    head_dim]`) and `slot_mapping` (`[tokens]`) the new rows' keys and values are written to their
-    slots first, in the same call. `simd`: the vector paths or the plain loops (default: the vector
-    paths where `simd_fits`). `threads`: how many threads run it (default: numba's setting); with
-    one, the serial kernel runs on the calling thread. `wide_tile`: `_values_simd`'s eight-vector
-    tile (default: where the CPU has AVX-512's registers); either tile runs on any CPU, with the
-    same results bit for bit. Returns `[tokens, heads, head_dim]`."""
+    block_size, kv_heads, head_dim]`. `q` is float32; the caches float32, or bfloat16 as their bits
+    (`kernel_array`), which the kernel widens to float32 as it reads them. With `k_new`, `v_new`
+    (`[tokens, kv_heads, head_dim]`, the caches' dtype) and `slot_mapping` (`[tokens]`) the new
+    rows' keys and values are written to their slots first, in the same call. `simd`: the vector
+    paths or the plain loops (default: the vector paths where `simd_fits`). `threads`: how many
+    threads run it (default: numba's setting); with one, the serial kernel runs on the calling
+    thread. `wide_tile`: `_values_simd`'s eight-vector tile (default: where the CPU has AVX-512's
+    registers); either tile runs on any CPU, with the same results bit for bit. Returns `[tokens,
+    heads, head_dim]`."""
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int64)
     context_lens = np.ascontiguousarray(context_lens, dtype=np.int64)
     query_start = np.ascontiguousarray(query_start, dtype=np.int64)
     if k_new is None:  # nothing to write: zero rows, which the kernel skips
-        k_new = v_new = np.empty((0, key_cache.shape[2], q.shape[2]), dtype=np.float32)
+        k_new = v_new = np.empty((0, key_cache.shape[2], q.shape[2]), dtype=key_cache.dtype)
         slot_mapping = np.empty(0, dtype=np.int64)
     slot_mapping = np.ascontiguousarray(slot_mapping, dtype=np.int64)
     args = (q, key_cache, value_cache, block_tables, context_lens, query_start)
@@ -744,12 +818,13 @@ def default_threads() -> int:
     return numba.get_num_threads()
 
 
-def warm_up(threads: int | None = None) -> None:
-    """Compile the kernel for `threads` (default: `default_threads()`) now, or load it from numba's
-    cache: a few seconds the first time on a machine, milliseconds after. The engine calls it when
-    it starts, so that its first step does not."""
+def warm_up(threads: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """Compile the kernel for `threads` (default: `default_threads()`) and a cache of `dtype` now,
+    or load it from numba's cache: a few seconds the first time on a machine, milliseconds after.
+    The engine calls it when it starts, so that its first step does not."""
     q = np.zeros((1, 1, 1), dtype=np.float32)
-    cache = np.zeros((1, 1, 1, 1), dtype=np.float32)
+    new = kernel_array(torch.zeros((1, 1, 1), dtype=dtype))
+    cache = kernel_array(torch.zeros((1, 1, 1, 1), dtype=dtype))
     one = np.ones(1, dtype=np.int64)
     paged_attention_cpu(
         q,
@@ -758,8 +833,8 @@ def warm_up(threads: int | None = None) -> None:
         np.zeros((1, 1), dtype=np.int64),
         one,
         np.array([0, 1]),
-        k_new=q,
-        v_new=q,
+        k_new=new,
+        v_new=new,
         slot_mapping=np.zeros(1, dtype=np.int64),
         threads=threads,
     )
@@ -767,12 +842,14 @@ def warm_up(threads: int | None = None) -> None:
 
 class NumbaPagedAttention:
     """The engine's attention backend on the CPU kernel: one kernel call per layer writes the new
-    K/V through the slot mapping and attends decodes and prefill chunks alike."""
+    K/V through the slot mapping and attends decodes and prefill chunks alike. A float32 or a
+    bfloat16 cache; the kernel computes in float32 either way, and hands the model its output in
+    the model's dtype."""
 
     def __init__(self, storage: PagedKVStorage, batch: VarlenBatch) -> None:
-        if storage.kv.device.type != "cpu" or storage.dtype != torch.float32:
+        if storage.kv.device.type != "cpu" or storage.dtype not in BACKEND_DTYPES:
             raise ValueError(
-                f"the numba backend runs on a float32 cache in CPU memory, got "
+                f"the numba backend runs on a float32 or bfloat16 cache in CPU memory, got "
                 f"{storage.dtype} on {storage.kv.device}: use attention_backend='torch'"
             )
         self.storage = storage
@@ -796,20 +873,25 @@ class NumbaPagedAttention:
         self.work = plan_work(self.context_lens, self.query_start, kv_heads, threads)
 
     @staticmethod
-    def warm_up(threads: int | None = None) -> None:
-        """Compile (or load) the kernels a pass on `threads` threads runs (default: torch's
-        count, as `__init__` picks): the parallel one, and the serial one a small pass runs."""
+    def warm_up(threads: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+        """Compile (or load) the kernels a pass on `threads` threads runs over a cache of `dtype`
+        (default: torch's count, as `__init__` picks): the parallel one, and the serial one a small
+        pass runs."""
         threads = torch.get_num_threads() if threads is None else threads
         threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-        warm_up(threads)
+        warm_up(threads, dtype)
         if threads > 1:
-            warm_up(1)
+            warm_up(1, dtype)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        key_cache, value_cache = (cache.numpy() for cache in self.storage.kv[layer])
-        q, k, v = (x.contiguous().numpy() for x in (q, k, v))
+        key_cache, value_cache = (kernel_array(cache) for cache in self.storage.kv[layer])
+        model_dtype, cache_dtype = q.dtype, self.storage.dtype
+        # the queries in float32 (a few KiB a decode), the new keys and values as the cache holds
+        # them; `to` and `contiguous` return the tensor itself where it is so already
+        q = q.to(torch.float32).contiguous().numpy()
+        k, v = (kernel_array(x.to(cache_dtype).contiguous()) for x in (k, v))
         metadata = (self.block_tables, self.context_lens, self.query_start)
         if not self.checked:
             _check(q, key_cache, value_cache, *metadata, k, v, self.slot_mapping)
@@ -817,4 +899,4 @@ class NumbaPagedAttention:
         out = np.empty_like(q)
         args = (out, q, k, v, self.slot_mapping, key_cache, value_cache, *metadata, *self.work)
         _launch(self.kernel, *args, self.scale, self.simd)
-        return torch.from_numpy(out)
+        return torch.from_numpy(out).to(model_dtype)

@@ -11,6 +11,10 @@ function below is one or a few LLVM instructions, written out by `numba.extendin
 They are LLVM's portable vector operations, not x86 ones: with AVX2 a `float32x8` is one ymm
 register and `fma8` one `vfmadd` instruction; on ARM, LLVM splits it into two 4-lane NEON halves.
 
+`load8` also reads a bfloat16 array -- handed over as its bits, int16 -- into float32 lanes, exactly
+(`as_float32` one element): a bfloat16 K/V cache is read at two bytes an element, and the kernel
+computes in float32 as it does over a float32 cache.
+
 Arrays given to `load8`, `store8` and `prefetch` must be one-dimensional and C-contiguous (a row
 of a larger array is); like the kernels' other loads, they are not bounds-checked. numba's on-disk
 cache tracks the file of the function it compiled, not this one: after editing this file, clear
@@ -76,15 +80,48 @@ def _shuffle(builder, a, b, lanes):
     return builder.shuffle_vector(a, b, mask)
 
 
+def _widen_bfloat16(builder, bits, lanes: int | None):
+    """bfloat16 bits (an LLVM i16, or `lanes` of them) as the float32s they are: a bfloat16 is a
+    float32's upper half, so the bits move up 16 places and the lower half is zero. Exact."""
+    wide = _INT32 if lanes is None else ir.VectorType(_INT32, lanes)
+    shift = _INT32(16) if lanes is None else ir.Constant(wide, [16] * lanes)
+    shifted = builder.shl(builder.zext(bits, wide), shift)
+    return builder.bitcast(shifted, ir.FloatType() if lanes is None else VECTOR)
+
+
+def _holds_bfloat16(array) -> bool:
+    """Whether a kernel's array holds bfloat16 bits: numpy has no bfloat16, so a bfloat16 tensor
+    reaches numba as its bits, `tensor.view(torch.int16).numpy()`."""
+    return array.dtype == types.int16
+
+
 @intrinsic
 def load8(typingctx, array, index):
-    """`array[index : index + 8]` as a vector."""
+    """`array[index : index + 8]` as a vector: float32, or bfloat16 bits (an int16 array) widened
+    to float32 on the way, two bytes read per lane instead of four."""
+    bfloat16 = _holds_bfloat16(array)
 
     def codegen(context, builder, signature, args):
         pointer = _element_pointer(context, builder, signature.args[0], *args)
-        return builder.load(builder.bitcast(pointer, VECTOR.as_pointer()), align=4)
+        if not bfloat16:
+            return builder.load(builder.bitcast(pointer, VECTOR.as_pointer()), align=4)
+        halves = builder.bitcast(pointer, ir.VectorType(ir.IntType(16), 8).as_pointer())
+        return _widen_bfloat16(builder, builder.load(halves, align=2), 8)
 
     return float32x8(array, index), codegen
+
+
+@intrinsic
+def as_float32(typingctx, value):
+    """A float32 as it is, or bfloat16 bits (int16, an element of such an array) as the float32
+    they stand for: what the kernels' plain loops read their K/V elements through."""
+    if value not in (types.float32, types.int16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return args[0] if value == types.float32 else _widen_bfloat16(builder, args[0], None)
+
+    return types.float32(value), codegen
 
 
 @intrinsic

@@ -124,7 +124,7 @@ class LLMEngine:
             config.attention_backend, self.device, config.dtype, next(model.parameters()).dtype
         )
         backend = get_backend(backend_name)
-        warm_up_backend(backend)
+        warm_up_backend(backend, dtype=config.dtype)
         self.manager = BlockManager(
             config.num_blocks,
             config.block_size,

@@ -134,7 +134,7 @@ class RankState:
             device,
         )
         backend = get_backend(settings.backend)
-        warm_up_backend(backend, threads=settings.threads)
+        warm_up_backend(backend, threads=settings.threads, dtype=storage.dtype)
         return cls(model, storage, backend, device, rank)
 
     def step(self, batch: VarlenBatch, copies: list[tuple[int, int]]) -> torch.Tensor | None:

@@ -114,7 +114,7 @@ def _serve(
     (None)."""
     torch.set_num_threads(1)
     factory = get_backend(backend)
-    warm_up_backend(factory, threads=1)
+    warm_up_backend(factory, threads=1, dtype=storage.dtype)
     pack_weights(model)  # this process's own packed copies (the cache is per process)
     ready()
     messages = join_group(rank, world, init_method, timeout_s, default_group=False)
@@ -197,7 +197,7 @@ class ForwardWorkers:
         model.share_memory()
         storage.kv.share_memory_()
         # this process's part runs on one thread too
-        warm_up_backend(main_backend or get_backend(backend), threads=1)
+        warm_up_backend(main_backend or get_backend(backend), threads=1, dtype=storage.dtype)
         self._ranks = Launched("forward worker")
         self._finalizer = weakref.finalize(self, self._ranks.stop)
         try:
