@@ -271,7 +271,9 @@ show(_scores_simd)
 # from the CPU's features). A prefill chunk has vectors to spare — 16 rows times the group — a
 # decode has only its group. With AVX2's 16 registers the wide tile would spill to memory. `_load4`
 # and `_store4` move four vectors' accumulators between memory and registers; `_add_row4` is one
-# value row's multiply-adds into them:
+# value row's multiply-adds into them. A decode of a real checkpoint with two query heads per K/V
+# head (Qwen3-0.6B) has two vectors: `_values_pair` takes them together, 32 lanes at a time, eight
+# chains again where one vector alone is two:
 
 # %%
 show(_values_simd)
