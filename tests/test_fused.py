@@ -17,7 +17,9 @@ import minivllm.engine.llm_engine as llm_engine
 import minivllm.model.fused as fused_module
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.model import cpu_kernels
+from minivllm.model.families import HFRMSNorm
 from minivllm.model.fused import (
+    FusedHFRMSNorm,
     FusedSelfAttention,
     FusedSwiGLU,
     fuse_projections,
@@ -96,21 +98,24 @@ def test_an_engine_that_loads_its_model_fuses_it_in_place(target, monkeypatch) -
     assert again.runner.model is engine.model
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 32), (4, 4, 64), (16, 8, 128), (2, 1, 6)])
 @pytest.mark.parametrize("rows", [1, 5, 130])
-def test_the_cpu_rope_kernel_is_apply_rope_bit_for_bit(heads, kv_heads, dim, rows) -> None:
-    """`cpu_kernels.rope_qk` on views into a q|k|v matmul's output (the fused model's) and on
-    contiguous tensors (after Qwen3's q/k norms), at any position: apply_rope's values exactly,
-    new contiguous tensors, the inputs untouched."""
+def test_the_cpu_rope_kernel_is_apply_rope_bit_for_bit(heads, kv_heads, dim, rows, dtype) -> None:
+    """`cpu_kernels.rope_qk` (and `rope_qk_bfloat16`, which rounds where torch's bfloat16 ops
+    round) on views into a q|k|v matmul's output (the fused model's) and on contiguous tensors
+    (after Qwen3's q/k norms), at any position: apply_rope's values exactly, new contiguous
+    tensors, the inputs untouched."""
+    rope = cpu_kernels.rope_qk if dtype == torch.float32 else cpu_kernels.rope_qk_bfloat16
     generator = torch.Generator().manual_seed(rows * dim)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator) * 4
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator) * 4).to(dtype)
     q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k = q.view(rows, heads, dim), k.view(rows, kv_heads, dim)
     positions = torch.randint(0, 100_000, (rows,), generator=generator)
-    cos, sin = rope_cos_sin(positions, dim, 1_000_000.0)
+    cos, sin = (t.to(dtype) for t in rope_cos_sin(positions, dim, 1_000_000.0))
     before = qkv.clone()
     for q_in, k_in in [(q, k), (q.contiguous(), k.contiguous())]:
-        q_out, k_out = cpu_kernels.rope_qk(q_in, k_in, cos, sin)
+        q_out, k_out = rope(q_in, k_in, cos, sin)
         assert torch.equal(q_out, apply_rope(q_in, cos, sin))
         assert torch.equal(k_out, apply_rope(k_in, cos, sin))
         assert q_out.is_contiguous() and k_out.is_contiguous()
@@ -134,6 +139,35 @@ def test_the_cpu_norm_kernel_is_rms_norm_to_float32_rounding(heads, kv_heads, di
         torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
         assert out.shape == x.shape and out.is_contiguous()
     assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(16, 8, 128), (2, 1, 6)])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_the_bfloat16_norm_loop_rounds_where_hf_rms_norm_rounds(heads, kv_heads, dim, rows) -> None:
+    """`cpu_kernels.hf_rms_norm_bfloat16` on a hidden state and on Qwen3's q and k (views into the
+    q|k|v matmul's output): `HFRMSNorm` in bfloat16 -- every element equal, or one bfloat16
+    rounding away where the sum of squares, added in another order, moved the scale -- a new
+    contiguous tensor, the input untouched. A NaN stays a NaN. The fused model's norm takes the
+    loop with `compiled_loop` (a model whose weights were packed)."""
+    generator = torch.Generator().manual_seed(rows + dim)
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator) * 3).bfloat16()
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    before = qkv.clone()
+    for x in (qkv, q.view(rows, heads, dim), k.view(rows, kv_heads, dim)):
+        norm = FusedHFRMSNorm(x.shape[-1], 1e-6).bfloat16()
+        norm.weight.data = (torch.rand(x.shape[-1], generator=generator) + 0.5).bfloat16()
+        expected = HFRMSNorm.forward(norm, x)
+        out = cpu_kernels.hf_rms_norm_bfloat16(x, norm.weight, 1e-6)
+        assert out.shape == x.shape and out.is_contiguous() and out.dtype == torch.bfloat16
+        assert (out == expected).float().mean() >= 0.999
+        torch.testing.assert_close(out, expected, rtol=2**-7, atol=0)
+        norm.compiled_loop = True
+        assert torch.equal(norm(x), out)
+    assert torch.equal(qkv, before)
+    poisoned = qkv.clone()
+    poisoned[0, 0] = float("nan")
+    weight = torch.ones(qkv.shape[-1], dtype=torch.bfloat16)
+    assert cpu_kernels.hf_rms_norm_bfloat16(poisoned, weight, 1e-6)[0].isnan().all()
 
 
 def test_the_cpu_kernels_take_float32_cpu_tensors_only() -> None:

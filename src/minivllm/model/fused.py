@@ -54,6 +54,11 @@ def on_cpu_in_float32(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
+def on_cpu_in_bfloat16(*tensors: torch.Tensor) -> bool:
+    """Whether `cpu_kernels`' bfloat16 loops can take these tensors."""
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
+
+
 # A float32 weight this big (bytes) is multiplied on the CPU through oneDNN, in the layout oneDNN
 # packs it into once. A real model's decode is a few rows against weights of tens of MiB, and there
 # torch's default path (MKL's sgemm) streamed them at a third to a half of the speed of the packed
@@ -166,8 +171,11 @@ class FusedSelfAttention(SelfAttention):
         if hasattr(self, "q_norm"):  # Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
         # an engine's batch on the CPU; under torch.compile inductor fuses apply_rope itself
-        if q.dim() == 3 and on_cpu_in_float32(q, cos) and not torch.compiler.is_compiling():
+        batch = q.dim() == 3 and not torch.compiler.is_compiling()
+        if batch and on_cpu_in_float32(q, cos):
             q, k = _cpu_kernels().rope_qk(q, k, cos, sin)  # one loop each, apply_rope exactly
+        elif batch and on_cpu_in_bfloat16(q, cos):
+            q, k = _cpu_kernels().rope_qk_bfloat16(q, k, cos, sin)  # apply_rope's bits too
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(layer, q, k, v)  # <- the seam, as in SelfAttention
@@ -191,8 +199,16 @@ class FusedRMSNorm(RMSNorm):
 
 
 class FusedHFRMSNorm(FusedRMSNorm, HFRMSNorm):
-    """`HFRMSNorm` the same way: in float32 it is the book's `RMSNorm`; in another dtype (where it
-    normalises in float32 first) it runs its own steps."""
+    """`HFRMSNorm` the same way: in float32 it is the book's `RMSNorm`. In bfloat16 (where it
+    normalises in float32 first), with `compiled_loop`, one compiled loop that rounds where its
+    steps round (`cpu_kernels.hf_rms_norm_bfloat16`): its sum of squares in float32 vector lanes,
+    in an order of its own, may move a row by a bfloat16 rounding. Elsewhere, its own steps."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        loop = self.compiled_loop and not torch.compiler.is_compiling()
+        if loop and on_cpu_in_bfloat16(x, self.weight):
+            return _cpu_kernels().hf_rms_norm_bfloat16(x, self.weight, self.eps)
+        return super().forward(x)
 
 
 _FUSED_CLASSES = {RMSNorm: FusedRMSNorm, HFRMSNorm: FusedHFRMSNorm, nn.Linear: FusedLinear}
