@@ -33,6 +33,9 @@ packed layout (`linear`): there the logits match the unfused model's to float32 
 for bit. The engine packs them as it starts (`pack_weights`), not in a request's step, and where
 the model is its alone keeps only the packed copies: the weights are not held twice. Such a model
 runs its norms as one compiled loop each (`cpu_kernels.rms_norm`), also to float32 rounding.
+In bfloat16 the same holds where the CPU multiplies bfloat16 (AVX-512 BF16, AMX): big weights
+pack (with F.linear's bits), RoPE is one loop (`rope_qk_bfloat16`, apply_rope's bits), and a
+packed model's Hugging Face norms are one loop each (`hf_rms_norm_bfloat16`).
 """
 
 from __future__ import annotations
