@@ -372,7 +372,8 @@ print(
     f"{decode_args[1].nbytes / 2**20:.1f} MiB in float32"
 )
 print("same output, bit for bit:", np.array_equal(over_bfloat16, over_float32))
-#
+
+# %% [markdown]
 # ### The kernel: write, then attend, on every core
 #
 # A thread runs its list of units with its scratch allocated once, sized for the largest:
