@@ -19,8 +19,8 @@ book's 2-core machine (AMD EPYC Zen 4): 113 norms a chunk. Its sum of squares ru
 fused model takes it only where the logits are not bit for bit already: a model whose matmuls run
 packed (`fused.pack_weights`).
 
-A bfloat16 model (a real checkpoint in its own dtype) has the same two as `rope_qk` and
-`hf_rms_norm` on bfloat16 tensors, each step rounded to bfloat16 where torch's ops round: RoPE's
+A bfloat16 model (a real checkpoint in its own dtype) has the same two as `rope_qk_bfloat16` and
+`hf_rms_norm_bfloat16`, each step rounded to bfloat16 where torch's ops round: RoPE's
 products and their sum (so its result is `apply_rope`'s in bfloat16 bit for bit), and
 `HFRMSNorm`'s normalised row before the gain multiplies it (its sum of squares, in float32 vector
 lanes, to float32 rounding). numpy has no bfloat16: the loops take a bfloat16 tensor's bits (int16)
@@ -105,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @njit(cache=True, nogil=True, inline="always")
 def _widen(bits, out):
-    """out[:] = the float32s of bfloat16 `bits` (int16); `out` a float32 view of uint32 memory."""
+    """out[:] = the float32s of bfloat16 `bits` (int16), written through out's bits."""
     wide = out.view(np.uint32)
     for i in range(bits.shape[0]):
         wide[i] = np.uint32(np.uint16(bits[i])) << np.uint32(16)
