@@ -9,7 +9,9 @@ DEST ?= student
 STUDENT_FLAGS ?=
 # Chapters and tests are CPU programs: keep torch's threads predictable.
 export OMP_NUM_THREADS ?= 2
-# ... and sleep when idle instead of spinning (why: src/minivllm/__init__.py)
+# ... and sleep when idle, with no spin (minivllm's own default adds a short one: src/minivllm/
+# __init__.py): the tests run two workers on the cores, and spinning threads hold a core the other
+# worker's thread with work waits for
 export OMP_WAIT_POLICY ?= PASSIVE
 export PYTHONHASHSEED := 0
 

@@ -124,11 +124,27 @@ def machine_record(note: str, **extra) -> dict:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),  # torch's (numba's sleep, if PASSIVE)
+        "core_watch": core_watch_record(),
         **extra,
         "load_average_at_end": load_str(),
         "recorded_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "source": source_version(),
         "note": note,
+    }
+
+
+def core_watch_record() -> dict:
+    """Whether this process's passes watched its cores (torch's threads spin:
+    `minivllm.runner.threads`), and how many of them, so far, got fewer threads than torch has
+    because other processes kept the cores busy."""
+    from minivllm.runner import threads
+
+    watching = threads.WATCH_CORES and not threads.THREADS_SLEEP
+    watch = threads._WATCH
+    return {
+        "watching": watching,
+        "passes": watch.asked if watch else 0,
+        "narrowed": watch.narrowed if watch else 0,
     }
 
 

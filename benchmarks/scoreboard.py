@@ -49,8 +49,10 @@ beside minivllm's row from that same run, so its ratio never mixes workloads.
 
 On a machine other processes keep busy, OpenMP's default spin-waiting makes a 2-thread torch run
 many times slower than it should be (each thread spins at every barrier while the other waits for
-a core). Importing minivllm before torch sets `OMP_WAIT_POLICY=PASSIVE` (see the package's
-`__init__`), so the threads sleep instead; the server inherits it. The JSON records the policy.
+a core). Importing minivllm before torch sets its default, `OMP_WAIT_POLICY=PASSIVE` with a short
+spin, where none is set (see the package's `__init__`): the threads sleep soon after each op, and
+the engine runs on the cores other processes leave it (`runner/threads.py`); the server inherits
+it. The JSON records the policy.
 
 Prints a table and writes benchmarks/results/scoreboard.json (a --quick smoke run writes nothing
 unless --out is given). Not part of `make test`; the book's scoreboard page renders the JSON.

@@ -40,7 +40,7 @@ whose fused kernels no longer map onto modules) and with its engine core in the 
 core is a process of its own and the front end's output processing overlaps its next step). Its
 own profiling scopes are on (`VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`). Two vLLM runs by default:
 `vllm` as it ships (libgomp's idle OpenMP threads spin before they sleep) and `vllm-passive`
-(`OMP_WAIT_POLICY=PASSIVE`, vLLM's recommended setting and minivllm's): on a machine with more
+(`OMP_WAIT_POLICY=PASSIVE`, vLLM's recommended setting): on a machine with more
 runnable threads than cores a spinning thread can hold the core the thread it waits for needs. The
 engines alternate -- vLLM's processes, then minivllm, for `--rounds` rounds -- and each component's
 number is the median over every profiled step of every round.
@@ -751,7 +751,7 @@ def main() -> int:
         return 0
     if args.report:
         return report(args.out)
-    # minivllm came in with vllm_peer's _common, before torch: its OMP_WAIT_POLICY holds
+    # minivllm came in with vllm_peer's _common, before torch: its thread policy holds
     import torch
     from _common import machine_record, make_workload, write_results
 

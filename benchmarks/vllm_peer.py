@@ -511,7 +511,7 @@ def run_minivllm(
     import copy
     from dataclasses import replace
 
-    from _common import cpu_seconds_of
+    from _common import core_watch_record, cpu_seconds_of
 
     from minivllm.engine.data_parallel import DataParallelEngine
     from minivllm.engine.llm_engine import LLMEngine
@@ -535,10 +535,13 @@ def run_minivllm(
         SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests
     ]
     load_before, cpu, worker_cpu = load_str(), time.process_time(), cpu_seconds_of(workers)
+    watch = core_watch_record()
     started = time.perf_counter()
     outputs = engine.generate([r.prompt_ids for r in requests], params)
     seconds = time.perf_counter() - started
     cpu = time.process_time() - cpu + cpu_seconds_of(workers) - worker_cpu
+    watched = core_watch_record()  # this process's passes given fewer threads than torch has
+    narrowed = {k: watched[k] - watch[k] for k in ("passes", "narrowed")}
     engine.close()
     tokens = [list(o.token_ids) for o in outputs]
     label = f"{backend} attention" + (f", {processes} processes" if processes > 1 else "")
@@ -553,6 +556,7 @@ def run_minivllm(
         "cpu_seconds": round(cpu, 3),
         "load_before": load_before,
         "load_after": load_str(),
+        "core_watch": {"watching": watched["watching"], **narrowed},
         "_tokens": tokens,
     }
 

@@ -645,11 +645,13 @@ assert same_logits
 # `minivllm.SHORT_SPIN_COUNT` — enough to bridge the gap between two ops, not to hold a core
 # through a kernel of numba's or the engine's host work. numba's own libgomp is loaded without it
 # (`_load_openmp_sleeping`), so its threads sleep at once either way: a layer of matmuls lies
-# between two of its kernels. libgomp reads these settings only when it loads, so minivllm sets
-# PASSIVE on import when torch has not loaded yet (and a value you set wins); the Makefile exports
-# it as well. The same small workload in fresh processes, alternating, under torch's default,
-# passive threads and the short spin — wall clock and the CPU time all threads of the process used;
-# then two processes at once, sharing the cores, under the last two:
+# between two of its kernels. libgomp reads these settings only when it loads, so minivllm sets its
+# default — PASSIVE with the short spin — on import when torch has not loaded yet, and only where
+# you set no wait policy (the Makefile exports PASSIVE alone, for the tests). The same small
+# workload in fresh processes, alternating, under OpenMP's default, passive threads and the short
+# spin — wall clock and the CPU time all threads of the process used; then two processes at once,
+# sharing the cores: passive, the short spin, and the short spin with the engine's watch on its
+# cores turned off (below):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -658,7 +660,7 @@ import subprocess
 import sys
 
 POLICY_RUN = """
-import json, time, torch  # torch first: libgomp reads its settings from the environment given
+import json, sys, time, torch  # torch first: libgomp reads its settings from the environment given
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.model.checkpoint import load_model
 from minivllm.training.corpus import shipped_validation_text
@@ -668,7 +670,8 @@ prompts = [text[300 * i : 300 * i + 40 + 5 * i] for i in range(8)]
 engine = LLMEngine(load_model(), EngineConfig(attention_backend="numba"))
 engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
 wall, cpu = time.perf_counter(), time.process_time()
-outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+tokens = SamplingParams(max_tokens=int(sys.argv[1]), temperature=0, ignore_eos=True)
+outs = engine.generate(prompts, tokens)
 print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu,
                   [list(o.token_ids) for o in outs]]))
 """
@@ -676,18 +679,24 @@ print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu,
 
 from minivllm import SHORT_SPIN_COUNT
 
+SHORT_SPIN = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_SPIN_COUNT}
 POLICIES = {  # libgomp's settings for torch's threads; numba's sleep at once under PASSIVE
-    "default (spin)": {},
+    "OpenMP's default": {},
     "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
-    "short spin": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_SPIN_COUNT},
+    "short spin": SHORT_SPIN,  # minivllm's default
 }
+UNWATCHED = {**SHORT_SPIN, "MINIVLLM_WATCH_CORES": "0"}  # the short spin, no watch on the cores
+SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MINIVLLM_WATCH_CORES")
 
 
-def run_policy(settings: dict[str, str], at_once: int = 1) -> list[tuple[float, float, list]]:
-    """`at_once` processes started together under `settings`; each one's wall, CPU and tokens."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+def run_policy(
+    settings: dict[str, str], at_once: int = 1, tokens: int = 32
+) -> list[tuple[float, float, list]]:
+    """`at_once` processes started together under `settings`, each generating `tokens` tokens for
+    8 prompts; each one's wall, CPU and tokens."""
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
     env.update(settings)
-    command = [sys.executable, "-c", POLICY_RUN]
+    command = [sys.executable, "-c", POLICY_RUN, str(tokens)]
     running = [
         subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -707,21 +716,29 @@ policy_runs = {name: [] for name in POLICIES}
 for _ in range(2):
     for name, settings in POLICIES.items():
         policy_runs[name] += run_policy(settings)
-shared_runs = {name: run_policy(POLICIES[name], at_once=2) for name in ("PASSIVE", "short spin")}
+SHARED_TOKENS = 160  # runs long enough for the watch (a reading every quarter second) to matter
+shared_runs = {
+    name: run_policy(settings, at_once=2, tokens=SHARED_TOKENS)
+    for name, settings in [
+        ("PASSIVE", POLICIES["PASSIVE"]),
+        ("short spin", SHORT_SPIN),
+        ("short spin, unwatched", UNWATCHED),
+    ]
+}
 for name, runs in policy_runs.items():
     print(
-        f"{name:>14}: wall {statistics.median(r[0] for r in runs):5.2f} s, CPU "
+        f"{name:>21}: wall {statistics.median(r[0] for r in runs):5.2f} s, CPU "
         f"{statistics.median(r[1] for r in runs):5.2f} s (medians of {len(runs)}; 8 requests x "
         f"32 tokens); load average {os.getloadavg()[0]:.1f}"
     )
+print(f"two processes at once, sharing the cores (8 requests x {SHARED_TOKENS} tokens each):")
 for name, runs in shared_runs.items():
-    print(
-        f"{name:>14}, two processes at once: wall {statistics.mean(r[0] for r in runs):5.2f} s "
-        f"each (mean of the two)"
-    )
-every = [*policy_runs.values(), *shared_runs.values()]
-tokens = [r[2] for runs in every for r in runs]
-print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
+    print(f"{name:>21}: wall {statistics.mean(r[0] for r in runs):5.2f} s each (mean of the two)")
+alone = [r[2] for runs in policy_runs.values() for r in runs]
+shared = [r[2] for runs in shared_runs.values() for r in runs]
+same = all(t == alone[0] for t in alone) and all(t == shared[0] for t in shared)
+prefix = all(long[:32] == short for long, short in zip(shared[0], alone[0]))  # greedy: it extends
+print("identical tokens in every run:", same and prefix)
 
 # %% [markdown]
 # On a quiet machine the wall clocks are close and the difference is CPU time, burnt spinning. On a
@@ -729,11 +746,19 @@ print("identical tokens in every run:", all(t == tokens[0] for t in tokens))
 # can take many times longer; run this cell while something else keeps the machine busy to see it.
 # The short spin buys fewer wake-ups with a little spinning, bounded: a thread spins at most the
 # short count after an op. Alone, a run this small moves by about as much as that saves
-# (`benchmarks/vllm_peer.py` measures it on a whole workload: export `GOMP_SPINCOUNT` for minivllm;
-# its `compiled-spin` mode gives vLLM the same). Two processes at once show its price: each
-# spinning thread holds a core the other process's thread with work is waiting for, at every op.
-# That is why minivllm's default is passive, and the short spin an opt-in for a machine the engine
-# has to itself. The benchmarks record both settings and the load average beside every run.
+# (`benchmarks/vllm_peer.py` measures it on a whole workload; its `compiled-spin` mode gives vLLM
+# the same setting). Two processes at once show the price of any spin: unwatched, each spinning
+# thread holds a core the other process's thread with work is waiting for, at every op.
+#
+# So an engine whose threads spin watches its cores (`CoreWatch` in `runner/threads.py`). Every
+# quarter second it reads how busy the process's CPUs were (`/proc/stat`) and takes away the
+# process's own CPU time. While other processes keep a core's worth of them busy, a pass runs on
+# the cores they leave — here one thread: torch starts no team, so nothing spins, and the
+# attention kernel runs on one thread too. With the watch, the short spin is minivllm's default.
+# The tokens never depend on it: the identical-tokens line above covers every run. Turn it off with
+# `MINIVLLM_WATCH_CORES=0`, or run passive with `OMP_WAIT_POLICY=PASSIVE`, as the tests do: they
+# run two workers on the two cores. The benchmarks record the setting and the load average beside
+# every run.
 # %% [markdown]
 # ## Exercises
 #

@@ -26,24 +26,27 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-# torch's OpenMP threads (libgomp) spin after each parallel region by default, waiting for the next
-# one on cores that numba's attention threads, the engine's Python or another process need; on a
-# busy 2-core machine that made the engine an order of magnitude slower (chapter 07 measures it).
-# Passive threads sleep at once. libgomp reads this once, when torch loads: so only when torch has
-# not loaded yet (the environment then says what torch really got), and a value already set wins.
-# The Makefile exports it too, for notebooks and scripts that import torch first.
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# A short spin before torch's threads sleep (GOMP_SPINCOUNT; libgomp's own estimate is 100,000
-# spins a millisecond), which you can opt into on a machine the engine has to itself: passive
-# threads must be woken by each of the few hundred parallel ops of a step, and this bridges the gap
-# between two ops. numba's threads sleep at once all the same (`attention/numba_cpu.py`). Measured
-# on the book's 2-core machine (issue 32), vllm_peer's workload at 128 requests ran in 0.92x the
-# time eager and 0.89x compiled on an AMD Zen 3 (medians of 6 alternating runs), 0.76x eager on a
-# Zen 4, whose idle vCPUs wake slowly (medians of 3) -- but two engine processes sharing
-# the two cores each took 4x as long as passive ones (33 s against 8 s): a spinning thread holds
-# the core that the other process's thread with work is waiting for. So it is not the default.
+# torch's OpenMP threads (libgomp) spin after each parallel region by default, for milliseconds,
+# waiting for the next one on cores that numba's attention threads, the engine's Python or another
+# process need; on a busy 2-core machine that made the engine an order of magnitude slower
+# (chapter 07 measures it). Passive threads sleep at once -- and each of the few hundred parallel
+# ops of a step must then wake them again, slow on a virtual machine whose idle vCPUs halt. So
+# minivllm's default lies between: passive, with a short spin first (GOMP_SPINCOUNT; libgomp's own
+# estimate is 100,000 spins a millisecond, so about 0.2 ms), which bridges the gap between two ops.
+# numba's threads sleep at once all the same (`attention/numba_cpu.py`). Spinning threads would
+# hold cores another busy process needs -- two engines sharing the book's two cores each took 5x
+# as long -- so the engine watches its cores and, while other processes keep them busy, runs a
+# pass on the cores they leave (`runner/threads.py`, `CoreWatch`): one thread, and nothing spins.
+# Measured on the book's 2-core machine (issue 32), vllm_peer's workload at 128 requests ran in
+# 0.92x the time eager and 0.89x compiled on an AMD Zen 3 (medians of 6 alternating runs), 0.76x
+# eager on a Zen 4, whose idle vCPUs wake slowly (medians of 3).
+# libgomp reads these once, when torch loads: so they are set only when torch has not loaded yet
+# (the environment then says what torch really got), and only where you set no wait policy --
+# `OMP_WAIT_POLICY=PASSIVE` alone (the Makefile exports it, for the tests) is passive, no spin.
 SHORT_SPIN_COUNT = "20000"
+if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ.setdefault("GOMP_SPINCOUNT", SHORT_SPIN_COUNT)
 
 _HOMES = {
     "CompletionOutput": "minivllm.engine.processing",

@@ -31,9 +31,9 @@ kernel; `NumbaPagedAttention` is the engine backend, registered as "numba".
 
 Compilation happens once per machine: `cache=True` keeps the machine code next to this file, and
 `warm_up()` compiles (or loads) it ahead of the first step. Threads: numba's parallel loops and
-torch's matmuls take turns, never overlap, so each may use every core torch is allowed. The layer
-is numba's **OpenMP** one where its idle threads sleep (`OMP_WAIT_POLICY=PASSIVE`, minivllm's
-setting): a launch runs a share on the calling thread and wakes one thread per other core. Where
+torch's matmuls take turns, never overlap, so each may use every core torch is allowed. The layer is
+numba's **OpenMP** one where its idle threads sleep (`OMP_WAIT_POLICY=PASSIVE`, part of minivllm's
+default): a launch runs a share on the calling thread and wakes one thread per other core. Where
 they would spin instead, on the cores torch's threads need next, it is the **workqueue**, whose
 launch wakes a worker for every share while the caller sleeps (slower on the book's machine:
 `benchmarks/kernel_threads.py`). With one thread -- a forward worker (`runner/workers.py`), an
@@ -83,11 +83,11 @@ if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER ==
 def _load_openmp_sleeping() -> None:
     """Load numba's OpenMP layer (its libgomp) with its idle threads sleeping at once.
 
-    torch's OpenMP threads may be given a short spin (GOMP_SPINCOUNT, an opt-in: the package's
-    `__init__`), to bridge the gap between two torch ops. numba loads a libgomp of its own, which
-    would read the same setting as it loads -- but between two attention kernels lies a layer of
-    matmuls, longer than any spin, and a numba thread spinning there holds a core torch's threads
-    need. So, under the passive policy, numba's libgomp loads without the spin count in the
+    torch's OpenMP threads may be given a short spin (GOMP_SPINCOUNT, minivllm's default: the
+    package's `__init__`), to bridge the gap between two torch ops. numba loads a libgomp of its
+    own, which would read the same setting as it loads -- but between two attention kernels lies a
+    layer of matmuls, longer than any spin, and a numba thread spinning there holds a core torch's
+    threads need. So, under the passive policy, numba's libgomp loads without the spin count in the
     environment, which is then put back (for torch in child processes). A libgomp already loaded --
     one runtime shared with torch, on builds that link the system's -- keeps what it read."""
     spin = os.environ.get("GOMP_SPINCOUNT")

@@ -20,7 +20,7 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.transformer import Transformer
-from minivllm.runner.threads import pass_threads, torch_threads
+from minivllm.runner.threads import free_threads, pass_threads, torch_threads
 from minivllm.sched.plan import StepPlan
 from minivllm.sched.sequence import Sequence
 
@@ -145,9 +145,11 @@ def run_model(
     batch = batch.to(storage.kv.device)
     # Inference mode, not just no_grad: autograd keeps no version counters or view metadata on
     # the pass's few hundred small operations, a few percent of a CPU decode step.
-    with torch.inference_mode():
+    device = storage.kv.device
+    # The cores other processes leave free, where torch's threads spin (runner/threads.py)
+    with torch.inference_mode(), torch_threads(free_threads(device)):
         attention = backend(storage, batch)  # picks its threads from torch's count: every one
-        threads = pass_threads(model, batch.input_ids.numel(), storage.kv.device)
+        threads = pass_threads(model, batch.input_ids.numel(), device)
         with torch_threads(threads):  # a small pass's matmuls on one (runner/threads.py)
             rows = model(batch.input_ids, batch.positions, attention, rows=batch.logits_indices)
     # Copied out of inference mode: the sampler edits its logits in place (bans, biases), which

@@ -16,17 +16,30 @@ A pass whose biggest matmul (its rows times the largest weight's elements) reach
 whose weights stream faster from two cores. The count is a pure function of the pass's rows, the
 model and the threads' wait policy, never of the clock.
 
-The rule is for threads that sleep as soon as an op ends (`OMP_WAIT_POLICY=PASSIVE`, minivllm's
-default). Threads that spin first (the short-spin opt-in, `GOMP_SPINCOUNT`, or OpenMP's own
-default) are awake for the next op, and there a split matmul pays: with the short spin, the
-128-request workload took 5.47-6.62 s (median 5.96) with every op on two threads against 6.02-8.19
-s (median 6.27) under the rule (4 alternating pairs), so a spinning process keeps every thread.
+The rule is for threads that sleep as soon as an op ends (`OMP_WAIT_POLICY=PASSIVE` alone, as the
+Makefile runs the tests). Threads that spin first (minivllm's default short spin, `GOMP_SPINCOUNT`,
+or OpenMP's own default) are awake for the next op, and there a split matmul pays: with the short
+spin, the 128-request workload took 5.47-6.62 s (median 5.96) with every op on two threads against
+6.02-8.19 s (median 6.27) under the rule (4 alternating pairs), so a spinning process keeps every
+thread.
+
+Spinning threads have a price where another process needs the same cores: each spins on a core the
+other's thread with work is waiting for, at every op. Two engines with the short spin, started
+together on the book's two cores, each took 43 s for the 128-request workload, against 8.5-9.1 s for
+two passive ones. So a process whose threads spin watches its cores (`CoreWatch`): every quarter
+second it reads how busy its CPUs were (`/proc/stat`) less its own CPU time, and while other
+processes keep a core's worth of them busy, a pass gets only the cores left -- one thread on two
+cores: no team, so nothing spins, and the attention kernel one thread too. The two engines then took
+9.2-10.2 s each, as passive ones do (8.5-12.4 s in three pairs of runs: the machine is shared). The
+count then follows the machine's load, not only the pass; the tokens never do
+(`tests/test_pass_threads.py` runs passes on one thread and on two: the same tokens).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -68,6 +81,94 @@ def pass_threads(model, rows: int, device: torch.device) -> int:
     if device.type != "cpu" or threads == 1 or not THREADS_SLEEP:
         return threads
     return 1 if rows * largest_weight(model) < ONE_THREAD_BELOW_MACS else threads
+
+
+def _busy_ticks(cpus: frozenset[int]) -> int | None:
+    """Clock ticks the CPUs `cpus` have spent busy since boot -- user, nice, system, irq and
+    softirq time in `/proc/stat`; idle, iowait and steal (the hypervisor's) are not busy -- or None
+    where there is no `/proc/stat` to read (not Linux)."""
+    try:
+        with open("/proc/stat", "rb") as stat:
+            lines = stat.read().split(b"\n")
+    except OSError:
+        return None
+    busy = 0
+    for line in lines:
+        name, _, fields = line.partition(b" ")
+        if not name.startswith(b"cpu") or name == b"cpu":
+            continue
+        if int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq = map(int, fields.split()[:7])
+            busy += user + nice + system + irq + softirq
+    return busy
+
+
+class CoreWatch:
+    """How many of this process's CPUs other processes leave it, measured every `window` seconds
+    (issue 32; the module docstring says why). `cores(wanted)` is the threads a pass should take:
+    `wanted`, or fewer while other processes keep some of the CPUs busy -- their busy time being
+    the CPUs' (`/proc/stat`, counted in ticks) less this process's own (`time.process_time`,
+    every thread). Reading them costs a few tens of microseconds, once a window; between readings
+    the last answer stands. Before the first window, and where nothing can be read, every core is
+    free. `busy_ticks`, `own_seconds` and `clock` are there for tests."""
+
+    def __init__(
+        self,
+        window: float = 0.25,
+        cpus: frozenset[int] | None = None,
+        busy_ticks=_busy_ticks,
+        own_seconds=time.process_time,
+        clock=time.monotonic,
+    ) -> None:
+        self.window = window
+        self.cpus = frozenset(os.sched_getaffinity(0) if cpus is None else cpus)
+        self._busy_ticks, self._own_seconds, self._clock = busy_ticks, own_seconds, clock
+        self._tick = 1.0 / os.sysconf("SC_CLK_TCK")
+        self.others_busy = 0.0  # cores' worth of other processes' work in the last window
+        self.asked = self.narrowed = 0  # calls of `cores`, and those that gave fewer than asked
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, int | None, float]:
+        return self._clock(), self._busy_ticks(self.cpus), self._own_seconds()
+
+    def cores(self, wanted: int) -> int:
+        """`wanted` threads, or the cores other processes leave free (rounded, at least 1)."""
+        now = self._clock()
+        if now - self._last[0] >= self.window:
+            reading = self._read()
+            (then, busy_then, own_then), (_, busy, own) = self._last, reading
+            if busy is not None and busy_then is not None:
+                others = (busy - busy_then) * self._tick - (own - own_then)
+                self.others_busy = max(0.0, others / (now - then))
+            self._last = reading
+        free = len(self.cpus) - self.others_busy
+        cores = max(1, min(wanted, int(free + 0.5)))
+        self.asked, self.narrowed = self.asked + 1, self.narrowed + (cores < wanted)
+        return cores
+
+
+# Where torch's threads spin, a pass takes the cores other processes leave it
+# (`MINIVLLM_WATCH_CORES=0` turns the watch off: every pass then keeps torch's count).
+WATCH_CORES = os.environ.get("MINIVLLM_WATCH_CORES", "1").strip() != "0"
+_WATCH: CoreWatch | None = None
+
+
+def free_threads(device: torch.device) -> int:
+    """torch's threads, or fewer while other processes busy this process's CPUs and torch's
+    threads spin (`CoreWatch`); threads that sleep at once need no watch."""
+    global _WATCH
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or THREADS_SLEEP or not WATCH_CORES:
+        return threads
+    return core_watch().cores(threads)
+
+
+def core_watch() -> CoreWatch:
+    """The process's watch on its cores (one for every engine in it: they share the cores)."""
+    global _WATCH
+    if _WATCH is None:
+        _WATCH = CoreWatch()
+    return _WATCH
 
 
 @contextlib.contextmanager
