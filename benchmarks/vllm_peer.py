@@ -594,6 +594,7 @@ def summary(runs: list[dict]) -> dict:
         "cpu_seconds",
         "cpu_seconds_all_processes",
         "startup_seconds",
+        "core_watch",
     )
     out = {k: v for k, v in runs[0].items() if not k.startswith("_") and k not in per_run}
     out.update(
