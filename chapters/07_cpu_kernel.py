@@ -754,7 +754,9 @@ print("identical tokens in every run:", same and prefix)
 # quarter second it reads how busy the process's CPUs were (`/proc/stat`) and takes away the
 # process's own CPU time. While other processes keep a core's worth of them busy, a pass runs on
 # the cores they leave — here one thread: torch starts no team, so nothing spins, and the
-# attention kernel runs on one thread too. With the watch, the short spin is minivllm's default.
+# attention kernel runs on one thread too. It reads only every quarter second, so each run's first
+# window still spins against the other process. With the watch, the short spin is minivllm's
+# default.
 # The tokens never depend on it: the identical-tokens line above covers every run. Turn it off with
 # `MINIVLLM_WATCH_CORES=0`, or run passive with `OMP_WAIT_POLICY=PASSIVE`, as the tests do: they
 # run two workers on the two cores. The benchmarks record the setting and the load average beside

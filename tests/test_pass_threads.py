@@ -173,6 +173,14 @@ def test_on_a_bigger_machine_the_watch_takes_only_what_the_others_leave():
     assert watch.cores(4) == 2 and watch.cores(16) == 2
 
 
+def test_the_watch_never_gives_more_threads_than_the_process_has_cpus(monkeypatch):
+    machine = FakeMachine()
+    assert machine.watch(cpus=frozenset({0, 1})).cores(4) == 2  # four spinning on two: no
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS: no affinity to read
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert threads_module.CoreWatch(0.5).cpus == frozenset({0, 1, 2})
+
+
 def test_the_watch_gives_every_core_where_proc_stat_cannot_be_read():
     watch = threads_module.CoreWatch(0.5, frozenset({0, 1}), lambda _: None)
     watch._last = (watch._last[0] - 1.0, None, watch._last[2])

@@ -121,7 +121,10 @@ class CoreWatch:
         clock=time.monotonic,
     ) -> None:
         self.window = window
-        self.cpus = frozenset(os.sched_getaffinity(0) if cpus is None else cpus)
+        if cpus is None:  # the CPUs this process may run on (every one where the OS cannot say)
+            affinity = getattr(os, "sched_getaffinity", None)
+            cpus = affinity(0) if affinity else range(os.cpu_count() or 1)
+        self.cpus = frozenset(cpus)
         self._busy_ticks, self._own_seconds, self._clock = busy_ticks, own_seconds, clock
         self._tick = 1.0 / os.sysconf("SC_CLK_TCK")
         self.others_busy = 0.0  # cores' worth of other processes' work in the last window
@@ -132,7 +135,9 @@ class CoreWatch:
         return self._clock(), self._busy_ticks(self.cpus), self._own_seconds()
 
     def cores(self, wanted: int) -> int:
-        """`wanted` threads, or the cores other processes leave free (rounded, at least 1)."""
+        """`wanted` threads, or the cores other processes leave free (rounded, at least 1): never
+        more threads than the CPUs this process may run on, where spinning threads would take
+        turns on them."""
         now = self._clock()
         if now - self._last[0] >= self.window:
             reading = self._read()
@@ -156,7 +161,6 @@ _WATCH: CoreWatch | None = None
 def free_threads(device: torch.device) -> int:
     """torch's threads, or fewer while other processes busy this process's CPUs and torch's
     threads spin (`CoreWatch`); threads that sleep at once need no watch."""
-    global _WATCH
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1 or THREADS_SLEEP or not WATCH_CORES:
         return threads
