@@ -549,9 +549,9 @@ print(os.environ.get("GOMP_SPINCOUNT", "unset"))
 @pytest.mark.parametrize("preset", [None, minivllm.SHORT_SPIN_COUNT, "777"])
 def test_a_spin_count_reaches_torchs_threads_and_numbas_sleep_at_once(preset: str | None) -> None:
     """Two libgomps load in the engine's process, torch's and numba's, and each prints the settings
-    it read (OMP_DISPLAY_ENV). minivllm sets no spin count (passive threads sleep at once); one the
-    user exports reaches torch's threads, and numba's sleep at once still, while the environment
-    still says what torch got."""
+    it read (OMP_DISPLAY_ENV). Where no wait policy is set, minivllm's short spin reaches torch's
+    threads; a spin count the user exports does instead; either way numba's threads sleep at once,
+    while the environment still says what torch got."""
     try:
         import numba.np.ufunc.omppool  # noqa: F401
     except ImportError:
@@ -565,8 +565,9 @@ def test_a_spin_count_reaches_torchs_threads_and_numbas_sleep_at_once(preset: st
         [sys.executable, "-c", SPIN_PROBE], env=env, capture_output=True, text=True, check=True
     )
     read = re.findall(r"GOMP_SPINCOUNT = '(\d+)'", done.stderr)
-    assert read == [preset or "0", "0"], done.stderr[-2000:]  # torch's libgomp loads first
-    assert done.stdout.split()[-1] == (preset or "unset")
+    torchs = preset or minivllm.SHORT_SPIN_COUNT
+    assert read == [torchs, "0"], done.stderr[-2000:]  # torch's libgomp loads first
+    assert done.stdout.split()[-1] == torchs
 
 
 LAYER_PROBE = """
