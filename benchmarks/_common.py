@@ -139,12 +139,11 @@ def core_watch_record() -> dict:
     because other processes kept the cores busy."""
     from minivllm.runner import threads
 
-    watching = threads.WATCH_CORES and not threads.THREADS_SLEEP
-    watch = threads._WATCH
+    watch = threads.core_watch()
     return {
-        "watching": watching,
-        "passes": watch.asked if watch else 0,
-        "narrowed": watch.narrowed if watch else 0,
+        "watching": threads.WATCH_CORES and not threads.THREADS_SLEEP,
+        "passes": watch.asked,
+        "narrowed": watch.narrowed,
     }
 
 
