@@ -119,18 +119,23 @@ def test_another_model_runs_on_the_same_graph_with_its_own_weights(target) -> No
 
 
 @needs_cxx
-def test_packed_weights_stay_packed_inside_the_graph(target, monkeypatch) -> None:
+@pytest.mark.parametrize("packing", ["every weight big", "packed by pack_weights"])
+def test_packed_weights_stay_packed_inside_the_graph(target, monkeypatch, packing: str) -> None:
     """A real model's big weights go through oneDNN packed (model/fused.py `linear`); under
     compile that path is one opaque op (`minivllm::packed_linear`), called with the graph's own
-    weights, so inductor does not hand the matmul to MKL's unpacked sgemm. Every weight counts
-    as big here (threshold 0)."""
-    monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
+    weights, so inductor does not hand the matmul to MKL's unpacked sgemm. Either every weight
+    counts as big (threshold 0), or the book's three a layer that the engine's `pack_weights`
+    packs, which `linear` takes packed for a batch (the mixed batch is one)."""
+    if packing == "every weight big":
+        monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
     calls = []
     packed = fused_module._packed_linear
     monkeypatch.setattr(
         fused_module, "_packed_linear", lambda *args: calls.append(1) or packed(*args)
     )
     model = fuse_projections(target)
+    if packing == "packed by pack_weights":
+        assert fused_module.pack_weights(model) > 0
     storage, batch = mixed_batch(model)
     eager = run_model(model, storage, batch, get_backend("numba"))
     eager_calls, calls[:] = len(calls), []

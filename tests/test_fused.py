@@ -233,6 +233,9 @@ def test_a_big_bfloat16_weight_packs_where_the_cpu_multiplies_bfloat16(rows: int
         pytest.skip("bfloat16 packing not checked: oneDNN has no bfloat16 path on this CPU")
 
 
+NOTHING_PACKED = 1 << 62  # a packing threshold no weight reaches
+
+
 def cpu_config(num_blocks: int) -> EngineConfig:
     """An engine on the CPU whatever the machine has: packing is a CPU path, and on a GPU machine
     `device='auto'` would put the weights where nothing is packed."""
@@ -262,12 +265,22 @@ def norms(model) -> list[fused_module.FusedRMSNorm]:
 def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> None:
     """Every weight `linear` would pack is packed while the engine is built (`pack_weights`), so
     no request's step packs one: a real model's first step would otherwise pay seconds for it.
-    The book's weights are under the threshold: nothing to pack there."""
+    The book's are all under PACK_MIN_BYTES: its three of PACK_BATCHED_MIN_BYTES or more a layer
+    (q|k|v, gate|up, down) are packed, the o-projection and the LM head are not."""
     if not fused_module.ONEDNN_LINEAR:
         pytest.skip("this torch has no oneDNN linear ops")
     book = LLMEngine(target, cpu_config(num_blocks=16)).runner.model
-    assert fused_module.pack_weights(book) == 0
-    assert not any(norm.compiled_loop for norm in norms(book))  # torch's norm: bit for bit
+    layers = book.model.layers
+    batched = [
+        w
+        for layer in layers
+        for w in (layer.self_attn.qkv_weight, layer.mlp.gate_up_weight, layer.mlp.down_proj.weight)
+    ]
+    assert fused_module.pack_weights(book) == sum(w.numel() * 4 for w in batched)
+    assert all(fused_module._is_packed(w) for w in batched)
+    unpacked = [book.lm_head.weight] + [layer.self_attn.o_proj.weight for layer in layers]
+    assert not any(fused_module._is_packed(w) for w in unpacked)
+    assert all(norm.compiled_loop for norm in norms(book))  # equal to rounding already
     monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
     engine = LLMEngine(target, cpu_config(num_blocks=64))
     # packed logits are equal to rounding already: the norms take the compiled loop too
@@ -279,6 +292,37 @@ def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> N
     assert all(fused_module._PACKED.get(key) is entry for key, entry in packed.items())
 
 
+def test_a_smaller_weight_is_packed_for_batches_only_where_the_engine_packed_it(target) -> None:
+    """A weight under PACK_MIN_BYTES but of PACK_BATCHED_MIN_BYTES or more: a fused model no
+    engine packed multiplies it with F.linear at any batch (chapter 07's keeps the unfused model's
+    bits); once `pack_weights` packed it, a batch of PACKED_MIN_ROWS rows or more goes through the
+    packed copy (equal to float32 rounding) and a single row still through F.linear, bit for bit.
+    Even where the model is the caller's alone (`release`) its own copy stays, for that row."""
+    if not fused_module.ONEDNN_LINEAR:
+        pytest.skip("this torch has no oneDNN linear ops")
+    model = fused_module.fuse_projections(target)
+    weight = model.model.layers[0].mlp.gate_up_weight
+    size = weight.numel() * weight.element_size()
+    assert fused_module.PACK_BATCHED_MIN_BYTES <= size < fused_module.PACK_MIN_BYTES
+    generator = torch.Generator().manual_seed(5)
+    batch = torch.randn(16, weight.shape[1], generator=generator)
+    with torch.inference_mode():
+        assert not fused_module.packs(weight, rows=16)
+        assert torch.equal(fused_module.linear(batch, weight), F.linear(batch, weight))
+        assert not fused_module._is_packed(weight)  # nothing packed it on the way
+        fused_module.pack_weights(model, release=True)
+        assert not weight.is_meta and model.model.layers[0].mlp.gate_up_weight is weight
+        assert fused_module.packs(weight, rows=16) and not fused_module.packs(weight, rows=1)
+        packed = fused_module.linear(batch, weight)
+        torch.testing.assert_close(packed, F.linear(batch, weight), rtol=1e-5, atol=1e-4)
+        reference = F.linear(batch, weight)
+        assert not torch.equal(packed, reference), "the batch did not take the packed path"
+        row = batch[:1]
+        assert torch.equal(fused_module.linear(row, weight), F.linear(row, weight))
+        # a [batch, seq, dim] input counts its rows across both leading dimensions
+        assert fused_module.linear(batch.view(2, 8, -1), weight).shape == (2, 8, weight.shape[0])
+
+
 def test_an_engine_on_packed_weights_gives_the_same_greedy_tokens(target, monkeypatch) -> None:
     """Every weight of the shipped model packed (the threshold at 0), and so its norms compiled
     loops: the engine's greedy tokens are the ones of F.linear's and torch's norm."""
@@ -288,8 +332,9 @@ def test_an_engine_on_packed_weights_gives_the_same_greedy_tokens(target, monkey
     prompts = [text[700 * i : 700 * i + 25 + 11 * i] for i in range(5)]
     params = SamplingParams(max_tokens=20, temperature=0)
     tokens = []
-    for threshold in (fused_module.PACK_MIN_BYTES, 0):
+    for threshold in (NOTHING_PACKED, 0):
         monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", threshold)
+        monkeypatch.setattr(fused_module, "PACK_BATCHED_MIN_BYTES", threshold)
         engine = LLMEngine(target, cpu_config(num_blocks=64))
         tokens.append([o.token_ids for o in engine.generate(prompts, params)])
     assert tokens[0] == tokens[1]
@@ -305,7 +350,9 @@ def test_an_engine_keeps_only_the_packed_copy_of_a_model_it_alone_holds(target, 
     text = shipped_validation_text()
     prompts = [text[900 * i : 900 * i + 30 + 7 * i] for i in range(4)]
     params = SamplingParams(max_tokens=16, temperature=0)
+    monkeypatch.setattr(fused_module, "PACK_BATCHED_MIN_BYTES", NOTHING_PACKED)
     unpacked = LLMEngine(target, cpu_config(num_blocks=64))
+    assert unpacked.packed_weight_bytes == 0
     assert not any(w.is_meta for w in packable_weights(unpacked.runner.model))
     monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
     engine = LLMEngine(target, cpu_config(num_blocks=64))

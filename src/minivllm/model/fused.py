@@ -28,11 +28,14 @@ book's are float32). A tied LM head stays tied in the copy (`deepcopy` keeps one
 On the CPU, in float32, two more steps take fewer calls with the same arithmetic: an engine's batch
 takes q and k through RoPE in one compiled loop each (`cpu_kernels.rope_qk`) instead of seven
 torch ops each, and every RMSNorm is torch's one `rms_norm` op instead of five. A weight of
-PACK_MIN_BYTES or more (a real model's; none of the book's) is multiplied through oneDNN in a
-packed layout (`linear`): there the logits match the unfused model's to float32 rounding, not bit
-for bit. The engine packs them as it starts (`pack_weights`), not in a request's step, and where
-the model is its alone keeps only the packed copies: the weights are not held twice. Such a model
-runs its norms as one compiled loop each (`cpu_kernels.rms_norm`), also to float32 rounding.
+PACK_MIN_BYTES or more (a real model's) is multiplied through oneDNN in a packed layout
+(`linear`): there the logits match the unfused model's to float32 rounding, not bit for bit. The
+engine packs them as it starts (`pack_weights`), not in a request's step, and where the model is
+its alone keeps only the packed copies: the weights are not held twice. The engine packs smaller
+ones too, down to PACK_BATCHED_MIN_BYTES (the book's model's stacked projections and MLP down
+projection), and multiplies them packed where a batch has two rows or more. Such a model runs its
+norms as one compiled loop each (`cpu_kernels.rms_norm`), also to float32 rounding. A model the
+engine never packed (`fuse_projections` alone: chapter 07's) keeps the unfused model's bits.
 In bfloat16 the same holds where the CPU multiplies bfloat16 (AVX-512 BF16, AMX): big weights
 pack (with F.linear's bits), RoPE is one loop (`rope_qk_bfloat16`, apply_rope's bits), and a
 packed model's Hugging Face norms are one loop each (`hf_rms_norm_bfloat16`).
@@ -67,9 +70,17 @@ def on_cpu_in_bfloat16(*tensors: torch.Tensor) -> bool:
 # torch's default path (MKL's sgemm) streamed them at a third to a half of the speed of the packed
 # one on the book's 2-core machine: a 3072 x 1024 projection at 8 rows took 1.87 ms against 0.69
 # to 0.78 ms, Qwen3-0.6B's LM head 167 ms against 50 ms; vLLM's CPU build packs its weights so
-# (`onednn_mm`). Below the threshold -- every weight of the book's model -- packing lost at one
-# row (41 against 99 us for a 1 MiB weight), and F.linear stays.
+# (`onednn_mm`), and it packs all of them.
 PACK_MIN_BYTES = 4 << 20
+# A weight under PACK_MIN_BYTES but of PACK_BATCHED_MIN_BYTES or more is packed only where the
+# engine packs its model (`pack_weights`), and taken packed only by an input of PACKED_MIN_ROWS
+# rows or more: the packed call costs about 12 us more than F.linear's, which decides at one row,
+# and batches gain. The book's model, batch 64, 2 threads, AMD EPYC Zen 4 (us, F.linear against
+# packed): the gate-up projection (1 MiB) 225 against 166, down (512 KiB) 128 against 93, q/k/v
+# (384 KiB) 81 against 72; at one row q/k/v 8.5 against 20, down 11 against 21. The 256 KiB
+# o-projection and LM head gained nothing at 64 rows (54 against 53) and lost at fewer, so stay.
+PACK_BATCHED_MIN_BYTES = 320 << 10
+PACKED_MIN_ROWS = 2
 # Whether this torch has oneDNN's CPU linear ops (x86 and arm64 builds do). A constant, read once:
 # torch.compile will not trace `torch.backends.mkldnn.is_available` (a graph break per layer).
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
@@ -89,27 +100,44 @@ _PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """`F.linear(x, weight, bias)`; for a float32 (or bfloat16, `PACKED_DTYPES`) weight of
-    PACK_MIN_BYTES or more on the CPU, through oneDNN with the weight packed once (cached per
-    weight, packed again if it is changed in place). In float32 the packed path sums in another
-    order: equal to float32 rounding, not bit for bit; in bfloat16 both are oneDNN's. Under
-    torch.compile (runner/compiled.py) the packed path is one opaque op, as vLLM's `onednn_mm`:
-    inductor would otherwise hand the matmul to MKL's unpacked sgemm."""
-    if not packs(weight) or x.device.type != "cpu" or x.dtype != weight.dtype:
+    PACK_MIN_BYTES or more on the CPU -- or one `pack_weights` packed, with an input of
+    PACKED_MIN_ROWS rows or more (`packs`) -- through oneDNN with the weight packed once (cached
+    per weight, packed again if it is changed in place). In float32 the packed path sums in
+    another order: equal to float32 rounding, not bit for bit; in bfloat16 both are oneDNN's.
+    Under torch.compile (runner/compiled.py) the packed path is one opaque op, as vLLM's
+    `onednn_mm`: inductor would otherwise hand the matmul to MKL's unpacked sgemm."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not packs(weight, rows) or x.device.type != "cpu" or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         return packed_linear(x, weight, bias)
     return _packed_linear(x, weight, bias)
 
 
-def packs(weight: torch.Tensor) -> bool:
-    """Whether `linear` takes `weight` through oneDNN's packed path (with an input of its dtype on
-    the CPU): a CPU weight of PACK_MIN_BYTES or more in one of `PACKED_DTYPES`, where this torch has
-    the ops -- or a weight `pack_weights` released, of which only the packed copy is left."""
+def packs(weight: torch.Tensor, rows: int = PACKED_MIN_ROWS) -> bool:
+    """Whether `linear` takes `weight` through oneDNN's packed path for an input of `rows` rows
+    (of its dtype, on the CPU): a CPU weight in one of `PACKED_DTYPES`, where this torch has the
+    ops, of PACK_MIN_BYTES or more; or of PACK_BATCHED_MIN_BYTES or more that `pack_weights`
+    packed, for PACKED_MIN_ROWS rows or more; or a weight `pack_weights` released, of which only
+    the packed copy is left."""
     if weight.is_meta:
-        cached = _PACKED.get(id(weight))
-        return cached is not None and cached[0]() is weight
-    big = weight.numel() * weight.element_size() >= PACK_MIN_BYTES
-    return ONEDNN_LINEAR and big and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
+        return _is_packed(weight)
+    if not _packable(weight):
+        return False
+    size = weight.numel() * weight.element_size()
+    batched = size >= PACK_BATCHED_MIN_BYTES and rows >= PACKED_MIN_ROWS and _is_packed(weight)
+    return size >= PACK_MIN_BYTES or batched
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's packed path can take `weight` at all: on the CPU, in `PACKED_DTYPES`."""
+    return ONEDNN_LINEAR and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
+
+
+def _is_packed(weight: torch.Tensor) -> bool:
+    """Whether the cache holds a packing of this very tensor (perhaps of an older version)."""
+    cached = _PACKED.get(id(weight))
+    return cached is not None and cached[0]() is weight
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -251,17 +279,19 @@ def fuse_projections(model: Transformer, in_place: bool = False) -> Transformer:
 
 
 def pack_weights(model: nn.Module, release: bool = False) -> int:
-    """Pack now every weight the fused `model`'s forward would pack (`linear`): the engine calls
-    this as it starts, as vLLM packs its weights at load, so no request's step pays for it -- a
-    Qwen3-0.6B in float32 took 4.8 s to pack, on the book's 2-core machine, all in the first step.
-    Returns the packed copies' bytes: 0 where nothing is big enough, or the model is not on the
-    CPU in one of `PACKED_DTYPES`.
+    """Pack now every weight of the fused `model` of PACK_BATCHED_MIN_BYTES or more: the engine
+    calls this as it starts, as vLLM packs its weights at load, so no request's step pays for it
+    -- a Qwen3-0.6B in float32 took 4.8 s to pack, on the book's 2-core machine, all in the first
+    step. From then on `linear` takes those under PACK_MIN_BYTES packed too, for batches of
+    PACKED_MIN_ROWS rows or more. Returns the packed copies' bytes: 0 where nothing is big enough,
+    or the model is not on the CPU in one of `PACKED_DTYPES`.
 
     The packed copies are held beside the weights, so a model holds those weights twice -- unless
     `release`, for a model that is the caller's alone (the engine's own, loaded for it): then each
-    packed weight's own copy is dropped, as vLLM drops its (`remove_weight`), and the model holds
-    in its place a meta tensor of its shape, which `linear` runs through the packed copy and
-    anything else fails on loudly (no data). A weight an embedding reads (a tied LM head) stays.
+    weight of PACK_MIN_BYTES or more drops its own copy, as vLLM drops its (`remove_weight`), and
+    the model holds in its place a meta tensor of its shape, which `linear` runs through the packed
+    copy and anything else fails on loudly (no data). A weight an embedding reads (a tied LM head)
+    stays, as does a smaller one, which a one-row input multiplies unpacked.
 
     Where anything was packed, the model's logits equal the unfused model's to float32 rounding,
     not bit for bit, and its norms become one compiled loop each (`FusedRMSNorm.compiled_loop`):
@@ -282,11 +312,14 @@ def pack_weights(model: nn.Module, release: bool = False) -> int:
     with torch.no_grad():
         for where in holders.values():
             weight = getattr(*where[0])
-            if not packs(weight):
+            size = weight.numel() * weight.element_size()
+            wanted = _packable(weight) and size >= PACK_BATCHED_MIN_BYTES
+            if not (wanted or packs(weight)):
                 continue
             packed = _packed(weight)
             packed_bytes += packed.nbytes
-            if release and not weight.is_meta and id(weight) not in embedded:
+            big = size >= PACK_MIN_BYTES
+            if release and big and not weight.is_meta and id(weight) not in embedded:
                 stand_in = torch.empty_like(weight, device="meta")
                 if isinstance(weight, nn.Parameter):
                     stand_in = nn.Parameter(stand_in, requires_grad=False)
