@@ -26,12 +26,13 @@ component:
   `Scheduler.update_from_output` and the runner's bookkeeping); output processing (minivllm:
   detokenize, stop strings, `RequestOutput`s, the step trace; vLLM: `process_outputs` and the
   front end's rest of `LLMEngine.step`); other host (the step's own Python between those);
-* the forward pass: matmuls (q/k/v, o, gate/up, down, LM head: each projection module or
-  `F.linear` call, named by its weight's shape), attention (the backend's call per layer: the
-  K/V cache write and the attention), norms, RoPE (with minivllm's cos/sin tables), SiLU*mul,
-  residual adds, the embedding, other ops (views, splits, the logits rows' copy), and "forward:
-  Python and gaps", the forward's own time between all of those. vLLM adds the residual inside
-  its norm (`fused_add_rms_norm`): its "norms" hold its residual adds, which read 0.
+* the forward pass: matmuls (q/k/v, o, gate/up, down, LM head: each projection module, or
+  `F.linear` or packed oneDNN call, named by its weight's shape), attention (the backend's call
+  per layer: the K/V cache write and the attention), norms, RoPE (with minivllm's cos/sin
+  tables), SiLU*mul, residual adds, the embedding, other ops (views, splits, the logits rows'
+  copy), and "forward: Python and gaps", the forward's own time between all of those. vLLM adds
+  the residual inside its norm (`fused_add_rms_norm`): its "norms" hold its residual adds, which
+  read 0.
 
 vLLM runs in its own virtualenv (`--vllm-python`, as benchmarks/vllm_peer.py drives it), eager
 (`enforce_eager`, so its modules can be wrapped; its default compiles the forward with inductor,
@@ -463,6 +464,7 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
             (engine.outputs, "output", ranged("output processing")),
             (engine, "_record", ranged("output processing")),
             (F, "linear", linear),
+            (fused, "_packed_linear", linear),  # a weight the engine packed (oneDNN's layout)
             (transformer.RMSNorm, "forward", ranged("norms")),
             (fused.FusedRMSNorm, "forward", ranged("norms")),  # the engine's (torch's one op)
             (fused, "apply_rope", ranged("RoPE")),

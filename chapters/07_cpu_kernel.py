@@ -232,7 +232,9 @@ show(_softmax_rows)
 # numba's `math.exp` is one library call per element, which no compiler vectorises, so the
 # exponentials go through `_exp_in_place`: Cephes' single-precision exp written as plain arithmetic
 # ($x = k \ln 2 + r$, a polynomial for $e^r$, $2^k$ written into the float's exponent bits), which
-# LLVM turns into SIMD instructions like any other loop over an array.
+# LLVM turns into SIMD instructions like any other loop over an array. The largest score goes
+# through `_largest`, eight lanes at a time (`max8`): LLVM leaves a plain max loop scalar, each
+# comparison waiting on the one before, since without leave to ignore NaNs it may not reorder them.
 
 # %%
 show(_exp_in_place)
@@ -881,8 +883,9 @@ print("identical tokens in every run:", same and prefix)
 #
 # :::{admonition} Hint 2 for ch07.1 — the approach
 # :class: dropdown
-# Four loops over `range(seen)` and one more: find the largest of `row[:seen]` (start from
-# `row[0]`, as `seen` is at least 1), subtract it from each entry, call `_exp_in_place` on the row's
+# Four loops over `range(seen)` and one more: find the largest of `row[:seen]` (`_largest(row,
+# seen)` does it eight lanes at a time; a plain loop from `row[0]` -- `seen` is at least 1 -- is as
+# right, only slower), subtract it from each entry, call `_exp_in_place` on the row's
 # first `seen` entries with the `exponent_bits` scratch, add them up in a float32, and multiply each
 # by one over the total (one division, `seen` multiplications). Then a loop from `seen` to `width`
 # writes zeros. Plain loops: numba compiles them to machine code, LLVM vectorises them.
@@ -890,8 +893,8 @@ print("identical tokens in every run:", same and prefix)
 #
 # :::{admonition} Hint 3 for ch07.1 — nearly there
 # :class: dropdown
-# `largest` starts as the row's first score and takes `max` with each of the others up to `seen`;
-# each of those entries then loses `largest`. `_exp_in_place`, given the row, `seen` and the
+# `largest` is `_largest(row, seen)` (or starts as the row's first score and takes `max` with each
+# of the others up to `seen`); each of those entries then loses `largest`. `_exp_in_place`, given the row, `seen` and the
 # scratch, turns them into exponentials in place. A `total` that starts at `np.float32(0.0)` sums them, `inverse` is
 # `np.float32(1.0)` over it, and each of the `seen` entries is multiplied by `inverse`. Last, the
 # entries from `seen` up to `width` are set to `0.0`.

@@ -33,7 +33,18 @@ from minivllm.attention.numba_cpu import (
     unit_cost,
     warm_up,
 )
-from minivllm.attention.simd import add8, fma8, load8, prefetch, splat8, store8, sum8x8, zero8
+from minivllm.attention.simd import (
+    add8,
+    fma8,
+    largest_lane,
+    load8,
+    max8,
+    prefetch,
+    splat8,
+    store8,
+    sum8x8,
+    zero8,
+)
 from minivllm.book.kernel_check import alternating_ms, prefill_call
 from minivllm.training.corpus import shipped_validation_text
 
@@ -324,6 +335,35 @@ def test_the_vector_vocabulary_lane_by_lane() -> None:
     np.testing.assert_allclose(sums, rows.sum(axis=1), rtol=1e-6)  # lane i: row i's sum
     np.testing.assert_allclose(fused[4:12], rows[0] * np.float32(2.5) + rows[1], rtol=1e-6)
     assert np.isnan(fused[:4]).all() and np.isnan(fused[12:]).all()  # store8 wrote its 8 only
+
+
+@njit
+def lane_maxima(a, b):
+    return largest_lane(load8(a, 0)), largest_lane(max8(load8(a, 0), load8(b, 0)))
+
+
+def test_the_largest_score_of_a_row_by_lanes_and_the_rest() -> None:
+    """`max8` lane by lane and `largest_lane` across them; the softmax's `_largest` over every
+    length 1 .. 40 (whole groups of eight, the rest alone), wherever the largest falls."""
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((2, 8), dtype=np.float32)
+    assert lane_maxima(a, b) == (a.max(), np.maximum(a, b).max())
+    for n in range(1, 41):
+        for where in (0, n // 2, n - 1):
+            row = rng.standard_normal(48, dtype=np.float32) - 10
+            row[where], row[n:] = 5.0 + n, 100.0  # past n: never looked at
+            assert numba_cpu._largest(row, n) == row[:n].max(), (n, where)
+
+
+def test_a_nan_key_reaches_the_output() -> None:
+    """The max passes over a NaN score, but its exponential is NaN: the row's output is NaN, as
+    the reference's, not a softmax quietly computed without that key."""
+    q, key_cache, value_cache, tables, context_lens, query_start = random_batch(
+        [1], [40], 4, 2, 32, 8
+    )
+    key_cache[tables[0, 2], 3, 1] = np.nan  # key 19 of K/V head 1
+    out = paged_attention_cpu(q, key_cache, value_cache, tables, context_lens, query_start)
+    assert np.isnan(out[0, 2:]).all() and not np.isnan(out[0, :2]).any()
 
 
 @pytest.mark.exercise("ch07.1")

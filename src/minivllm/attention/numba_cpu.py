@@ -57,7 +57,9 @@ from minivllm.attention.batch import VarlenBatch
 from minivllm.attention.simd import (
     as_float32,
     fma8,
+    largest_lane,
     load8,
+    max8,
     prefetch,
     splat8,
     store8,
@@ -525,9 +527,7 @@ def _softmax_rows(scores, vectors, group, first_seen, width, exponent_bits):
         row, seen = scores[v], first_seen + v // group
         # EXERCISE ch07.1: the kernel's softmax -- row[:seen] becomes its softmax, row[seen:width] 0
         ### BEGIN SOLUTION
-        largest = row[0]  # subtracted first, so no exponential overflows
-        for j in range(1, seen):
-            largest = max(largest, row[j])
+        largest = _largest(row, seen)  # subtracted first, so no exponential overflows
         for j in range(seen):
             row[j] -= largest
         _exp_in_place(row, seen, exponent_bits)
@@ -540,6 +540,24 @@ def _softmax_rows(scores, vectors, group, first_seen, width, exponent_bits):
         for j in range(seen, width):
             row[j] = 0.0
         ### END SOLUTION
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _largest(row, n):
+    """The largest of `row[:n]` (n >= 1), eight lanes at a time. LLVM leaves a plain max loop
+    scalar, each comparison waiting on the one before (without `nnan` it may not reorder a max):
+    at the book's model's decode, 0.5 of the 4 us a unit of 256 keys took. A NaN score is passed
+    over here (`max8`), and still reaches the output through its exponential."""
+    largest = row[0]
+    whole = n - n % 8
+    if whole:
+        lanes = load8(row, 0)
+        for j in range(8, whole, 8):
+            lanes = max8(lanes, load8(row, j))
+        largest = largest_lane(lanes)
+    for j in range(whole, n):
+        largest = max(largest, row[j])
+    return largest
 
 
 def _kernel_for(num_threads: int):

@@ -181,6 +181,34 @@ def add8(typingctx, a, b):
 
 
 @intrinsic
+def max8(typingctx, a, b):
+    """The larger of `a` and `b` lane by lane (LLVM's `maxnum`: one `vmaxps`)."""
+
+    def codegen(context, builder, signature, args):
+        maxnum = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(VECTOR, [VECTOR] * 2), "llvm.maxnum.v8f32"
+        )
+        return builder.call(maxnum, args)
+
+    return float32x8(float32x8, float32x8), codegen
+
+
+@intrinsic
+def largest_lane(typingctx, a):
+    """The largest of the eight lanes (three maxima of halves, as LLVM reduces a vector)."""
+
+    def codegen(context, builder, signature, args):
+        reduce = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.FloatType(), [VECTOR]),
+            "llvm.vector.reduce.fmax.v8f32",
+        )
+        return builder.call(reduce, args)
+
+    return types.float32(float32x8), codegen
+
+
+@intrinsic
 def sum8x8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
     """Lane i of the result is the sum of the lanes of `a_i`: eight horizontal sums for the price
     of seven additions and fourteen shuffles, where one at a time costs three additions each."""
