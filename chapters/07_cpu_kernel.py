@@ -325,7 +325,9 @@ for name, args in chunks.items():
 # %% [markdown]
 # One more wait is the memory's. Within a block a head's rows lie at a fixed stride, which the
 # hardware prefetcher follows; the next block is wherever the block table says, which it cannot
-# guess. So while one block is computed, `_attend` asks for the next block's rows:
+# guess. So `_attend` asks for rows before it needs them: while it scores one block, the keys of
+# the block two ahead, and that block's values, for the second pass, into the second-level cache
+# (where they wait without crowding out the rows the first level needs now):
 
 # %%
 show(_prefetch_block)
@@ -906,7 +908,7 @@ print("identical tokens in every run:", same and prefix)
 # The engine now attends through its block tables in place on a CPU. A numba kernel writes each
 # layer's new K/V to their slots and attends every decode and prefill chunk of the step in one
 # call: all the scores, their softmax, then the values, each K/V row read once for its whole
-# query-head group, the arithmetic laid onto 8-lane vectors by hand and the next block prefetched,
+# query-head group, the arithmetic laid onto 8-lane vectors by hand and the blocks prefetched,
 # the work dealt to the cores by cost — and the greedy tokens are the reference's, token for token.
 # The number that says why it matters is the first one measured above: the bytes the gather path
 # moves per layer against the bytes attention needs, and, with it, the attention share of a decode

@@ -40,6 +40,7 @@ from minivllm.attention.simd import (
     load8,
     max8,
     prefetch,
+    prefetch_l2,
     splat8,
     store8,
     sum8x8,
@@ -57,6 +58,7 @@ def lanes(rows, sums, fused):
     `fused[4:12]` gets 2.5 * rows[0] + rows[1]. The vectors pass through a list, memory numba
     does not align to 32 bytes: stored as <8 x float> there, this crashed one run in three."""
     prefetch(rows[7], 0)
+    prefetch_l2(rows[6], 0)
     v = [load8(rows[i], 0) for i in range(8)]
     store8(sums, 0, sum8x8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]))
     fused[:] = np.nan

@@ -229,10 +229,9 @@ def sum8x8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
     return float32x8(*[float32x8] * 8), codegen
 
 
-@intrinsic
-def prefetch(typingctx, array, index):
-    """Ask the caches for the line holding `array[index]` now, without waiting for it: a hint
-    (LLVM's `llvm.prefetch`: for reading, keep in every cache level); it never faults."""
+def _prefetch(locality: int):
+    """The code of a prefetch of `array[index]`'s line with LLVM's locality hint: 3 keeps it in
+    every cache level (x86 `prefetcht0`), 2 in the second level and beyond (`prefetcht1`)."""
 
     def codegen(context, builder, signature, args):
         pointer = _element_pointer(context, builder, signature.args[0], *args)
@@ -242,7 +241,21 @@ def prefetch(typingctx, array, index):
             ir.FunctionType(ir.VoidType(), [byte_pointer.type, _INT32, _INT32, _INT32]),
             "llvm.prefetch.p0i8",
         )
-        builder.call(hint, [byte_pointer, _INT32(0), _INT32(3), _INT32(1)])
+        builder.call(hint, [byte_pointer, _INT32(0), _INT32(locality), _INT32(1)])
         return context.get_dummy_value()
 
-    return types.void(array, index), codegen
+    return codegen
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Ask the caches for the line holding `array[index]` now, without waiting for it: a hint
+    (LLVM's `llvm.prefetch`: for reading, keep in every cache level); it never faults."""
+    return types.void(array, index), _prefetch(3)
+
+
+@intrinsic
+def prefetch_l2(typingctx, array, index):
+    """`prefetch` into the second-level cache, not the first: for a line wanted later, which
+    would take the place of lines the first level needs now."""
+    return types.void(array, index), _prefetch(2)
