@@ -12,6 +12,7 @@ from collections.abc import Container, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from minivllm.attention.backend import BackendFactory
@@ -91,28 +92,36 @@ def pack_batch(pieces: SequenceOf[BatchPiece], manager: BlockManager) -> VarlenB
         tables.append(manager.block_table(piece.seq_id))
         # The last token predicts the next one; with drafts, each of the last k + 1 rows is checked.
         logits_indices += range(query_start[-1] - piece.num_logits, query_start[-1])
+    # The arithmetic in numpy, whose calls cost a microsecond or two where torch's cost five to
+    # ten, and whose lists-to-arrays are faster still (the block tables: 29 us against torch's 119
+    # at batch 64); the tensors share the arrays' memory.
     width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    offsets = torch.tensor(query_start)
+    block_tables = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
+    offsets = np.array(query_start, dtype=np.int64)
     # Which piece each token belongs to; its position counts on from the piece's start, and its
     # slot is block * block_size + offset through that piece's block table.
-    owner = torch.repeat_interleave(torch.arange(len(tables)), offsets.diff())
-    positions = torch.tensor(starts)[owner] + torch.arange(len(input_ids)) - offsets[owner]
+    owner = np.repeat(np.arange(len(tables)), np.diff(offsets))
+    positions = np.array(starts, dtype=np.int64)[owner] + np.arange(len(input_ids)) - offsets[owner]
     size = manager.block_size
     slots = block_tables[owner, positions // size] * size + positions % size
     num_decodes = _leading_single_tokens(pieces)
     return VarlenBatch(
-        input_ids=torch.tensor(input_ids),
-        positions=positions,
-        slot_mapping=slots,
-        query_start=offsets,
-        context_lens=torch.tensor(context_lens),
-        block_tables=block_tables,
+        input_ids=_tensor(input_ids),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        query_start=torch.from_numpy(offsets),
+        context_lens=_tensor(context_lens),
+        block_tables=torch.from_numpy(block_tables),
         num_decodes=num_decodes,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        logits_indices=_tensor(logits_indices),
         block_size=size,
         max_decode_context_len=max(context_lens[:num_decodes], default=0),
     )
+
+
+def _tensor(values: SequenceOf[int]) -> torch.Tensor:
+    """A list of ints as a long tensor, through numpy (five times faster than `torch.tensor`)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 def _leading_single_tokens(pieces: SequenceOf[BatchPiece]) -> int:
