@@ -101,17 +101,20 @@ _PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """`F.linear(x, weight, bias)`; for a float32 (or bfloat16, `PACKED_DTYPES`) weight of
     PACK_MIN_BYTES or more on the CPU -- or one `pack_weights` packed, with an input of
-    PACKED_MIN_ROWS rows or more (`packs`) -- through oneDNN with the weight packed once (cached
-    per weight, packed again if it is changed in place). In float32 the packed path sums in
-    another order: equal to float32 rounding, not bit for bit; in bfloat16 both are oneDNN's.
-    Under torch.compile (runner/compiled.py) the packed path is one opaque op, as vLLM's
-    `onednn_mm`: inductor would otherwise hand the matmul to MKL's unpacked sgemm."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    PACKED_MIN_ROWS rows or more (`packs`; any input in a compiled graph) -- through oneDNN with
+    the weight packed once (cached per weight, packed again if it is changed in place). In
+    float32 the packed path sums in another order: equal to float32 rounding, not bit for bit; in
+    bfloat16 both are oneDNN's. Under torch.compile (runner/compiled.py) the packed path is one
+    opaque op, as vLLM's `onednn_mm`: inductor would otherwise hand the matmul to MKL's unpacked
+    sgemm."""
+    compiling = torch.compiler.is_compiling()
+    # A compiled graph serves every batch size (runner/compiled.py marks them unbacked) and cannot
+    # branch on the rows: there a weight `pack_weights` packed is taken packed at any batch, as
+    # vLLM takes its own.
+    rows = PACKED_MIN_ROWS if compiling else x.numel() // max(x.shape[-1], 1)
     if not packs(weight, rows) or x.device.type != "cpu" or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    if torch.compiler.is_compiling():
-        return packed_linear(x, weight, bias)
-    return _packed_linear(x, weight, bias)
+    return packed_linear(x, weight, bias) if compiling else _packed_linear(x, weight, bias)
 
 
 def packs(weight: torch.Tensor, rows: int = PACKED_MIN_ROWS) -> bool:
