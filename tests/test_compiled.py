@@ -138,7 +138,9 @@ def test_packed_weights_stay_packed_inside_the_graph(target, monkeypatch, packin
     if packing == "packed by pack_weights":
         assert fused_module.pack_weights(model) > 0
     # One graph or an error: a frame dynamo gives up on runs eager, calls and all, which the
-    # counts below would not tell apart (a branch on the unbacked batch size did so).
+    # counts below would not tell apart (a branch on the unbacked batch size did so). The frames
+    # other tests of this process compiled would count towards dynamo's recompile limit: reset.
+    torch._dynamo.reset()
     whole = functools.partial(torch.compile, fullgraph=True)
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: whole(*args, **kwargs))
     storage, batch = mixed_batch(model)
