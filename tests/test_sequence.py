@@ -402,6 +402,18 @@ def test_new_token_ids_are_handed_out_once() -> None:
     assert take(seq).new_token_ids == (3,)
 
 
+def test_a_requests_outputs_share_one_copy_of_its_prompt() -> None:
+    """Each step's output of a request hands out the same copy of the prompt's ids: made once,
+    not copied whole again for every token streamed; never the sequence's own list."""
+    seq = make(max_tokens=5)
+    first = take(seq)
+    seq.append_token(ord("a"))
+    second = take(seq)
+    assert first.prompt_token_ids == PROMPT and second.prompt_token_ids is first.prompt_token_ids
+    assert first.prompt_token_ids is not seq.prompt_token_ids
+    assert second.token_ids == [ord("a")] and second.text == "a"
+
+
 def expected_cut(text: str, stops: list[str]) -> tuple[str, str | None]:
     """Oracle: the text is cut at the first character after which some stop string is complete; the
     match that starts earliest (the longest one ending there) is cut off."""

@@ -326,6 +326,10 @@ class _RequestState:
     final: bool = False  # the text will not change any more (the sequence finished)
     text_sent: int = 0  # characters of the output text already handed out
     tokens_sent: int = 0  # output tokens already handed out
+    # The prompt's token ids as every output of the request hands them out: one copy, made at
+    # its first output, not one per step (a long prompt streamed token by token would be copied
+    # whole for every token). vLLM hands out one list too.
+    prompt_token_ids: list[int] | None = None
 
 
 class OutputProcessor:
@@ -351,7 +355,7 @@ class OutputProcessor:
         state = self._state(seq)
         if state.final:
             return None
-        new = seq.output_token_ids[state.num_decoded :]
+        new = seq.token_ids[seq.num_prompt_tokens + state.num_decoded :]  # not every output token
         for count, token in enumerate(new, start=1):
             state.num_decoded += 1
             state.text += state.detokenizer.push(token)
@@ -404,9 +408,11 @@ class OutputProcessor:
             new_logprobs = tuple(seq.output_logprobs[state.tokens_sent : len(token_ids)])
         new_text, new_token_ids = _take_text(seq, state), _take_tokens(token_ids, state)
         self.num_tokens += len(new_token_ids)
+        if state.prompt_token_ids is None:
+            state.prompt_token_ids = list(seq.prompt_token_ids)
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=list(seq.prompt_token_ids),
+            prompt_token_ids=state.prompt_token_ids,
             token_ids=token_ids,
             text=state.text,
             finished=state.final,
