@@ -52,7 +52,7 @@ class RequestOutput:
     every sample of the request as a `CompletionOutput` (after `generate`, all n of them)."""
 
     request_id: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # one list, shared by all of the request's outputs
     token_ids: list[int]  # generated tokens
     text: str  # generated text (a stop string is cut off)
     finished: bool
