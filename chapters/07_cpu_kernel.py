@@ -896,10 +896,10 @@ print("identical tokens in every run:", same and prefix)
 # :::{admonition} Hint 3 for ch07.1 — nearly there
 # :class: dropdown
 # `largest` is `_largest(row, seen)` (or starts as the row's first score and takes `max` with each
-# of the others up to `seen`); each of those entries then loses `largest`. `_exp_in_place`, given the row, `seen` and the
-# scratch, turns them into exponentials in place. A `total` that starts at `np.float32(0.0)` sums them, `inverse` is
-# `np.float32(1.0)` over it, and each of the `seen` entries is multiplied by `inverse`. Last, the
-# entries from `seen` up to `width` are set to `0.0`.
+# of the others up to `seen`); each of those entries then loses `largest`. `_exp_in_place`, given
+# the row, `seen` and the scratch, turns them into exponentials in place. A `total` that starts at
+# `np.float32(0.0)` sums them, `inverse` is `np.float32(1.0)` over it, and each of the `seen`
+# entries is multiplied by `inverse`. Last, the entries from `seen` up to `width` are set to `0.0`.
 # :::
 
 # %% [markdown]

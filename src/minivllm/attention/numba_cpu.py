@@ -386,11 +386,12 @@ def _attend(
     last_visible = seen_before + t1  # what the tile's last row sees: its own position and before
     num_blocks = (last_visible + block_size - 1) // block_size
     # Prefetching, pass 1: the keys two blocks ahead, and each block's values into the second-level
-    # cache for pass 2 (a unit's values are 2 KiB a block at the book's shape: 256 keys' fit many
-    # times over). Its memory is the kernel's limit on a step of many sequences, whose K/V are not
-    # in any cache: the book's model, 64 sequences of 150-350 tokens, 6 layers, took 7.6-7.9 ms on
-    # one thread of an AMD EPYC Zen 4 this way against 9.1-9.5 ms with the next key block alone
-    # prefetched, and an engine's batch-64 decode pass 483-493 us a layer against 550.
+    # cache for pass 2 (at the book's shape a unit's values are 2 KiB a block, 32 KiB for 256 keys:
+    # that cache holds them many times over). Memory is the kernel's limit on a step of many
+    # sequences, whose K/V are in no cache: the book's model, 64 sequences of 150-350 tokens, 6
+    # layers, took 7.6-7.9 ms on one thread of an AMD EPYC Zen 4 this way against 9.1-9.5 ms with
+    # the next key block alone prefetched, and an engine's batch-64 decode pass 483-493 us a layer
+    # against 550.
     if num_blocks > 1:
         _prefetch_block(key_cache, table[1], kv_head, False)
     for logical in range(num_blocks):  # pass 1: scores, each key row read once
