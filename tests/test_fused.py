@@ -148,7 +148,10 @@ def test_the_bfloat16_norm_loop_rounds_where_hf_rms_norm_rounds(heads, kv_heads,
     q|k|v matmul's output): `HFRMSNorm` in bfloat16 -- every element equal, or one bfloat16
     rounding away where the sum of squares, added in another order, moved the scale -- a new
     contiguous tensor, the input untouched. A NaN stays a NaN. The fused model's norm takes the
-    loop with `compiled_loop` (a model whose weights were packed)."""
+    loop with `compiled_loop` (a model whose weights were packed). A scale one rounding away can
+    put the output two bfloat16 steps away: both round the normalised value to bfloat16 and then
+    its product with the weight, and the second rounding can double the first's step (seen on
+    an Intel host with AMX and 16 threads: 7 of 1.2 M elements)."""
     generator = torch.Generator().manual_seed(rows + dim)
     qkv = (torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator) * 3).bfloat16()
     q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
@@ -160,7 +163,7 @@ def test_the_bfloat16_norm_loop_rounds_where_hf_rms_norm_rounds(heads, kv_heads,
         out = cpu_kernels.hf_rms_norm_bfloat16(x, norm.weight, 1e-6)
         assert out.shape == x.shape and out.is_contiguous() and out.dtype == torch.bfloat16
         assert (out == expected).float().mean() >= 0.999
-        torch.testing.assert_close(out, expected, rtol=2**-7, atol=0)
+        torch.testing.assert_close(out, expected, rtol=2**-6, atol=0)
         norm.compiled_loop = True
         assert torch.equal(norm(x), out)
     assert torch.equal(qkv, before)
@@ -211,26 +214,46 @@ def test_a_big_weight_goes_through_onednn_packed_once(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 8, 300])
-def test_a_big_bfloat16_weight_packs_where_the_cpu_multiplies_bfloat16(rows: int) -> None:
+def test_a_big_bfloat16_weight_packs_where_the_cpu_multiplies_bfloat16(
+    rows: int, monkeypatch
+) -> None:
     """Where oneDNN has a bfloat16 path on this CPU (AVX-512 BF16, AMX), a bfloat16 weight of
-    PACK_MIN_BYTES or more is packed, and the packed matmul gives F.linear's bits, with a bias
-    too (Qwen2's q|k|v): F.linear in bfloat16 is oneDNN's matmul already. Elsewhere nothing
-    bfloat16 packs, and F.linear runs."""
+    PACK_MIN_BYTES or more is taken through the packed matmul, with a bias too (Qwen2's q|k|v),
+    and gives F.linear's values to within one bfloat16 rounding: both sum in float32, in orders
+    that can differ (bit for bit on an AMD Zen 4; an Intel host with AMX differed at 300 rows).
+    Elsewhere nothing bfloat16 packs, and F.linear runs."""
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(2048, 1024, generator=generator).to(torch.bfloat16)  # 4 MiB
     bias = torch.randn(2048, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, 1024, generator=generator).to(torch.bfloat16)
     assert fused_module.packs(weight) == fused_module.ONEDNN_BFLOAT16
     assert not fused_module.packs(weight[:1000])  # under PACK_MIN_BYTES in bfloat16's bytes
+    packed_calls = count_packed_calls(monkeypatch)
     with torch.inference_mode():
         for b in (None, bias):
-            assert torch.equal(fused_module.linear(x, weight, b), F.linear(x, weight, b))
+            out = fused_module.linear(x, weight, b)
+            torch.testing.assert_close(out, F.linear(x, weight, b), rtol=2**-7, atol=2**-8)
+        assert len(packed_calls) == (2 if fused_module.ONEDNN_BFLOAT16 else 0)
         # a float32 input against a bfloat16 weight is F.linear's to decide (it refuses)
         with pytest.raises(RuntimeError):
             fused_module.linear(x.float(), weight)
     assert (id(weight) in fused_module._PACKED) == fused_module.ONEDNN_BFLOAT16
     if not fused_module.ONEDNN_BFLOAT16:
         pytest.skip("bfloat16 packing not checked: oneDNN has no bfloat16 path on this CPU")
+
+
+def count_packed_calls(monkeypatch) -> list:
+    """A list that grows by one at each call of `fused._packed_linear` (eager `linear`'s packed
+    path), which still runs."""
+    calls = []
+    packed_linear = fused_module._packed_linear
+
+    def counted(*args):
+        calls.append(args[1].shape)
+        return packed_linear(*args)
+
+    monkeypatch.setattr(fused_module, "_packed_linear", counted)
+    return calls
 
 
 NOTHING_PACKED = 1 << 62  # a packing threshold no weight reaches
@@ -292,7 +315,9 @@ def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> N
     assert all(fused_module._PACKED.get(key) is entry for key, entry in packed.items())
 
 
-def test_a_smaller_weight_is_packed_for_batches_only_where_the_engine_packed_it(target) -> None:
+def test_a_smaller_weight_is_packed_for_batches_only_where_the_engine_packed_it(
+    target, monkeypatch
+) -> None:
     """A weight under PACK_MIN_BYTES but of PACK_BATCHED_MIN_BYTES or more: a fused model no
     engine packed multiplies it with F.linear at any batch (chapter 07's keeps the unfused model's
     bits); once `pack_weights` packed it, a batch of PACKED_MIN_ROWS rows or more goes through the
@@ -313,12 +338,15 @@ def test_a_smaller_weight_is_packed_for_batches_only_where_the_engine_packed_it(
         fused_module.pack_weights(model, release=True)
         assert not weight.is_meta and model.model.layers[0].mlp.gate_up_weight is weight
         assert fused_module.packs(weight, rows=16) and not fused_module.packs(weight, rows=1)
+        # which path ran is counted, not read off the bits: on an Intel host (torch 2.11) the
+        # unpacked and packed sums of a 16-row batch came out equal
+        packed_calls = count_packed_calls(monkeypatch)
         packed = fused_module.linear(batch, weight)
         torch.testing.assert_close(packed, F.linear(batch, weight), rtol=1e-5, atol=1e-4)
-        reference = F.linear(batch, weight)
-        assert not torch.equal(packed, reference), "the batch did not take the packed path"
+        assert len(packed_calls) == 1, "the batch did not take the packed path"
         row = batch[:1]
         assert torch.equal(fused_module.linear(row, weight), F.linear(row, weight))
+        assert len(packed_calls) == 1, "the single row took the packed path"
         # a [batch, seq, dim] input counts its rows across both leading dimensions
         assert fused_module.linear(batch.view(2, 8, -1), weight).shape == (2, 8, weight.shape[0])
 

@@ -87,10 +87,11 @@ ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )
 # bfloat16 weights pack too where the CPU multiplies bfloat16 itself (AVX-512 BF16, AMX): there
-# torch's F.linear in bfloat16 is oneDNN's matmul already, on the weight reordered at every call,
-# and the packed one gives the same bits. Qwen3-0.6B's LM head at 8 rows took 14 ms packed against
-# 24 ms, a 4096 x 1024 projection 0.30 against 0.53 ms (AMD EPYC Zen 4, 2 threads). Without such a
-# CPU oneDNN has no bfloat16 path, and F.linear stays.
+# torch's F.linear in bfloat16 is oneDNN's matmul already, on the weight reordered at every call;
+# the packed one gives its bits on an AMD Zen 4, and within one bfloat16 rounding on an Intel host
+# with AMX (a 300-row batch: the two sum in different orders there). Qwen3-0.6B's LM head at 8
+# rows took 14 ms packed against 24 ms, a 4096 x 1024 projection 0.30 against 0.53 ms (AMD EPYC
+# Zen 4, 2 threads). Without such a CPU oneDNN has no bfloat16 path, and F.linear stays.
 ONEDNN_BFLOAT16 = ONEDNN_LINEAR and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 PACKED_DTYPES = (torch.float32, torch.bfloat16) if ONEDNN_BFLOAT16 else (torch.float32,)
 # id(weight) -> (a weak reference to it, its version when packed, the packed weight); an entry goes
@@ -104,9 +105,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     PACKED_MIN_ROWS rows or more (`packs`; any input in a compiled graph) -- through oneDNN with
     the weight packed once (cached per weight, packed again if it is changed in place). In
     float32 the packed path sums in another order: equal to float32 rounding, not bit for bit; in
-    bfloat16 both are oneDNN's. Under torch.compile (runner/compiled.py) the packed path is one
-    opaque op, as vLLM's `onednn_mm`: inductor would otherwise hand the matmul to MKL's unpacked
-    sgemm."""
+    bfloat16 both are oneDNN's, and may still sum in different orders (`ONEDNN_BFLOAT16`). Under
+    torch.compile (runner/compiled.py) the packed path is one opaque op, as vLLM's `onednn_mm`:
+    inductor would otherwise hand the matmul to MKL's unpacked sgemm."""
     compiling = torch.compiler.is_compiling()
     # A compiled graph serves every batch size (runner/compiled.py marks them unbacked) and cannot
     # branch on the rows: there a weight `pack_weights` packed is taken packed at any batch, as
