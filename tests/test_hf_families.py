@@ -276,6 +276,23 @@ def test_rope_frequencies_are_computed_once_per_device(checkpoints, monkeypatch)
     assert len(calls) == 1 and torch.equal(first, second)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rope_cos_sin_is_read_from_the_models_table_in_its_dtype(checkpoints, family) -> None:
+    """On the CPU an `HFTransformer` reads its scaled cos and sin from a table of its own, one per
+    dtype, with `rope_cos_sin_scaled`'s values bit for bit."""
+    from minivllm.model.families import rope_cos_sin_scaled
+
+    model = load_model(checkpoints[family])
+    dtype = next(model.parameters()).dtype
+    positions = torch.tensor([[0, 7, 300], [2, 1, 999]])
+    frequencies = model.inv_freq(positions.device)
+    for read, direct in zip(
+        model.rope_cos_sin(positions, dtype), rope_cos_sin_scaled(positions, frequencies, dtype)
+    ):
+        assert read.dtype == dtype and torch.equal(read, direct)
+    assert list(model._rope_tables) == [dtype]
+
+
 def test_a_tokenizer_naming_no_eos_leaves_the_models_own() -> None:
     from types import SimpleNamespace
 

@@ -9,6 +9,7 @@ from minivllm.model.transformer import (
     CausalAttention,
     ModelConfig,
     RMSNorm,
+    RopeTable,
     Transformer,
     apply_rope,
     attention_reference,
@@ -109,6 +110,34 @@ def test_rmsnorm_output_has_unit_rms_and_ignores_scale():
     out = norm(x)
     torch.testing.assert_close(out.pow(2).mean(-1), torch.ones(4), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(norm(1000 * x), out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [4, 6, 16, 64, 128])
+def test_rope_cos_sin_reads_the_computed_values_from_its_table(head_dim: int, monkeypatch) -> None:
+    """On the CPU `rope_cos_sin` reads a `RopeTable`: every shape of positions gets, bit for bit,
+    the values computed for it alone -- a batch of one row, of odd sizes, a [B, T] grid -- and a
+    position past the table grows it (by doubling) to the same values. Inside a compiled graph
+    (and on a GPU, `serves`) the values are computed, not read."""
+    import minivllm.model.transformer as transformer
+
+    computed = transformer._rope_cos_sin
+    monkeypatch.setattr(transformer, "_ROPE_TABLES", {})
+    generator = torch.Generator().manual_seed(head_dim)
+    shapes = [(1,), (3,), (17,), (64,), (2, 5), (300,)]
+    for shape in shapes:
+        positions = torch.randint(0, 200, shape, generator=generator)
+        for read, direct in zip(
+            rope_cos_sin(positions, head_dim, 1e4), computed(positions, head_dim, 1e4)
+        ):
+            assert read.shape == (*shape, head_dim) and torch.equal(read, direct)
+    (table,) = transformer._ROPE_TABLES.values()
+    assert table.rows[0].shape == (256, head_dim)
+    far = torch.tensor([5, 4000, 70])
+    assert torch.equal(rope_cos_sin(far, head_dim, 1e4)[1], computed(far, head_dim, 1e4)[1])
+    assert table.rows[0].shape == (4096, head_dim)
+    assert RopeTable.serves(far) and not RopeTable.serves(far[:0])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not RopeTable.serves(far)
 
 
 @pytest.mark.exercise("ch00.2")

@@ -30,6 +30,7 @@ from minivllm.model.transformer import (
     ModelConfig,
     RMSNorm,
     RopeScaling,
+    RopeTable,
     SelfAttention,
     Transformer,
     apply_rope,
@@ -121,6 +122,19 @@ class HFTransformer(Transformer):
             cache[device] = frequencies.to(device)
         return cache[device]
 
+    def rope_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_cos_sin_scaled` at `positions` in `dtype`; on the CPU read from a `RopeTable` of
+        this model's, one per dtype."""
+        if not RopeTable.serves(positions):
+            return rope_cos_sin_scaled(positions, self.inv_freq(positions.device), dtype)
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        if dtype not in tables:
+            frequencies = self.inv_freq(positions.device)
+            tables[dtype] = RopeTable(lambda rows: rope_cos_sin_scaled(rows, frequencies, dtype))
+        return tables[dtype](positions)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -135,7 +149,7 @@ class HFTransformer(Transformer):
             positions = positions.expand_as(input_ids)
         attention = attention if attention is not None else CausalAttention()
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin_scaled(positions, self.inv_freq(positions.device), x.dtype)
+        cos, sin = self.rope_cos_sin(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attention)
         if rows is not None:
