@@ -3,9 +3,12 @@ against this machine's roofline (issue 32, item 1).
 
     python benchmarks/step_profile.py [--batches 1 16 64] [--steps 8] [--warmup 3] [--rounds 2]
     [--engines vllm vllm-passive minivllm] [--vllm-python PATH] [--threads 2] [--out PATH]
+    [--checkpoint FOLDER] [--dtype float32|bfloat16]
     python benchmarks/step_profile.py --report    # the tables of --out again, what they say
 
-The shipped target model (src/minivllm/weights/target, float32), the same requests in both engines:
+The shipped target model (src/minivllm/weights/target, float32) -- or any Hugging Face checkpoint
+folder both engines load (`--checkpoint`; benchmarks/real_model.py builds the real-shaped Qwen3
+one, under /tmp/minivllm-real-model) in `--dtype` -- the same requests in both engines:
 `--batch` prompts of `make_workload(batch, seed)` (16-200-byte slices of the validation text, as
 token ids), greedy, `ignore_eos`. Each engine takes them in, steps until every one has its first
 token (the prefill chunks, not timed), runs `--warmup` decode steps, then times `--steps` decode
@@ -47,8 +50,8 @@ engines alternate -- vLLM's processes, then minivllm, for `--rounds` rounds -- a
 number is the median over every profiled step of every round.
 
 The roofline: the script measures this machine's stream bandwidth (a large float32 copy and add,
-GB/s of bytes read and written) and matmul FLOP/s (a large float32 GEMM; and the small-M GEMMs of
-this model at each batch size, reported beside it), then gives each component the bytes it must
+GB/s of bytes read and written) and matmul FLOP/s (a large GEMM in `--dtype`; and the small-M GEMMs
+of this model at each batch size, reported beside it), then gives each component the bytes it must
 move and the FLOPs it must do, from the shapes (`minivllm.book.roofline`, which chapter 07 uses),
 and the time neither limit allows it to beat: max(bytes / bandwidth, FLOPs / peak), with each
 limit the best of its readings (at the start and after every round: the machine is shared). Host
@@ -284,7 +287,7 @@ def vllm_worker(spec_path: Path) -> None:
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=max(spec["batches"]),
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
@@ -374,7 +377,8 @@ def run_vllm(python: str, spec: dict, threads: int, timeout: float, passive: boo
     sleep at once (vLLM's recommended setting) instead of libgomp's default spin-then-sleep."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(threads))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # room for every sequence of the largest batch at the longest context, as minivllm has
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 1)))
     env["OMP_NUM_THREADS"] = str(threads)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
@@ -408,7 +412,7 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
     from minivllm.book.roofline import matmul_names, model_dims
     from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.model import cpu_kernels, fused, transformer
+    from minivllm.model import cpu_kernels, families, fused, transformer
     from minivllm.runner import model_runner
     from minivllm.runner.sampler import SamplingMetadata
     from minivllm.sched.scheduler import SchedulerConfig
@@ -470,6 +474,11 @@ def minivllm_run(model, prompts_by_batch: dict[str, list[list[int]]], warmup: in
             (fused, "apply_rope", ranged("RoPE")),
             (cpu_kernels, "rope_qk", ranged("RoPE")),  # the engine's on the CPU in float32
             (transformer, "rope_cos_sin", ranged("RoPE")),
+            # a Hugging Face checkpoint's model (HFTransformer): its norms, in bfloat16 too
+            (families.HFRMSNorm, "forward", ranged("norms")),
+            (fused.FusedHFRMSNorm, "forward", ranged("norms")),
+            (cpu_kernels, "rope_qk_bfloat16", ranged("RoPE")),
+            (families.HFTransformer, "rope_cos_sin", ranged("RoPE")),
         ]
         wall, profiled = timed_and_profiled(engine.step, steps, patches)
         for i in ids:
@@ -487,20 +496,28 @@ def torch_range(name: str):
 
 
 # -- the machine's limits and each component's floor -----------------------------------------------
-def measure_machine(config: dict, batches: list[int]) -> dict:
+def measure_machine(config: dict, batches: list[int], dtype: str = "float32") -> dict:
     """`measure_limits` at full size (float32 copy and add of 64 Mi elements, a 2048^3 GEMM), and
     this model's gate/up GEMM at each batch size: the machine's limits, as this process sees them
-    with its threads."""
+    with its threads. In bfloat16 the GEMMs are bfloat16's, and `gemm_2048_GFLOPs` the bfloat16
+    GEMM's (the float32 one kept beside it): the matmul peak the engines can reach."""
     import torch
 
     from minivllm.book.roofline import best_seconds, measure_limits
 
     limits = measure_limits(elements=64 * 2**20, gemm_size=2048)
+    kind = getattr(torch, dtype)
+    if kind != torch.float32:
+        x, w = (torch.rand(2048, 2048, dtype=kind) for _ in range(2))
+        seconds = best_seconds(lambda: torch.mm(x, w), 3)
+        limits["gemm_2048_float32_GFLOPs"] = limits["gemm_2048_GFLOPs"]
+        limits["gemm_2048_GFLOPs"] = round(2 * 2048**3 / seconds / 1e9, 2)
     d, ff = config["hidden_size"], config["intermediate_size"]
-    weight = torch.rand(2 * ff, d)
+    weight = torch.rand(2 * ff, d, dtype=kind)
     small = {}
+    calls = max(5, min(200, 2**26 // (d * ff)))  # fewer calls of a real model's larger weight
     for m in batches:
-        inputs, calls = torch.rand(m, d), 200
+        inputs = torch.rand(m, d, dtype=kind)
         seconds = best_seconds(
             lambda x=inputs, n=calls: [torch.nn.functional.linear(x, weight) for _ in range(n)], 3
         )
@@ -508,7 +525,7 @@ def measure_machine(config: dict, batches: list[int]) -> dict:
     return {
         **limits,
         "small_m_gemm_GFLOPs": {
-            "shape": f"[M, {d}] x [{d}, {2 * ff}] (the gate/up projection), M = batch",
+            "shape": f"[M, {d}] x [{d}, {2 * ff}] (the gate/up projection, {dtype}), M = batch",
             **small,
         },
     }
@@ -527,14 +544,22 @@ def median_of(steps: list[dict[str, float]], key: str) -> float:
     return statistics.median(s.get(key, 0.0) for s in steps)
 
 
-def table(engine: str, batch: int, record: dict, limits: dict, config: dict, context_sum: float):
+def table(
+    engine: str,
+    batch: int,
+    record: dict,
+    limits: dict,
+    config: dict,
+    context_sum: float,
+    element_bytes: int = 4,
+):
     """The rows of one engine at one batch size: measured ms (median over profiled steps),
-    roofline ms, ratio."""
+    roofline ms, ratio. `element_bytes`: of the dtype the engines compute in."""
     from minivllm.book.roofline import floor_seconds, floors
 
     steps = record["profiled"]
     bandwidth, peak = limits["bandwidth_GBps"], limits["gemm_2048_GFLOPs"]
-    floor = floors(config, batch, context_sum)
+    floor = floors(config, batch, context_sum, element_bytes)
     rows = []
     for component in COMPONENTS:
         measured = median_of(steps, component)
@@ -739,6 +764,19 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, default=THREADS)
     parser.add_argument("--vllm-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=TARGET,
+        help="a Hugging Face checkpoint folder both engines load (default: the shipped target "
+        "model)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="what both engines compute in, the model and the K/V cache (default %(default)s)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--report",
@@ -767,21 +805,27 @@ def main() -> int:
         engines = ["minivllm"]
     load_before = load_str()
     torch.set_num_threads(args.threads)
-    model = fuse_model(load_model(TARGET, "float32"), in_place=True)
+    model = fuse_model(load_model(args.checkpoint, args.dtype), in_place=True)
     config = model_dims(model)
+    element_bytes = next(model.parameters()).element_size()
+    name = "target model" if args.checkpoint == TARGET else str(args.checkpoint)
     prompts = {str(b): [r.prompt_ids for r in make_workload(b, SEED)] for b in args.batches}
     print(
-        f"target model, float32, batches {args.batches}, {args.warmup} warm-up + {args.steps} "
+        f"{name}, {args.dtype}, batches {args.batches}, {args.warmup} warm-up + {args.steps} "
         f"timed + {args.steps} profiled decode steps, {args.rounds} rounds of {engines}; "
         f"{args.threads} threads; load average {load_before}",
         flush=True,
     )
-    limits_start = measure_machine(config, args.batches)
+    limits_start = measure_machine(config, args.batches, args.dtype)
     print(f"machine limits at the start: {limits_start}", flush=True)
     readings = [limits_start]
 
+    kv_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"]
+    kv_bytes *= element_bytes * max(args.batches) * MAX_MODEL_LEN
     spec = {
-        "model": str(TARGET),
+        "model": str(args.checkpoint),
+        "dtype": args.dtype,
+        "kv_cache_gib": max(1, -(-kv_bytes // 2**30)),
         "batches": args.batches,
         "warmup": args.warmup,
         "steps": args.steps,
@@ -823,7 +867,7 @@ def main() -> int:
                 pooled["profiled"] += r["profiled"]
                 pooled["context_sum"].append(r["context_sum"])
         # measured again after every round: the machine is shared, a limit is the best seen
-        readings.append(measure_machine(config, args.batches))
+        readings.append(measure_machine(config, args.batches, args.dtype))
         print(f"machine limits after round {round_ + 1}: {readings[-1]}", flush=True)
 
     limits_end = readings[-1]
@@ -837,7 +881,9 @@ def main() -> int:
             # the tokens its requests attend at a profiled step (an engine's prefill chunks may
             # give the first requests a few more tokens than the other's did)
             context_sum = statistics.median(records[engine][b]["context_sum"])
-            rows = table(engine, int(b), records[engine][b], limits, config, context_sum)
+            rows = table(
+                engine, int(b), records[engine][b], limits, config, context_sum, element_bytes
+            )
             tables[b][engine] = rows
             print_table(
                 f"batch {b}, {engine} (median of {len(records[engine][b]['profiled'])} profiled "
@@ -871,8 +917,13 @@ def main() -> int:
                 "readings": readings,
             },
             "workload": {
-                "model": str(TARGET.relative_to(ROOT)),
-                "dtype": "float32",
+                "model": str(
+                    args.checkpoint.relative_to(ROOT)
+                    if args.checkpoint.is_relative_to(ROOT)
+                    else args.checkpoint
+                ),
+                "model_config": config,
+                "dtype": args.dtype,
                 "seed": SEED,
                 "batches": args.batches,
                 "prompt_tokens": {b: [len(p) for p in ps] for b, ps in prompts.items()},
