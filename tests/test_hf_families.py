@@ -279,7 +279,10 @@ def test_rope_frequencies_are_computed_once_per_device(checkpoints, monkeypatch)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rope_cos_sin_is_read_from_the_models_table_in_its_dtype(checkpoints, family) -> None:
     """On the CPU an `HFTransformer` reads its scaled cos and sin from a table of its own, one per
-    dtype, with `rope_cos_sin_scaled`'s values bit for bit."""
+    dtype, with `rope_cos_sin_scaled`'s values bit for bit; the model still pickles (a forward
+    worker's copy), table and all."""
+    import pickle
+
     from minivllm.model.families import rope_cos_sin_scaled
 
     model = load_model(checkpoints[family])
@@ -291,6 +294,10 @@ def test_rope_cos_sin_is_read_from_the_models_table_in_its_dtype(checkpoints, fa
     ):
         assert read.dtype == dtype and torch.equal(read, direct)
     assert list(model._rope_tables) == [dtype]
+    copy = pickle.loads(pickle.dumps(model))
+    assert torch.equal(
+        copy.rope_cos_sin(positions, dtype)[1], model.rope_cos_sin(positions, dtype)[1]
+    )
 
 
 def test_a_tokenizer_naming_no_eos_leaves_the_models_own() -> None:

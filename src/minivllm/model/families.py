@@ -132,7 +132,7 @@ class HFTransformer(Transformer):
         tables = self.__dict__.setdefault("_rope_tables", {})
         if dtype not in tables:
             frequencies = self.inv_freq(positions.device)
-            tables[dtype] = RopeTable(lambda rows: rope_cos_sin_scaled(rows, frequencies, dtype))
+            tables[dtype] = RopeTable(rope_cos_sin_scaled, frequencies, dtype)
         return tables[dtype](positions)
 
     def forward(

@@ -167,9 +167,7 @@ def rope_cos_sin(
         key = (head_dim, float(theta))
         table = _ROPE_TABLES.get(key)
         if table is None:
-            table = _ROPE_TABLES.setdefault(
-                key, RopeTable(lambda rows: _rope_cos_sin(rows, head_dim, theta))
-            )
+            table = _ROPE_TABLES.setdefault(key, RopeTable(_rope_cos_sin, head_dim, theta))
         return table(positions)
     return _rope_cos_sin(positions, head_dim, theta)
 
@@ -186,18 +184,19 @@ def _rope_cos_sin(
 
 
 class RopeTable:
-    """cos and sin for positions 0..n-1, computed once by `cos_sin` (a function of a positions
-    tensor) and then read by position: vLLM's `cos_sin_cache`. Six small ops a forward become two
-    lookups (at the book's model's batch-64 decode step, about 0.19 ms against 0.02). Each row is
-    what `cos_sin` computes for its position, elementwise, so a lookup gives the computed values:
-    bit for bit where torch's vectorised cos and sin cover the rows (head_dim a multiple of 32),
-    and wherever a row falls in a batch -- a computed batch's last elements can take the scalar
-    cos instead. The table grows by doubling to the largest position asked. On the CPU outside a
-    compiled graph only (`serves`): growing reads the largest position, which on a GPU would wait
-    for it and could not be captured in a CUDA graph, and inductor fuses the computation itself."""
+    """cos and sin for positions 0..n-1, computed once by `cos_sin(positions, *args)` and then
+    read by position: vLLM's `cos_sin_cache`. Six small ops a forward become two lookups (at the
+    book's model's batch-64 decode step, about 0.19 ms against 0.02). Each row is what `cos_sin`
+    computes for its position, element by element -- torch takes every element of a cos or sin
+    through the same vector function, wherever it falls in the tensor -- so a lookup gives the
+    computed values bit for bit. The table grows by doubling to the largest position asked. On the
+    CPU outside a compiled graph only (`serves`): growing reads the largest position, which on a
+    GPU would wait for it and could not be captured in a CUDA graph, and inductor fuses the
+    computation itself. `cos_sin` is a module's function, so a model holding a table pickles (a
+    forward worker's copy)."""
 
-    def __init__(self, cos_sin) -> None:
-        self.cos_sin = cos_sin
+    def __init__(self, cos_sin, *args) -> None:
+        self.cos_sin, self.args = cos_sin, args
         self.rows: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin `[n, head_dim]`
 
     @staticmethod
@@ -211,7 +210,8 @@ class RopeTable:
         needed = int(positions.max()) + 1
         if rows is None or needed > rows[0].shape[0]:
             # one assignment, so an engine in another thread reads the old table or the new one
-            rows = self.rows = self.cos_sin(torch.arange(max(256, 1 << (needed - 1).bit_length())))
+            size = max(256, 1 << (needed - 1).bit_length())
+            rows = self.rows = self.cos_sin(torch.arange(size), *self.args)
         flat, shape = positions.reshape(-1), (*positions.shape, rows[0].shape[-1])
         return rows[0].index_select(0, flat).view(shape), rows[1].index_select(0, flat).view(shape)
 
