@@ -21,7 +21,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model import fused
 from minivllm.model.fused import fuse_projections
-from minivllm.model.transformer import ModelConfig, Transformer, init_weights
+from minivllm.model.transformer import ModelConfig, RopeTable, Transformer, init_weights
 from minivllm.runner.batch import BatchPiece, pack_batch
 from minivllm.runner.cuda_graph import DecodeGraphs, graph_batch_sizes
 from minivllm.sched.scheduler import SchedulerConfig
@@ -187,6 +187,8 @@ def test_the_captured_forward_reads_nothing_back_on_the_torch_backend(tiny, monk
     # The fused model's CPU-only steps (numba's RoPE through numpy, oneDNN's packed weights) never
     # run on a GPU, where a graph is captured: the stand-in here takes the path a GPU takes.
     monkeypatch.setattr(fused, "on_cpu_in_float32", lambda *tensors: False)
+    # and RoPE's cos and sin computed, as on a GPU: the CPU's table reads the largest position
+    monkeypatch.setattr(RopeTable, "serves", staticmethod(lambda positions: False))
     found = spy_on_host_reads(monkeypatch)
     for bs in graphs.sizes:
         with torch.inference_mode():

@@ -201,9 +201,11 @@ class RopeTable:
 
     @staticmethod
     def serves(positions: torch.Tensor) -> bool:
-        """Whether `rope_cos_sin` reads these positions from a table."""
-        cpu = positions.device.type == "cpu" and positions.numel() > 0
-        return cpu and not torch.compiler.is_compiling()
+        """Whether `rope_cos_sin` reads these positions from a table. (Whether it is compiling
+        comes first: a compiled graph's batch size is unbacked, and no guard may read it.)"""
+        if torch.compiler.is_compiling():
+            return False
+        return positions.device.type == "cpu" and positions.numel() > 0
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.rows
