@@ -51,6 +51,11 @@ def test_one_profiled_step_is_attributed_to_every_component() -> None:
     # q/k/v at batch 1 is a read of its weights: 6 layers x 384 x 256 floats, bandwidth-bound
     qkv_bytes = 6 * 4 * (384 * 256 + 256 + 384)
     assert rows["qkv matmul"]["roofline_ms"] == pytest.approx(qkv_bytes / 10e9 * 1e3, rel=1e-3)
+    # in bfloat16 (`--dtype bfloat16`) the same read moves half the bytes
+    halves = {r["component"]: r for r in table("minivllm", 1, record, limits, config, 100.0, 2)}
+    assert halves["qkv matmul"]["roofline_ms"] == pytest.approx(
+        qkv_bytes / 2 / 10e9 * 1e3, rel=1e-3
+    )
     assert rows["schedule"]["roofline_ms"] is None  # host work: no floor worth the name
     assert floors(config, 64, 64 * 100.0)["gate/up matmul"][1] == 6 * 2 * 64 * 256 * 1024
     torch.testing.assert_close(
