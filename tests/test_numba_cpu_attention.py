@@ -475,6 +475,27 @@ def test_the_work_plan_covers_every_row_and_head_once_and_balances_the_threads(t
     assert max(loads) - min(loads) <= cost.max()  # no thread is left with more than one extra unit
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_pass_of_decodes_gives_each_sequences_heads_to_one_thread(threads) -> None:
+    """Decodes alone, two or more for every thread: each thread holds every K/V head of the
+    sequences it has (it reads their blocks whole), the threads within one sequence's cost of each
+    other. One decode, or a pass with a prefill chunk, is dealt head by head as before."""
+    context_lens = np.arange(40) * 7 + 20
+    starts = np.arange(41)
+    work, work_start = plan_work(context_lens, starts, 4, threads)
+    cost = unit_cost(work, context_lens, starts)
+    loads = [cost[a:b].sum() for a, b in zip(work_start[:-1], work_start[1:])]
+    assert max(loads) - min(loads) <= 4 * cost.max()
+    for a, b in zip(work_start[:-1], work_start[1:]):
+        held = sorted((s, h) for s, _, _, h in work[a:b].tolist())
+        assert held == sorted((s, h) for s in {s for s, *_ in held} for h in range(4))
+    work, work_start = plan_work(np.array([300]), np.array([0, 1]), 4, 2)
+    assert np.diff(work_start).tolist() == [2, 2]  # a lone decode: both threads work
+    mixed, mixed_start = plan_work(np.append(context_lens, 64), np.append(starts, 64 + 40), 4, 2)
+    first = [(s, h) for s, _, _, h in mixed[: mixed_start[1]].tolist()]
+    assert any(len({h for t, h in first if t == s}) < 4 for s, _ in first)  # split by head
+
+
 def test_a_pass_too_small_to_wake_a_second_thread_runs_on_one(monkeypatch) -> None:
     """The backend's pick: the parallel kernel only for a pass costing PARALLEL_MIN_COST or more
     (query rows x keys they see, over the K/V heads); `pass_cost` adds up plan_work's units."""

@@ -624,8 +624,9 @@ def plan_work(
     """Units of work -- (sequence, a tile of up to QUERY_TILE of its new rows, K/V head) -- dealt
     to the threads by cost, largest first, in snake order (0, 1, 1, 0, 0, 1, ...): a 64-token
     prefill chunk costs as much as dozens of decodes, and an even split by count would leave one
-    thread doing every prefill. Returns `work` `[units, 4]` grouped by thread and `work_start`
-    `[threads + 1]`."""
+    thread doing every prefill. In a pass of decodes alone, two or more for every thread, a
+    sequence's K/V heads go to one thread together. Returns `work` `[units, 4]` grouped by thread
+    and `work_start` `[threads + 1]`."""
     query_lens = np.diff(query_start)
     tiles = -(-query_lens // QUERY_TILE)
     seq = np.repeat(np.arange(len(query_lens)), tiles)
@@ -634,10 +635,18 @@ def plan_work(
     t1 = np.minimum(t0 + QUERY_TILE, query_lens[seq])
     tiled = np.stack([seq, t0, t1], axis=1)
     tiled = tiled[np.argsort(-unit_cost(tiled, context_lens, query_start), kind="stable")]
-    # every K/V head of a tile is a unit of the same cost, next to each other in the deal
+    # every K/V head of a tile is a unit of the same cost, next to each other in the deal. In a
+    # pass of decodes, dealt together: one thread reads a sequence's blocks for each of its heads
+    # in turn (a head is a slice of every token row of the cache) instead of two threads reading
+    # alternate heads' slices of the same blocks. A batch-64 decode call on two threads of an AMD
+    # EPYC Zen 4 took 3.9-4.9 ms against 5.4-5.5 at Qwen3-0.6B's shape (8 K/V heads, bfloat16),
+    # 1.71-1.73 against 1.85-2.14 ms at the book's (2, float32). A prefill chunk's tiles stay
+    # split by head: dealt whole, they would leave the threads less even.
     heads = np.tile(np.arange(num_kv_heads), len(tiled))
     units = np.column_stack([np.repeat(tiled, num_kv_heads, axis=0), heads])
-    lap = np.arange(len(units)) % (2 * num_threads)
+    decodes = len(query_lens) >= 2 * num_threads and bool((query_lens == 1).all())
+    together = num_kv_heads if decodes else 1
+    lap = np.arange(len(units)) // together % (2 * num_threads)
     thread = np.where(lap < num_threads, lap, 2 * num_threads - 1 - lap)
     by_thread = np.argsort(thread, kind="stable")
     work_start = np.searchsorted(thread[by_thread], np.arange(num_threads + 1))
