@@ -378,6 +378,12 @@ print(
 print("same output, bit for bit:", np.array_equal(over_bfloat16, over_float32))
 
 # %% [markdown]
+# A prefill tile would widen each element once for every query vector it holds (up to
+# `QUERY_TILE` rows times the group). So a unit of `STAGE_MIN_VECTORS` vectors or more first copies
+# each block's rows of its K/V head into float32 scratch, once (`_stage_rows`: the `staged` array
+# in `_attend`), and scores and weighs them there, contiguous and already wide; a decode's few
+# vectors read the cache itself. The arithmetic is the same either way, so are the bits.
+#
 # ### The kernel: write, then attend, on every core
 #
 # A thread runs its list of units with its scratch allocated once, sized for the largest:

@@ -187,6 +187,36 @@ def test_a_bfloat16_cache_gives_the_float32_one_holding_its_values_bit_for_bit(
     assert relative_error(q, keys32, values32, tables, lens, starts, simd=simd) <= 1e-5
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_a_prefill_tiles_rows_give_what_each_gives_as_a_decode_bit_for_bit(
+    group: int, cache_dtype: str, numba_threads
+) -> None:
+    """A prefill tile of STAGE_MIN_VECTORS query vectors or more copies each block's rows of its
+    K/V head into float32 scratch once (`_stage_rows`) and scores and weighs them there; a decode
+    (fewer vectors) reads the cache itself. Each row of a chunk, attended again as a decode of its
+    own over the same keys, gives the same output bit for bit: staging moves the rows, not the
+    arithmetic. Chunks of 21 and 16 rows (a tile and a part tile), blocks partly filled."""
+    query_lens, context_lens, head_dim = [21, 16], [50, 16], 64
+    assert QUERY_TILE * group >= numba_cpu.STAGE_MIN_VECTORS  # the chunks' tiles stage
+    q, keys, values, tables, lens, starts = random_batch(
+        query_lens, context_lens, 2 * group, 2, head_dim, 16, seed=group
+    )
+    if cache_dtype == "bfloat16":
+        keys, values = as_bfloat16(keys)[0], as_bfloat16(values)[0]
+    chunked = paged_attention_cpu(q, keys, values, tables, lens, starts)
+    rows = [
+        (seq, context - n + r + 1)
+        for seq, (n, context) in enumerate(zip(query_lens, lens))
+        for r in range(n)
+    ]  # each new row as a decode: its sequence, the keys it sees
+    decode_tables = np.stack([tables[seq] for seq, _ in rows])
+    decode_lens = np.array([seen for _, seen in rows], dtype=np.int64)
+    one_row_each = np.arange(len(rows) + 1, dtype=np.int64)
+    decoded = paged_attention_cpu(q, keys, values, decode_tables, decode_lens, one_row_each)
+    assert np.array_equal(chunked, decoded)
+
+
 def test_the_backend_on_a_bfloat16_cache_matches_the_torch_reference(target) -> None:
     """The engine's backend over a bfloat16 cache, one layer of decodes and a prefill chunk: the
     same K/V written as the reference writes them (bit for bit), and outputs equal to the
