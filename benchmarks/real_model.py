@@ -44,8 +44,13 @@ to the last token; time to first token (TTFT) is, per request, from that same st
 that returned its first token (so it includes waiting behind other prompts' prefill). The systems
 alternate for `--repeats` rounds after a warm-up; the table gives the median tokens/s (and the
 best round), TTFT's median and 90th percentile over every request of every round, and the ratios
-of medians. Greedy tokens are compared between every pair of systems (first round): identical
-sequences, and where each other one first differs.
+of medians. Every request arrives at the start, so the run splits in two where the last request's
+first token comes: the prefill phase (every prompt's prefill, and the decodes of requests already
+started, in the same steps) and the decode phase after it; each run's two times, and their
+medians, are in the JSON (`last_first_token_s`, `after_last_first_token_s`): where one system is
+slower, they say whether it is in the prompts or in the decoding. Greedy tokens are compared
+between every pair of systems (first round): identical sequences, and where each other one first
+differs.
 
 Loading memory, each case in a fresh interpreter: ru_maxrss after the load less ru_maxrss of the
 interpreter with torch (and minivllm) imported, over the weights' bytes in the dtype loaded, for
@@ -470,6 +475,9 @@ def summarize(runs: list[dict]) -> dict:
     every round (median, p90)."""
     rates = [r["tokens"] / r["seconds"] for r in runs]
     ttft = [t for r in runs for t in r["_ttft"] if t is not None]
+    # the prefill phase ends with the last request's first token; the decode phase is the rest
+    prefill = [max((t for t in r["_ttft"] if t is not None), default=None) for r in runs]
+    decode = [None if p is None else r["seconds"] - p for r, p in zip(runs, prefill)]
     return {
         "system": runs[0]["system"],
         "tokens": runs[0]["tokens"],
@@ -479,17 +487,27 @@ def summarize(runs: list[dict]) -> dict:
         "tokens_per_second_best": round(max(rates), 2),
         "ttft_median_s": round(statistics.median(ttft), 3) if ttft else None,
         "ttft_p90_s": round(percentile(ttft, 90), 3) if ttft else None,
+        "last_first_token_s_median": _median_of(prefill),
+        "after_last_first_token_s_median": _median_of(decode),
         "runs": [
             {
                 "seconds": round(r["seconds"], 3),
                 "tokens_per_second": round(rate, 2),
                 "load_before": r["load_before"],
                 "load_after": r["load_after"],
+                "last_first_token_s": None if first is None else round(first, 3),
+                "after_last_first_token_s": None if rest is None else round(rest, 3),
                 **({"startup_seconds": r["startup_seconds"]} if "startup_seconds" in r else {}),
             }
-            for r, rate in zip(runs, rates)
+            for r, rate, first, rest in zip(runs, rates, prefill, decode)
         ],
     }
+
+
+def _median_of(values: list[float | None]) -> float | None:
+    """The median of the values that exist, rounded; None if none do."""
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -694,8 +712,8 @@ def main() -> int:
             for key, run in systems.items():  # alternating: every system once per round
                 r = run()
                 runs.setdefault(key, []).append(r)
-                ttft = statistics.median(t for t in r["_ttft"] if t is not None)
-                extra = f", TTFT median {ttft:.2f} s"
+                ttft = [t for t in r["_ttft"] if t is not None]
+                extra = f", TTFT median {statistics.median(ttft):.2f} s, last {max(ttft):.2f} s"
                 if "startup_seconds" in r:
                     extra += f", start-up {r['startup_seconds']:.0f} s"
                 print_run(repeat, args.repeats, r, 38, extra)

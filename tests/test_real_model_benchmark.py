@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is a dev dependency")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from real_model import SHAPES, TOKENIZER_VOCAB, make_checkpoint  # noqa: E402
+from real_model import SHAPES, TOKENIZER_VOCAB, make_checkpoint, summarize  # noqa: E402
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.model.hf_tokenizer import HFTokenizer  # noqa: E402
@@ -40,3 +40,19 @@ def test_the_builder_makes_a_folder_the_engine_serves_once(tmp_path) -> None:
     # so its text is text
     assert len(out.token_ids) == 12 and max(out.token_ids) < TOKENIZER_VOCAB
     assert out.text == tokenizer.decode(out.token_ids) and out.text.strip()
+
+
+def test_a_runs_time_splits_where_the_last_request_got_its_first_token() -> None:
+    """The summary's two phases: up to the last first token (every prompt's prefill), and the rest
+    (decoding); each run's, and their medians. A request with no first token is left out."""
+    run = {"system": "s", "tokens": 10, "load_before": "", "load_after": ""}
+    runs = [
+        {**run, "seconds": 5.0, "_ttft": [1.0, 2.0, None]},
+        {**run, "seconds": 6.0, "_ttft": [3.0, 1.5]},
+        {**run, "seconds": 7.0, "_ttft": [2.5]},
+    ]
+    summary = summarize(runs)
+    assert [r["last_first_token_s"] for r in summary["runs"]] == [2.0, 3.0, 2.5]
+    assert [r["after_last_first_token_s"] for r in summary["runs"]] == [3.0, 3.0, 4.5]
+    assert summary["last_first_token_s_median"] == 2.5
+    assert summary["after_last_first_token_s_median"] == 3.0
