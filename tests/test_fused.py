@@ -173,6 +173,31 @@ def test_the_bfloat16_norm_loop_rounds_where_hf_rms_norm_rounds(heads, kv_heads,
     assert cpu_kernels.hf_rms_norm_bfloat16(poisoned, weight, 1e-6)[0].isnan().all()
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(16, 8, 128), (2, 1, 6)])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_qwen3s_norms_and_rope_as_one_call_give_the_three_calls_bits(heads, kv_heads, dim, rows):
+    """`cpu_kernels.qk_norm_rope_bfloat16` -- Qwen3's q and k norms, then RoPE, one head's row at
+    a time in one call -- on views into a q|k|v matmul's output: the bits of the norms' loop
+    (`hf_rms_norm_bfloat16`) and then the rotation's (`rope_qk_bfloat16`), new contiguous
+    tensors, the input untouched."""
+    generator = torch.Generator().manual_seed(rows * dim)
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator) * 3).bfloat16()
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(rows, heads, dim), k.view(rows, kv_heads, dim)
+    norms = [FusedHFRMSNorm(dim, eps).bfloat16() for eps in (1e-6, 1e-5)]
+    for norm in norms:
+        norm.weight.data = (torch.rand(dim, generator=generator) + 0.5).bfloat16()
+    positions = torch.randint(0, 100_000, (rows,), generator=generator)
+    cos, sin = (t.bfloat16() for t in rope_cos_sin(positions, dim, 1_000_000.0))
+    before = qkv.clone()
+    q_out, k_out = cpu_kernels.qk_norm_rope_bfloat16(q, k, *norms, cos, sin)
+    normed = (cpu_kernels.hf_rms_norm_bfloat16(x, n.weight, n.eps) for x, n in zip((q, k), norms))
+    q_expected, k_expected = cpu_kernels.rope_qk_bfloat16(*normed, cos, sin)
+    assert torch.equal(q_out, q_expected) and torch.equal(k_out, k_expected)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(qkv, before)
+
+
 def test_the_cpu_kernels_take_float32_cpu_tensors_only() -> None:
     x = torch.zeros(2, 2)
     assert on_cpu_in_float32(x, x)

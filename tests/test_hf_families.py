@@ -186,6 +186,40 @@ def test_bfloat16_engine_matches_generate_in_bfloat16(checkpoints) -> None:
             assert_same_or_near_tie(hf, prompt, out.token_ids, theirs, HALF_TOLERANCE * scale)
 
 
+def test_a_packed_bfloat16_qwen3_takes_its_norms_and_rope_as_one_call(checkpoints, monkeypatch):
+    """A bfloat16 Qwen3 whose weights the engine packed (its norms then run as compiled loops)
+    takes its q and k norms and RoPE as one call a layer (`cpu_kernels.qk_norm_rope_bfloat16`),
+    with the greedy tokens of the three calls it replaces."""
+    from minivllm.model import cpu_kernels
+    from minivllm.model import fused as fused_module
+
+    if not fused_module.ONEDNN_BFLOAT16:
+        pytest.skip("this CPU has no bfloat16 matmuls for oneDNN: nothing is packed in bfloat16")
+    monkeypatch.setattr(fused_module, "PACK_BATCHED_MIN_BYTES", 0)  # the tiny weights pack too
+    one_call, calls = cpu_kernels.qk_norm_rope_bfloat16, []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return one_call(*args)
+
+    def three_calls(q, k, q_norm, k_norm, cos, sin):
+        normed_q = cpu_kernels.hf_rms_norm_bfloat16(q, q_norm.weight, q_norm.eps)
+        normed_k = cpu_kernels.hf_rms_norm_bfloat16(k, k_norm.weight, k_norm.eps)
+        return cpu_kernels.rope_qk_bfloat16(normed_q, normed_k, cos, sin)
+
+    tokenizer = ids_tokenizer(TINY["vocab_size"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outputs = []
+    for kernel in (counted, three_calls):
+        monkeypatch.setattr(cpu_kernels, "qk_norm_rope_bfloat16", kernel)
+        llm = LLM(str(checkpoints["qwen3"]), tokenizer, num_blocks=32, block_size=4, device="cpu")
+        assert llm.engine.config.dtype == torch.bfloat16
+        outputs.append([out.token_ids for out in llm.generate(PROMPTS, params)])
+    layers = TINY["num_hidden_layers"]
+    assert calls and len(calls) % layers == 0  # every layer of every step
+    assert outputs[0] == outputs[1]
+
+
 def ids_tokenizer(vocab_size: int) -> HFTokenizer:
     """A tokenizer with one made-up word per id, for tests that give token ids: a Hugging Face
     folder without a tokenizer is refused (`load_tokenizer`)."""

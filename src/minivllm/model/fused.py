@@ -38,7 +38,9 @@ norms as one compiled loop each (`cpu_kernels.rms_norm`), also to float32 roundi
 engine never packed (`fuse_projections` alone: chapter 07's) keeps the unfused model's bits.
 In bfloat16 the same holds where the CPU multiplies bfloat16 (AVX-512 BF16, AMX): big weights
 pack (with F.linear's bits), RoPE is one loop (`rope_qk_bfloat16`, apply_rope's bits), and a
-packed model's Hugging Face norms are one loop each (`hf_rms_norm_bfloat16`).
+packed model's Hugging Face norms are one loop each (`hf_rms_norm_bfloat16`); Qwen3's q and k
+norms and RoPE, between the q|k|v matmul and the attention, are then one call for both
+(`qk_norm_rope_bfloat16`, the three calls' bits).
 """
 
 from __future__ import annotations
@@ -203,18 +205,26 @@ class FusedSelfAttention(SelfAttention):
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv_heads, self.head_dim)
         v = v.view(*lead, self.n_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):  # Qwen3
-            q, k = self.q_norm(q), self.k_norm(k)
-        # an engine's batch on the CPU; under torch.compile inductor fuses apply_rope itself
-        batch = q.dim() == 3 and not torch.compiler.is_compiling()
-        if batch and on_cpu_in_float32(q, cos):
-            q, k = _cpu_kernels().rope_qk(q, k, cos, sin)  # one loop each, apply_rope exactly
-        elif batch and on_cpu_in_bfloat16(q, cos):
-            q, k = _cpu_kernels().rope_qk_bfloat16(q, k, cos, sin)  # apply_rope's bits too
-        else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._normed_and_rotated(q, k, cos, sin)
         out = attention(layer, q, k, v)  # <- the seam, as in SelfAttention
         return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+
+    def _normed_and_rotated(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k through Qwen3's norms (where the model has them) and RoPE."""
+        # an engine's batch on the CPU; under torch.compile inductor fuses apply_rope itself
+        batch = q.dim() == 3 and not torch.compiler.is_compiling()
+        if hasattr(self, "q_norm"):  # Qwen3
+            norms = self.q_norm, self.k_norm
+            weights = (norm.weight for norm in norms)
+            if batch and self.q_norm.compiled_loop and on_cpu_in_bfloat16(q, k, cos, *weights):
+                # the norms' loops and RoPE's as one call, with their bits
+                return _cpu_kernels().qk_norm_rope_bfloat16(q, k, *norms, cos, sin)
+            q, k = self.q_norm(q), self.k_norm(k)
+        if batch and on_cpu_in_float32(q, cos):
+            return _cpu_kernels().rope_qk(q, k, cos, sin)  # one loop each, apply_rope exactly
+        if batch and on_cpu_in_bfloat16(q, cos):
+            return _cpu_kernels().rope_qk_bfloat16(q, k, cos, sin)  # apply_rope's bits too
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class FusedRMSNorm(RMSNorm):
