@@ -61,16 +61,21 @@ def _rotate(x, cos, sin, out):
                 out[t, h, i + half] = b * cos[t, i + half] + a * sin[t, i + half]
 
 
+def _new_like(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous tensors of q's and k's shapes and dtype, for a loop's outputs."""
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+    )
+
+
 def rope_qk(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`apply_rope(q, cos, sin), apply_rope(k, cos, sin)` for an engine's flattened batch: q
     `[tokens, heads, head_dim]` and k `[tokens, kv_heads, head_dim]` (views into the q|k|v matmul's
     output are fine), cos and sin `[tokens, head_dim]`. Returns new contiguous tensors."""
-    q_out, k_out = (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
-        torch.empty_like(k, memory_format=torch.contiguous_format),
-    )
+    q_out, k_out = _new_like(q, k)
     cos_np, sin_np = cos.contiguous().numpy(), sin.contiguous().numpy()
     _rotate(q.numpy(), cos_np, sin_np, q_out.numpy())
     _rotate(k.numpy(), cos_np, sin_np, k_out.numpy())
@@ -232,10 +237,7 @@ def rope_qk_bfloat16(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_qk` for bfloat16 q, k, cos and sin: `apply_rope`'s result in bfloat16, bit for bit."""
-    q_out, k_out = (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
-        torch.empty_like(k, memory_format=torch.contiguous_format),
-    )
+    q_out, k_out = _new_like(q, k)
     cos_bits, sin_bits = _bits(cos.contiguous()), _bits(sin.contiguous())
     _rotate_bfloat16(_bits(q), cos_bits, sin_bits, _bits(q_out))
     _rotate_bfloat16(_bits(k), cos_bits, sin_bits, _bits(k_out))
@@ -263,10 +265,7 @@ def qk_norm_rope_bfloat16(
     -- Qwen3's step between its q|k|v matmul and the attention -- as one call instead of three,
     bit for bit theirs. q `[tokens, heads, head_dim]`, k `[tokens, kv_heads, head_dim]` (views are
     fine), the norms' modules (their `weight` and `eps`), cos and sin `[tokens, head_dim]`."""
-    q_out, k_out = (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
-        torch.empty_like(k, memory_format=torch.contiguous_format),
-    )
+    q_out, k_out = _new_like(q, k)
     _qk_norm_rope_bfloat16(
         _bits(q),
         _bits(k),
