@@ -378,6 +378,12 @@ print(
 print("same output, bit for bit:", np.array_equal(over_bfloat16, over_float32))
 
 # %% [markdown]
+# The queries and the output of a bfloat16 model are bfloat16 as well, and the kernel takes them
+# as they are: `_attend` widens each query element as it scales it (`as_float32` again) and rounds
+# each output element as it writes it (`as_element`: to nearest, ties to even, as torch rounds a
+# float32), so the engine's backend converts nothing around the call: two small torch ops fewer
+# in every layer of every step, each a fixed cost however few rows a decode has.
+#
 # A prefill tile would widen each element once for every query vector it holds (up to
 # `QUERY_TILE` rows times the group). So a unit of `STAGE_MIN_VECTORS` vectors or more first copies
 # each block's rows of its K/V head into float32 scratch, once (`_stage_rows`: the `staged` array

@@ -35,6 +35,7 @@ from minivllm.attention.numba_cpu import (
 )
 from minivllm.attention.simd import (
     add8,
+    as_element,
     fma8,
     largest_lane,
     load8,
@@ -185,6 +186,68 @@ def test_a_bfloat16_cache_gives_the_float32_one_holding_its_values_bit_for_bit(
         assert np.array_equal(out, expected)
     assert np.array_equal(keys[where], new_rows["k_new"])
     assert relative_error(q, keys32, values32, tables, lens, starts, simd=simd) <= 1e-5
+
+
+@pytest.mark.parametrize("simd", [False, True], ids=["plain", "simd"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_bfloat16_queries_and_output_are_the_float32_ones_widened_and_rounded_as_torch_does(
+    cache_dtype: str, simd: bool, numba_threads
+) -> None:
+    """A bfloat16 model's queries go in as they are (their bits) and its output comes out in
+    bfloat16: the same bits as its queries widened to float32, attended, and the float32 output
+    rounded by torch (`.to(torch.bfloat16)`, what the backend did before). Decodes, a prefill
+    chunk whose tiles stage their rows, a part tile; either cache."""
+    query_lens, context_lens, head_dim = [1, 1, 21, 5], [9, 40, 50, 5], 64
+    q, keys, values, tables, lens, starts = random_batch(
+        query_lens, context_lens, 4, 2, head_dim, 16, seed=3
+    )
+    if cache_dtype == "bfloat16":
+        keys, values = as_bfloat16(keys)[0], as_bfloat16(values)[0]
+    q_bits, q32 = as_bfloat16(q)
+    metadata = (keys, values, tables, lens, starts)
+    out = paged_attention_cpu(q_bits, *metadata, simd=simd)
+    expected = torch.from_numpy(paged_attention_cpu(q32, *metadata, simd=simd)).bfloat16()
+    assert out.dtype == np.int16 and np.array_equal(out, kernel_array(expected))
+    with pytest.raises(ValueError, match="out must be"):
+        paged_attention_cpu(q_bits, *metadata, out=np.empty(q.shape[:2], dtype=np.int16))
+
+
+@njit(cache=True)
+def as_elements(out, values):
+    for i in range(values.shape[0]):
+        out[i] = as_element(out, values[i])
+
+
+def test_as_element_rounds_a_float32_to_bfloat16_as_torch_does() -> None:
+    """`simd.as_element`: a float32 as it is into a float32 array; into bfloat16 bits, rounded to
+    nearest with ties to even, as torch rounds -- ties both ways, the largest values that round
+    down and up to infinity, subnormals, signed zeros, infinities; a NaN stays a NaN."""
+    bits = np.array(
+        [
+            0x3F808000,  # a tie between 1.0 and the next bfloat16: to even, down
+            0x3F818000,  # a tie whose upper half is odd: up
+            0x3F808001,  # just over the tie: up
+            0x7F7F7FFF,  # rounds down to the largest bfloat16
+            0x7F7FFFFF,  # float32's largest: up to infinity
+            0x00008000,  # a subnormal tie: to even (zero)
+            0x80018000,  # a negative subnormal tie: up in magnitude
+            0x80000000,  # -0.0
+            0x7F800000,  # inf
+            0xFF800000,  # -inf
+        ],
+        dtype=np.uint32,
+    ).view(np.float32)
+    rng = np.random.default_rng(0)
+    values = np.concatenate([bits, rng.standard_normal(4096).astype(np.float32) * 1e3])
+    rounded = np.empty(len(values), dtype=np.int16)
+    as_elements(rounded, values)
+    assert np.array_equal(rounded, kernel_array(torch.from_numpy(values).bfloat16()))
+    same = np.empty(len(values), dtype=np.float32)
+    as_elements(same, values)
+    assert np.array_equal(same.view(np.uint32), values.view(np.uint32))
+    nan = np.empty(1, dtype=np.int16)
+    as_elements(nan, np.array([np.nan], dtype=np.float32))
+    assert torch.from_numpy(nan).view(torch.bfloat16).isnan().all()
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])

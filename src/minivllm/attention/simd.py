@@ -13,7 +13,8 @@ register and `fma8` one `vfmadd` instruction; on ARM, LLVM splits it into two 4-
 
 `load8` also reads a bfloat16 array -- handed over as its bits, int16 -- into float32 lanes, exactly
 (`as_float32` one element): a bfloat16 K/V cache is read at two bytes an element, and the kernel
-computes in float32 as it does over a float32 cache.
+computes in float32 as it does over a float32 cache. `as_element` goes the other way, for one
+result written into a bfloat16 output (rounded as torch rounds).
 
 Arrays given to `load8`, `store8` and `prefetch` must be one-dimensional and C-contiguous (a row
 of a larger array is); like the kernels' other loads, they are not bounds-checked. numba's on-disk
@@ -122,6 +123,31 @@ def as_float32(typingctx, value):
         return args[0] if value == types.float32 else _widen_bfloat16(builder, args[0], None)
 
     return types.float32(value), codegen
+
+
+@intrinsic
+def as_element(typingctx, array, value):
+    """A float32 `value` as an element of `array`: as it is for a float32 array, or rounded to
+    bfloat16 for bfloat16 bits (int16) -- to nearest, ties to even, as torch rounds a float32
+    to bfloat16 (`tensor.to(torch.bfloat16)`; a NaN stays a NaN). What a kernel writes its float32
+    results through into an output of either dtype."""
+    if value != types.float32:
+        return None
+    bfloat16 = _holds_bfloat16(array)
+
+    def codegen(context, builder, signature, args):
+        value = args[1]
+        if not bfloat16:
+            return value
+        bits = builder.bitcast(value, _INT32)
+        # bits + 0x7FFF + (bit 16 of bits): rounds the lower half away, ties to the even upper half
+        odd = builder.and_(builder.lshr(bits, _INT32(16)), _INT32(1))
+        rounded = builder.add(bits, builder.add(_INT32(0x7FFF), odd))
+        upper = builder.trunc(builder.lshr(rounded, _INT32(16)), ir.IntType(16))
+        is_nan = builder.fcmp_unordered("uno", value, value)
+        return builder.select(is_nan, ir.IntType(16)(0x7FC0), upper)
+
+    return (types.int16 if bfloat16 else types.float32)(array, value), codegen
 
 
 @intrinsic
