@@ -48,9 +48,11 @@ of medians. Every request arrives at the start, so the run splits in two where t
 first token comes: the prefill phase (every prompt's prefill, and the decodes of requests already
 started, in the same steps) and the decode phase after it; each run's two times, and their
 medians, are in the JSON (`last_first_token_s`, `after_last_first_token_s`): where one system is
-slower, they say whether it is in the prompts or in the decoding. Greedy tokens are compared
-between every pair of systems (first round): identical sequences, and where each other one first
-differs.
+slower, they say whether it is in the prompts or in the decoding. Each minivllm run also records
+how many of its passes ran on fewer threads than torch has because other processes kept the
+cores busy (`core_watch`, as vllm_peer.py records it: its threads spin, so it watches its
+cores). Greedy tokens are compared between every pair of systems (first round): identical
+sequences, and where each other one first differs.
 
 Loading memory, each case in a fresh interpreter: ru_maxrss after the load less ru_maxrss of the
 interpreter with torch (and minivllm) imported, over the weights' bytes in the dtype loaded, for
@@ -84,7 +86,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import Request, cpu_model, load_str, machine_record, print_run, write_results
+from _common import (
+    Request,
+    core_watch_record,
+    cpu_model,
+    load_str,
+    machine_record,
+    print_run,
+    write_results,
+)
 from vllm_peer import DEFAULT_VLLM_PYTHON, run_vllm, write_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -291,7 +301,7 @@ def run_engine(engine, requests: list[Request], label: str) -> dict:
     token is timed when the step that made it returns (as vLLM's worker times its own)."""
     from minivllm.sched.sequence import SamplingParams
 
-    load_before = load_str()
+    load_before, watch = load_str(), core_watch_record()
     started = time.perf_counter()
     ids = [
         engine.add_request(
@@ -309,12 +319,17 @@ def run_engine(engine, requests: list[Request], label: str) -> dict:
                 first_token[i] = time.perf_counter() - started
             tokens[i] = list(out.token_ids)
     seconds = time.perf_counter() - started
+    watched = core_watch_record()  # passes given fewer threads: other processes held the cores
     return {
         "system": label,
         "seconds": seconds,
         "tokens": sum(map(len, tokens)),
         "load_before": load_before,
         "load_after": load_str(),
+        "core_watch": {
+            "watching": watched["watching"],
+            **{k: watched[k] - watch[k] for k in ("passes", "narrowed")},
+        },
         "_tokens": tokens,
         "_ttft": first_token,
     }
@@ -498,6 +513,7 @@ def summarize(runs: list[dict]) -> dict:
                 "last_first_token_s": None if first is None else round(first, 3),
                 "after_last_first_token_s": None if rest is None else round(rest, 3),
                 **({"startup_seconds": r["startup_seconds"]} if "startup_seconds" in r else {}),
+                **({"core_watch": r["core_watch"]} if "core_watch" in r else {}),
             }
             for r, rate, first, rest in zip(runs, rates, prefill, decode)
         ],
@@ -716,6 +732,9 @@ def main() -> int:
                 extra = f", TTFT median {statistics.median(ttft):.2f} s, last {max(ttft):.2f} s"
                 if "startup_seconds" in r:
                     extra += f", start-up {r['startup_seconds']:.0f} s"
+                if r.get("core_watch", {}).get("watching"):
+                    watch = r["core_watch"]
+                    extra += f", passes on fewer threads {watch['narrowed']}/{watch['passes']}"
                 print_run(repeat, args.repeats, r, 38, extra)
     finally:
         tmp.cleanup()
