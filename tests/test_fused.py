@@ -198,6 +198,26 @@ def test_qwen3s_norms_and_rope_as_one_call_give_the_three_calls_bits(heads, kv_h
     assert torch.equal(qkv, before)
 
 
+def test_the_bfloat16_loops_read_a_weight_changed_in_place_anew() -> None:
+    """The bfloat16 loops keep a weight's (and a step's cos and sin) bits from call to call
+    (`cpu_kernels._held`): a weight changed in place is read again -- also one not contiguous,
+    whose held bits are a copy -- and the entry goes with the weight."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 16, generator=generator).bfloat16()
+    # every other element of a longer one: not contiguous, so the loops hold a copy of its bits
+    weight = (torch.rand(32, generator=generator) + 0.5).bfloat16()[::2]
+    first = cpu_kernels.hf_rms_norm_bfloat16(x, weight, 1e-6)
+    assert id(weight) in cpu_kernels._HELD
+    weight.mul_(2)
+    changed = cpu_kernels.hf_rms_norm_bfloat16(x, weight, 1e-6)
+    assert torch.equal(changed, cpu_kernels.hf_rms_norm_bfloat16(x, weight.clone(), 1e-6))
+    assert not torch.equal(changed, first)
+    key = id(weight)
+    del weight
+    gc.collect()
+    assert key not in cpu_kernels._HELD
+
+
 def test_the_cpu_kernels_take_float32_cpu_tensors_only() -> None:
     x = torch.zeros(2, 2)
     assert on_cpu_in_float32(x, x)

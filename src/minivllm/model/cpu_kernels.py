@@ -39,6 +39,8 @@ batches -- the fused model keeps the torch ops.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from numba import njit
@@ -61,12 +63,40 @@ def _rotate(x, cos, sin, out):
                 out[t, h, i + half] = b * cos[t, i + half] + a * sin[t, i + half]
 
 
-def _new_like(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous tensors of q's and k's shapes and dtype, for a loop's outputs."""
-    return (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
-        torch.empty_like(k, memory_format=torch.contiguous_format),
-    )
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A float32 CPU tensor as numpy, or a bfloat16 one as its bits (int16), sharing its memory."""
+    t = t.detach() if t.requires_grad else t
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+# id(tensor) -> (a weak reference to it, its version, its `_array`): for tensors a step hands to
+# these loops again and again unchanged -- a norm's weight every step, a step's cos and sin in every
+# layer. In a decode step each small torch op costs microseconds on a host whose caches the
+# layer's weights have just streamed through: Qwen3-0.6B's shape spent about 28 us a norm call
+# around a 5 us loop (AMD EPYC Zen 4), the tensors' views and conversions most of it. An entry goes
+# with its tensor. (A tensor made in inference mode has no version: it is read once and then
+# trusted, as every tensor here is made by the step and not changed after.)
+_HELD: dict[int, tuple[weakref.ref, int | None, np.ndarray]] = {}
+
+
+def _held(t: torch.Tensor) -> np.ndarray:
+    """`_array(t.contiguous())`, made once while `t` lives and is not changed in place."""
+    key = id(t)
+    held = _HELD.get(key)
+    version = None if t.is_inference() else t._version
+    if held is None or held[0]() is not t or held[1] != version:
+        gone = weakref.ref(t, lambda _, key=key: _HELD.pop(key, None))
+        held = _HELD[key] = (gone, version, _array(t.contiguous()))
+    return held[2]
+
+
+def _new_array(shape, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    """A new float32 or bfloat16 tensor of `shape` and its `_array` (numpy's memory)."""
+    if dtype == torch.bfloat16:
+        bits = np.empty(shape, dtype=np.int16)
+        return torch.from_numpy(bits).view(torch.bfloat16), bits
+    array = np.empty(shape, dtype=np.float32)
+    return torch.from_numpy(array), array
 
 
 def rope_qk(
@@ -75,10 +105,10 @@ def rope_qk(
     """`apply_rope(q, cos, sin), apply_rope(k, cos, sin)` for an engine's flattened batch: q
     `[tokens, heads, head_dim]` and k `[tokens, kv_heads, head_dim]` (views into the q|k|v matmul's
     output are fine), cos and sin `[tokens, head_dim]`. Returns new contiguous tensors."""
-    q_out, k_out = _new_like(q, k)
-    cos_np, sin_np = cos.contiguous().numpy(), sin.contiguous().numpy()
-    _rotate(q.numpy(), cos_np, sin_np, q_out.numpy())
-    _rotate(k.numpy(), cos_np, sin_np, k_out.numpy())
+    (q_out, q_array), (k_out, k_array) = (_new_array(t.shape, t.dtype) for t in (q, k))
+    cos_array, sin_array = _held(cos), _held(sin)
+    _rotate(_array(q), cos_array, sin_array, q_array)
+    _rotate(_array(k), cos_array, sin_array, k_array)
     return q_out, k_out
 
 
@@ -100,10 +130,10 @@ def _rms_rows(x, weight, eps, out):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`RMSNorm` over the last axis of `x` (float32 on the CPU; a view into a matmul's output, as
     Qwen3's q and k are, is fine), to float32 rounding. Returns a new contiguous tensor."""
-    rows = x.reshape(-1, x.shape[-1])  # a view where the strides allow one
-    out = torch.empty(rows.shape, dtype=x.dtype)
-    _rms_rows(rows.detach().numpy(), weight.detach().numpy(), np.float32(eps), out.numpy())
-    return out.view(x.shape)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a view where the strides allow one
+    out, out_array = _new_array(rows.shape, x.dtype)
+    _rms_rows(_array(rows), _held(weight), np.float32(eps), out_array)
+    return out if x.dim() == 2 else out.view(x.shape)
 
 
 # -- bfloat16 --------------------------------------------------------------------------------------
@@ -228,29 +258,24 @@ def _qk_norm_rope_bfloat16(q, k, q_weight, k_weight, q_eps, k_eps, cos, sin, q_o
             _rotate_row_bfloat16(row, c, s, scratch[5:], k_out[t, h])
 
 
-def _bits(t: torch.Tensor) -> np.ndarray:
-    """A bfloat16 CPU tensor's bits as numpy int16, sharing its memory."""
-    return t.detach().view(torch.int16).numpy()
-
-
 def rope_qk_bfloat16(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_qk` for bfloat16 q, k, cos and sin: `apply_rope`'s result in bfloat16, bit for bit."""
-    q_out, k_out = _new_like(q, k)
-    cos_bits, sin_bits = _bits(cos.contiguous()), _bits(sin.contiguous())
-    _rotate_bfloat16(_bits(q), cos_bits, sin_bits, _bits(q_out))
-    _rotate_bfloat16(_bits(k), cos_bits, sin_bits, _bits(k_out))
+    (q_out, q_bits), (k_out, k_bits) = (_new_array(t.shape, t.dtype) for t in (q, k))
+    cos_bits, sin_bits = _held(cos), _held(sin)
+    _rotate_bfloat16(_array(q), cos_bits, sin_bits, q_bits)
+    _rotate_bfloat16(_array(k), cos_bits, sin_bits, k_bits)
     return q_out, k_out
 
 
 def hf_rms_norm_bfloat16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`HFRMSNorm` over the last axis of a bfloat16 `x` (a view into a matmul's output is fine),
     its sum of squares to float32 rounding. Returns a new contiguous tensor."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape, dtype=x.dtype)
-    _hf_rms_rows_bfloat16(_bits(rows), _bits(weight), np.float32(eps), _bits(out))
-    return out.view(x.shape)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    out, out_bits = _new_array(rows.shape, x.dtype)
+    _hf_rms_rows_bfloat16(_array(rows), _held(weight), np.float32(eps), out_bits)
+    return out if x.dim() == 2 else out.view(x.shape)
 
 
 def qk_norm_rope_bfloat16(
@@ -265,17 +290,17 @@ def qk_norm_rope_bfloat16(
     -- Qwen3's step between its q|k|v matmul and the attention -- as one call instead of three,
     bit for bit theirs. q `[tokens, heads, head_dim]`, k `[tokens, kv_heads, head_dim]` (views are
     fine), the norms' modules (their `weight` and `eps`), cos and sin `[tokens, head_dim]`."""
-    q_out, k_out = _new_like(q, k)
+    (q_out, q_bits), (k_out, k_bits) = (_new_array(t.shape, t.dtype) for t in (q, k))
     _qk_norm_rope_bfloat16(
-        _bits(q),
-        _bits(k),
-        _bits(q_norm.weight),
-        _bits(k_norm.weight),
+        _array(q),
+        _array(k),
+        _held(q_norm.weight),
+        _held(k_norm.weight),
         np.float32(q_norm.eps),
         np.float32(k_norm.eps),
-        _bits(cos.contiguous()),
-        _bits(sin.contiguous()),
-        _bits(q_out),
-        _bits(k_out),
+        _held(cos),
+        _held(sin),
+        q_bits,
+        k_bits,
     )
     return q_out, k_out
