@@ -130,9 +130,15 @@ def _rms_rows(x, weight, eps, out):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`RMSNorm` over the last axis of `x` (float32 on the CPU; a view into a matmul's output, as
     Qwen3's q and k are, is fine), to float32 rounding. Returns a new contiguous tensor."""
+    return _norm_rows(_rms_rows, x, weight, eps)
+
+
+def _norm_rows(loop, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A norm's compiled `loop(rows, weight, eps, out)` over the last axis of `x` (float32 or
+    bfloat16), the weight held from call to call (`_held`). Returns a new contiguous tensor."""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a view where the strides allow one
     out, out_array = _new_array(rows.shape, x.dtype)
-    _rms_rows(_array(rows), _held(weight), np.float32(eps), out_array)
+    loop(_array(rows), _held(weight), np.float32(eps), out_array)
     return out if x.dim() == 2 else out.view(x.shape)
 
 
@@ -272,10 +278,7 @@ def rope_qk_bfloat16(
 def hf_rms_norm_bfloat16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`HFRMSNorm` over the last axis of a bfloat16 `x` (a view into a matmul's output is fine),
     its sum of squares to float32 rounding. Returns a new contiguous tensor."""
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    out, out_bits = _new_array(rows.shape, x.dtype)
-    _hf_rms_rows_bfloat16(_array(rows), _held(weight), np.float32(eps), out_bits)
-    return out if x.dim() == 2 else out.view(x.shape)
+    return _norm_rows(_hf_rms_rows_bfloat16, x, weight, eps)
 
 
 def qk_norm_rope_bfloat16(
