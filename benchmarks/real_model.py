@@ -429,7 +429,9 @@ else:  # the engine's start: LLM(folder) loads, places and fuses the model, make
     engine = llm.engine
     weights = model_bytes(engine.runner.model)  # the model the engine runs
     # all the engine keeps: its models' tensors and the weights packed for oneDNN (model/fused.py)
-    packed = sum(entry[2].nbytes for entry in fused._PACKED.values())
+    # (an older src, --memory-baseline-src, kept (reference, version, packed) tuples in a dict)
+    entries = fused._PACKED.values()
+    packed = sum((e[2] if isinstance(e, tuple) else e).nbytes for e in entries)
     held = distinct_bytes(engine.model, engine.runner.model) + packed
     kv_bytes = engine.storage.bytes
 seconds = time.perf_counter() - started

@@ -17,6 +17,7 @@ import minivllm.engine.llm_engine as llm_engine
 import minivllm.model.fused as fused_module
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.model import cpu_kernels
+from minivllm.model.derived import DerivedCache
 from minivllm.model.families import HFRMSNorm
 from minivllm.model.fused import (
     FusedHFRMSNorm,
@@ -207,7 +208,7 @@ def test_the_bfloat16_loops_read_a_weight_changed_in_place_anew() -> None:
     # every other element of a longer one: not contiguous, so the loops hold a copy of its bits
     weight = (torch.rand(32, generator=generator) + 0.5).bfloat16()[::2]
     first = cpu_kernels.hf_rms_norm_bfloat16(x, weight, 1e-6)
-    assert id(weight) in cpu_kernels._HELD
+    assert cpu_kernels._HELD.holds(weight)
     weight.mul_(2)
     changed = cpu_kernels.hf_rms_norm_bfloat16(x, weight, 1e-6)
     assert torch.equal(changed, cpu_kernels.hf_rms_norm_bfloat16(x, weight.clone(), 1e-6))
@@ -215,7 +216,34 @@ def test_the_bfloat16_loops_read_a_weight_changed_in_place_anew() -> None:
     key = id(weight)
     del weight
     gc.collect()
-    assert key not in cpu_kernels._HELD
+    assert key not in cpu_kernels._HELD._entries
+
+
+def test_a_derived_cache_makes_again_only_for_a_changed_or_another_tensor() -> None:
+    """`DerivedCache` (the packed weights', the loops' arrays): made once per tensor, again after an
+    in-place change; an inference tensor, which has no version, is trusted as it was made; an
+    entry goes with its tensor, and a new tensor at a freed one's address gets its own."""
+    cache: DerivedCache[int] = DerivedCache()
+    made = iter(range(100))
+
+    def make(_tensor: torch.Tensor) -> int:
+        return next(made)
+
+    weight = torch.zeros(4)
+    assert cache.get(weight, make) == 0 and cache.get(weight, make) == 0
+    weight.add_(1)
+    assert cache.get(weight, make) == 1 and cache.holds(weight)
+    with torch.inference_mode():
+        step = torch.zeros(4)
+    assert cache.get(step, make) == 2 and cache.get(step, make) == 2
+    assert sorted(cache.values()) == [1, 2]
+    del weight, step
+    gc.collect()
+    assert len(cache) == 0
+    for _ in range(20):  # freed tensors' ids are reused: each new tensor is made for anew
+        before = next(made)
+        assert cache.get(torch.zeros(4), make) == before + 1
+    assert not cache.holds(torch.zeros(4))
 
 
 def test_the_cpu_kernels_take_float32_cpu_tensors_only() -> None:
@@ -237,18 +265,18 @@ def test_a_big_weight_goes_through_onednn_packed_once(monkeypatch) -> None:
     x = torch.randn(8, 1024, generator=generator)
     with torch.inference_mode():
         packed = fused_module.linear(x, weight)
-        assert id(weight) in fused_module._PACKED
+        assert fused_module._PACKED.holds(weight)
         torch.testing.assert_close(packed, F.linear(x, weight), rtol=1e-5, atol=1e-4)
-        entry = fused_module._PACKED[id(weight)]
+        entry = fused_module._packed(weight)
         fused_module.linear(x, weight)
-        assert fused_module._PACKED[id(weight)] is entry  # packed once
+        assert fused_module._packed(weight) is entry  # packed once
     with torch.no_grad():
         weight.mul_(2)
         torch.testing.assert_close(fused_module.linear(x, weight), 2 * packed, rtol=1e-5, atol=1e-3)
     key = id(weight)
     del weight, entry
     gc.collect()
-    assert key not in fused_module._PACKED
+    assert key not in fused_module._PACKED._entries
     small = torch.randn(16, 1024, generator=generator)
     assert torch.equal(fused_module.linear(x, small), F.linear(x, small))
     monkeypatch.setattr(fused_module, "PACK_MIN_BYTES", 0)
@@ -282,7 +310,7 @@ def test_a_big_bfloat16_weight_packs_where_the_cpu_multiplies_bfloat16(
         # a float32 input against a bfloat16 weight is F.linear's to decide (it refuses)
         with pytest.raises(RuntimeError):
             fused_module.linear(x.float(), weight)
-    assert (id(weight) in fused_module._PACKED) == fused_module.ONEDNN_BFLOAT16
+    assert fused_module._PACKED.holds(weight) == fused_module.ONEDNN_BFLOAT16
     if not fused_module.ONEDNN_BFLOAT16:
         pytest.skip("bfloat16 packing not checked: oneDNN has no bfloat16 path on this CPU")
 
@@ -354,10 +382,10 @@ def test_the_engine_packs_its_big_weights_as_it_starts(target, monkeypatch) -> N
     # packed logits are equal to rounding already: the norms take the compiled loop too
     assert all(norm.compiled_loop for norm in norms(engine.runner.model))
     weights = packable_weights(engine.runner.model)
-    packed = {id(w): fused_module._PACKED.get(id(w)) for w in weights}
-    assert all(entry is not None and entry[0]() is w for w, entry in zip(weights, packed.values()))
+    assert all(fused_module._PACKED.holds(w) for w in weights)
+    packed = [fused_module._packed(w) for w in weights]
     engine.generate([shipped_validation_text()[:40]], SamplingParams(max_tokens=4, temperature=0))
-    assert all(fused_module._PACKED.get(key) is entry for key, entry in packed.items())
+    assert all(fused_module._packed(w) is p for w, p in zip(weights, packed))  # none packed again
 
 
 def test_a_smaller_weight_is_packed_for_batches_only_where_the_engine_packed_it(

@@ -39,11 +39,11 @@ batches -- the fused model keeps the torch ops.
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import torch
 from numba import njit
+
+from minivllm.model.derived import DerivedCache
 
 # Reassociation lets LLVM keep a row's sum of squares in several vector lanes at once.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -69,25 +69,17 @@ def _array(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
-# id(tensor) -> (a weak reference to it, its version, its `_array`): for tensors a step hands to
-# these loops again and again unchanged -- a norm's weight every step, a step's cos and sin in every
-# layer. In a decode step each small torch op costs microseconds on a host whose caches the
-# layer's weights have just streamed through: Qwen3-0.6B's shape spent about 28 us a norm call
-# around a 5 us loop (AMD EPYC Zen 4), the tensors' views and conversions most of it. An entry goes
-# with its tensor. (A tensor made in inference mode has no version: it is read once and then
-# trusted, as every tensor here is made by the step and not changed after.)
-_HELD: dict[int, tuple[weakref.ref, int | None, np.ndarray]] = {}
+# Each tensor's `_array`, for tensors a step hands to these loops again and again unchanged -- a
+# norm's weight every step, a step's cos and sin in every layer. In a decode step each small torch
+# op costs microseconds on a host whose caches the layer's weights have just streamed through:
+# Qwen3-0.6B's shape spent about 28 us a norm call around a 5 us loop (AMD EPYC Zen 4), the
+# tensors' views and conversions most of it.
+_HELD: DerivedCache[np.ndarray] = DerivedCache()
 
 
 def _held(t: torch.Tensor) -> np.ndarray:
     """`_array(t.contiguous())`, made once while `t` lives and is not changed in place."""
-    key = id(t)
-    held = _HELD.get(key)
-    version = None if t.is_inference() else t._version
-    if held is None or held[0]() is not t or held[1] != version:
-        gone = weakref.ref(t, lambda _, key=key: _HELD.pop(key, None))
-        held = _HELD[key] = (gone, version, _array(t.contiguous()))
-    return held[2]
+    return _HELD.get(t, lambda t: _array(t.contiguous()))
 
 
 def _new_array(shape, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:

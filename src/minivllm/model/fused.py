@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.model.derived import DerivedCache
 from minivllm.model.families import HFRMSNorm
 from minivllm.model.transformer import RMSNorm, SelfAttention, SwiGLU, Transformer, apply_rope
 
@@ -96,9 +96,8 @@ ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
 # Zen 4, 2 threads). Without such a CPU oneDNN has no bfloat16 path, and F.linear stays.
 ONEDNN_BFLOAT16 = ONEDNN_LINEAR and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 PACKED_DTYPES = (torch.float32, torch.bfloat16) if ONEDNN_BFLOAT16 else (torch.float32,)
-# id(weight) -> (a weak reference to it, its version when packed, the packed weight); an entry goes
-# when its weight does. (Not a WeakKeyDictionary: it compares keys with ==, elementwise on tensors.)
-_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+# Each weight's packed copy, made once: again after an in-place change, gone with the weight.
+_PACKED: DerivedCache[torch.Tensor] = DerivedCache()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -142,8 +141,7 @@ def _packable(weight: torch.Tensor) -> bool:
 
 def _is_packed(weight: torch.Tensor) -> bool:
     """Whether the cache holds a packing of this very tensor (perhaps of an older version)."""
-    cached = _PACKED.get(id(weight))
-    return cached is not None and cached[0]() is weight
+    return _PACKED.holds(weight)
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -153,18 +151,7 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
     """`weight` in oneDNN's packed layout, from the cache, packed (again) where it is not there."""
-    cached = _PACKED.get(id(weight))
-    if cached is None or cached[0]() is not weight or cached[1] != weight._version:
-        cached = _cache(weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-    return cached[2]
-
-
-def _cache(weight: torch.Tensor, packed: torch.Tensor) -> tuple:
-    """`packed` as `weight`'s entry in the cache, which goes when `weight` does."""
-    key = id(weight)
-    gone = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
-    _PACKED[key] = (gone, weight._version, packed)
-    return _PACKED[key]
+    return _PACKED.get(weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach()))
 
 
 @torch.library.custom_op("minivllm::packed_linear", mutates_args=())
@@ -340,7 +327,7 @@ def pack_weights(model: nn.Module, release: bool = False) -> int:
                 for module, name in where:
                     held = module._parameters if name in module._parameters else module._buffers
                     held[name] = stand_in
-                _cache(stand_in, packed)
+                _PACKED.put(stand_in, packed)
     for module in model.modules():
         if isinstance(module, FusedRMSNorm):
             module.compiled_loop = packed_bytes > 0
