@@ -315,6 +315,49 @@ def test_a_big_bfloat16_weight_packs_where_the_cpu_multiplies_bfloat16(
         pytest.skip("bfloat16 packing not checked: oneDNN has no bfloat16 path on this CPU")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_big_weight_takes_a_few_rows_padded_to_four(dtype: torch.dtype, monkeypatch) -> None:
+    """`linear` multiplies a big packed weight by fewer than PADDED_MIN_ROWS rows as that many
+    (oneDNN's kernel for four streams it faster; one row pads in float32 only), and returns the
+    rows asked for, in the input's shape, equal to the unpadded call's to rounding (four rows sum
+    in another order in float32; in bfloat16 the bits matched on an AMD Zen 4, but an Intel host
+    with AMX may sum otherwise). Four rows go as they are."""
+    if dtype not in fused_module.PACKED_DTYPES or not fused_module.ONEDNN_LINEAR:
+        pytest.skip(f"oneDNN packs no {dtype} weight on this CPU")
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(2048, 1024, generator=generator) * 0.05).to(dtype)
+    weight = weight.repeat(2 if dtype == torch.bfloat16 else 1, 1)  # 4 MiB: PACK_MIN_BYTES
+    x = torch.randn(1, 3, 1024, generator=generator).to(dtype)  # [batch, tokens, features]
+    rows_multiplied = []
+    mkldnn = torch.ops.mkldnn
+    onednn = mkldnn._linear_pointwise
+
+    class Recording:  # torch.ops.mkldnn, recording the rows each packed matmul got
+        def _linear_pointwise(self, x, *args):
+            rows_multiplied.append(x.shape[0])
+            return onednn(x, *args)
+
+        def __getattr__(self, name):
+            return getattr(mkldnn, name)
+
+    with torch.inference_mode():
+        unpadded = {
+            n: onednn(x[0, :n], fused_module._packed(weight), None, "none", [], "")
+            for n in (1, 2, 3)
+        }
+        monkeypatch.setattr(fused_module.torch.ops, "mkldnn", Recording())
+        for n in (1, 2, 3):
+            out = fused_module.linear(x[:, :n], weight)
+            assert out.shape == (1, n, weight.shape[0]) and out.is_contiguous()
+            tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(out[0], unpadded[n], rtol=tolerance, atol=tolerance)
+        four = fused_module.linear(x.expand(2, 3, 1024).reshape(6, 1024)[:4], weight)
+    one_row = 1 if dtype == torch.bfloat16 else 4
+    assert rows_multiplied == [one_row, 4, 4, 4]
+    three = fused_module.linear(x[0], weight)
+    torch.testing.assert_close(four[:3], three, rtol=2**-7, atol=2**-7)
+
+
 def count_packed_calls(monkeypatch) -> list:
     """A list that grows by one at each call of `fused._packed_linear` (eager `linear`'s packed
     path), which still runs."""

@@ -83,6 +83,18 @@ PACK_MIN_BYTES = 4 << 20
 # o-projection and LM head gained nothing at 64 rows (54 against 53) and lost at fewer, so stay.
 PACK_BATCHED_MIN_BYTES = 320 << 10
 PACKED_MIN_ROWS = 2
+# An input of fewer rows than this, against a weight of PACK_MIN_BYTES or more, is multiplied as
+# this many: rows of zeros added, their results dropped. Such a matmul streams its weight once
+# whatever its rows, and oneDNN's kernels for two or three rows streamed it slower than its kernel
+# for four. On the book's 2-core AMD EPYC Zen 4, Qwen3-0.6B's 112 decode projections alone took
+# 41-45 ms at two rows against 36-43 padded (bfloat16) and 40-42 against 33-34 (float32); in the
+# engine (its shape, 300-token contexts, alternating) a batch-2 decode step took 0.86-0.89x the
+# time padded (three runs, both dtypes), batch 3 0.93-0.96x. One row pads in float32 only: 0.89x
+# there, while in bfloat16 the one-row kernel was as fast (1.02-1.04x padded). A real checkpoint's
+# last decode steps, as its longer requests finish, run at such batches. In bfloat16 a row's
+# results were the same bits either way (AMD Zen 4; an Intel host with AMX may sum otherwise); in
+# float32 they move by float32 rounding (four rows sum in another order).
+PADDED_MIN_ROWS = 4
 # Whether this torch has oneDNN's CPU linear ops (x86 and arm64 builds do). A constant, read once:
 # torch.compile will not trace `torch.backends.mkldnn.is_available` (a graph break per layer).
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
@@ -145,8 +157,17 @@ def _is_packed(weight: torch.Tensor) -> bool:
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """oneDNN's linear on `weight` packed once (the cache above)."""
-    return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
+    """oneDNN's linear on `weight` packed once (the cache above); a big weight's input of fewer
+    than PADDED_MIN_ROWS rows padded to that many (see there)."""
+    packed = _packed(weight)
+    rows = x.numel() // max(x.shape[-1], 1)
+    small = weight.numel() * weight.element_size() < PACK_MIN_BYTES
+    if rows >= PADDED_MIN_ROWS or small or (rows == 1 and x.dtype != torch.float32):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    padded = x.new_zeros(PADDED_MIN_ROWS, x.shape[-1])
+    padded[:rows] = x.reshape(rows, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
