@@ -240,7 +240,7 @@ def test_a_derived_cache_makes_again_only_for_a_changed_or_another_tensor() -> N
     del weight, step
     gc.collect()
     assert len(cache) == 0
-    for _ in range(20):  # freed tensors' ids are reused: each new tensor is made for anew
+    for _ in range(20):  # freed tensors' ids are reused: each new tensor gets its own entry
         before = next(made)
         assert cache.get(torch.zeros(4), make) == before + 1
     assert not cache.holds(torch.zeros(4))
@@ -325,8 +325,8 @@ def test_a_big_weight_takes_a_few_rows_padded_to_four(dtype: torch.dtype, monkey
     if dtype not in fused_module.PACKED_DTYPES or not fused_module.ONEDNN_LINEAR:
         pytest.skip(f"oneDNN packs no {dtype} weight on this CPU")
     generator = torch.Generator().manual_seed(5)
+    # 4 MiB in bfloat16, 8 in float32: PACK_MIN_BYTES or more
     weight = (torch.randn(2048, 1024, generator=generator) * 0.05).to(dtype)
-    weight = weight.repeat(2 if dtype == torch.bfloat16 else 1, 1)  # 4 MiB: PACK_MIN_BYTES
     x = torch.randn(1, 3, 1024, generator=generator).to(dtype)  # [batch, tokens, features]
     rows_multiplied = []
     mkldnn = torch.ops.mkldnn
