@@ -79,7 +79,11 @@ _HELD: DerivedCache[np.ndarray] = DerivedCache()
 
 def _held(t: torch.Tensor) -> np.ndarray:
     """`_array(t.contiguous())`, made once while `t` lives and is not changed in place."""
-    return _HELD.get(t, lambda t: _array(t.contiguous()))
+    return _HELD.get(t, _contiguous_array)
+
+
+def _contiguous_array(t: torch.Tensor) -> np.ndarray:
+    return _array(t.contiguous())
 
 
 def _new_array(shape, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:

@@ -172,7 +172,12 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
     """`weight` in oneDNN's packed layout, from the cache, packed (again) where it is not there."""
-    return _PACKED.get(weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+    return _PACKED.get(weight, _pack)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` reordered into oneDNN's packed layout (a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
 @torch.library.custom_op("minivllm::packed_linear", mutates_args=())
