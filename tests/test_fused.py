@@ -104,9 +104,10 @@ def test_an_engine_that_loads_its_model_fuses_it_in_place(target, monkeypatch) -
 @pytest.mark.parametrize("rows", [1, 5, 130])
 def test_the_cpu_rope_kernel_is_apply_rope_bit_for_bit(heads, kv_heads, dim, rows, dtype) -> None:
     """`cpu_kernels.rope_qk` (and `rope_qk_bfloat16`, which rounds where torch's bfloat16 ops
-    round) on views into a q|k|v matmul's output (the fused model's) and on contiguous tensors
-    (after Qwen3's q/k norms), at any position: apply_rope's values exactly, new contiguous
-    tensors, the inputs untouched."""
+    round) on views into a q|k|v matmul's output (the fused model's), on contiguous tensors
+    (after Qwen3's q/k norms) and on heads laid out head-major (not side by side in a token: the
+    loops copy those first), at any position: apply_rope's values exactly, new contiguous tensors,
+    the inputs untouched."""
     rope = cpu_kernels.rope_qk if dtype == torch.float32 else cpu_kernels.rope_qk_bfloat16
     generator = torch.Generator().manual_seed(rows * dim)
     qkv = (torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator) * 4).to(dtype)
@@ -115,7 +116,8 @@ def test_the_cpu_rope_kernel_is_apply_rope_bit_for_bit(heads, kv_heads, dim, row
     positions = torch.randint(0, 100_000, (rows,), generator=generator)
     cos, sin = (t.to(dtype) for t in rope_cos_sin(positions, dim, 1_000_000.0))
     before = qkv.clone()
-    for q_in, k_in in [(q, k), (q.contiguous(), k.contiguous())]:
+    head_major = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k)]
+    for q_in, k_in in [(q, k), (q.contiguous(), k.contiguous()), head_major]:
         q_out, k_out = rope(q_in, k_in, cos, sin)
         assert torch.equal(q_out, apply_rope(q_in, cos, sin))
         assert torch.equal(k_out, apply_rope(k_in, cos, sin))
