@@ -9,6 +9,7 @@ import copy
 import gc
 import weakref
 
+import numba
 import pytest
 import torch
 import torch.nn.functional as F
@@ -199,6 +200,34 @@ def test_qwen3s_norms_and_rope_as_one_call_give_the_three_calls_bits(heads, kv_h
     assert torch.equal(q_out, q_expected) and torch.equal(k_out, k_expected)
     assert q_out.is_contiguous() and k_out.is_contiguous()
     assert torch.equal(qkv, before)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="the parallel loop needs 2 torch threads")
+def test_a_prefill_chunks_q_k_norms_and_rope_run_on_numbas_threads_with_the_same_bits(monkeypatch):
+    """`qk_norm_rope_bfloat16` on PARALLEL_MIN_TOKENS tokens or more runs its tokens in shares on
+    numba's threads (`_qk_norm_rope_bfloat16_shared`), with the one-thread loop's bits; fewer
+    tokens (a decode step's) stay on the calling thread."""
+    rows, heads, kv_heads, dim = 2 * cpu_kernels.PARALLEL_MIN_TOKENS + 3, 4, 2, 64
+    generator = torch.Generator().manual_seed(7)
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator) * 3).bfloat16()
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(rows, heads, dim), k.view(rows, kv_heads, dim)
+    norms = [FusedHFRMSNorm(dim, 1e-6).bfloat16() for _ in range(2)]
+    cos, sin = (t.bfloat16() for t in rope_cos_sin(torch.arange(rows) * 7, dim, 10_000.0))
+    shared, launches = cpu_kernels._qk_norm_rope_bfloat16_shared, []
+
+    def counted(bounds, *args):
+        launches.append(bounds.tolist())
+        return shared(bounds, *args)
+
+    monkeypatch.setattr(cpu_kernels, "_qk_norm_rope_bfloat16_shared", counted)
+    parallel = cpu_kernels.qk_norm_rope_bfloat16(q, k, *norms, cos, sin)
+    assert len(launches) == 1 and launches[0][0] == 0 and launches[0][-1] == rows
+    assert len(launches[0]) == min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) + 1
+    monkeypatch.setattr(cpu_kernels, "PARALLEL_MIN_TOKENS", rows + 1)
+    alone = cpu_kernels.qk_norm_rope_bfloat16(q, k, *norms, cos, sin)
+    assert len(launches) == 1  # fewer tokens than the threshold: the calling thread's loop
+    assert all(torch.equal(a, b) for a, b in zip(parallel, alone))
 
 
 def test_the_bfloat16_loops_read_a_weight_changed_in_place_anew() -> None:

@@ -48,10 +48,7 @@ engine told to use one, or a pass too small to pay for waking another (`PARALLEL
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
-import threading
 import weakref
 
 import numba
@@ -75,48 +72,12 @@ from minivllm.attention.simd import (
     zero8,
 )
 from minivllm.attention.storage import PagedKVStorage
-
-# numba's threading layer (see the module docstring): OpenMP where its threads sleep between
-# kernels -- OMP_WAIT_POLICY=PASSIVE, which minivllm sets on import -- and the workqueue otherwise,
-# or where numba finds no libgomp. A choice made in the environment wins. Set there as well, so a
-# later `numba.config.reload_config()` keeps it.
-if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
-    _passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-    # (numba wants all three named; the workqueue always loads, so TBB's place never matters)
-    _layers = ["omp", "workqueue", "tbb"] if _passive else ["workqueue", "omp", "tbb"]
-    numba.config.THREADING_LAYER_PRIORITY = _layers
-    os.environ.setdefault(
-        "NUMBA_THREADING_LAYER_PRIORITY", " ".join(numba.config.THREADING_LAYER_PRIORITY)
-    )
-
-
-def _load_openmp_sleeping() -> None:
-    """Load numba's OpenMP layer (its libgomp) with its idle threads sleeping at once.
-
-    torch's OpenMP threads may be given a short spin (GOMP_SPINCOUNT, minivllm's default: the
-    package's `__init__`), to bridge the gap between two torch ops. numba loads a libgomp of its
-    own, which would read the same setting as it loads -- but between two attention kernels lies a
-    layer of matmuls, longer than any spin, and a numba thread spinning there holds a core torch's
-    threads need. So, under the passive policy, numba's libgomp loads without the spin count in the
-    environment, which is then put back (for torch in child processes). A libgomp already loaded --
-    one runtime shared with torch, on builds that link the system's -- keeps what it read."""
-    spin = os.environ.get("GOMP_SPINCOUNT")
-    if spin is None or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
-        return
-    del os.environ["GOMP_SPINCOUNT"]
-    try:
-        importlib.import_module("numba.np.ufunc.omppool")
-    except ImportError:
-        pass  # no libgomp numba can load: the workqueue layer runs the kernels (`openmp_layer`)
-    finally:
-        os.environ["GOMP_SPINCOUNT"] = spin
-
-
-_load_openmp_sleeping()
-# One parallel kernel at a time in a process: the workqueue layer aborts the process if two threads
-# launch at once, so engines stepping in different threads (a server each) take turns here.
-_LAUNCH = threading.Lock()
-
+from minivllm.model.numba_threads import (  # noqa: F401 (the attention's names too, as before)
+    LAUNCH,
+    default_threads,
+    openmp_layer,
+    start_thread_pool,
+)
 
 # fastmath lets LLVM reorder float32 sums into SIMD lanes (and fuse multiply-adds); the tests hold
 # the result to 1e-5 of a float64 reference. No "nnan"/"ninf": the running max starts at -inf.
@@ -623,7 +584,7 @@ def _launch(kernel, *args) -> None:
     # KERNEL LAUNCH: where a probe copy (tools/student.py) records this file's compiled regions
     if kernel is _paged_attention_kernel:  # the first parallel launch would start the pool
         start_thread_pool()
-    with _LAUNCH:
+    with LAUNCH:
         if kernel(*args):
             return
         _paged_attention_serial(*args)
@@ -826,21 +787,6 @@ def paged_attention_cpu(
     return out
 
 
-def openmp_layer() -> bool:
-    """Whether numba's parallel kernels run on its OpenMP layer: first in the priority set above,
-    with a libgomp numba can load (or named in NUMBA_THREADING_LAYER)."""
-    if numba.config.THREADING_LAYER != "default":
-        return numba.config.THREADING_LAYER == "omp"
-    for layer in numba.config.THREADING_LAYER_PRIORITY:
-        module = {"omp": "omppool", "workqueue": "workqueue", "tbb": "tbbpool"}[layer]
-        try:
-            importlib.import_module(f"numba.np.ufunc.{module}")
-        except ImportError:
-            continue  # numba skips a layer it cannot load, as here
-        return layer == "omp"
-    return False
-
-
 # A pass costing less than this (query rows x the keys they see, summed over sequences and K/V
 # heads) runs on one thread. Between two layers' kernels the engine runs torch's matmuls, so the
 # kernel's second thread is asleep at each launch, and waking it has a cost; on the book's 2-core
@@ -873,32 +819,6 @@ def pass_cost(context_lens: np.ndarray, query_start: np.ndarray, num_kv_heads: i
     rows = np.diff(query_start)
     chunks = np.column_stack([np.arange(len(rows)), np.zeros_like(rows), rows])
     return int(unit_cost(chunks, context_lens, query_start).sum()) * num_kv_heads
-
-
-@functools.cache
-def start_thread_pool() -> None:
-    """Start numba's thread pool (once a process), leaving torch's thread count as it was.
-
-    numba's OpenMP layer starts its pool by setting the calling thread's OpenMP thread count to
-    NUMBA_NUM_THREADS -- every core, unless set -- and torch reads its own count from that same
-    setting. On a machine with more cores than torch was told to use, every torch op after the
-    first parallel kernel would run on every core: the 16-core host of a lent GPU went from 2 to
-    16, where some op splits its work otherwise (the fused model's logits then move by float32
-    rounding, model/fused.py).
-    Every start of the pool in this module goes through here."""
-    torch_threads = torch.get_num_threads()
-    numba.get_num_threads()  # starts the pool
-    if torch.get_num_threads() != torch_threads:
-        torch.set_num_threads(torch_threads)
-
-
-def default_threads() -> int:
-    """numba's thread setting -- but 1, without starting numba's thread pool, in a process that
-    allows no more (a forward worker, `NUMBA_NUM_THREADS=1`)."""
-    if numba.config.NUMBA_NUM_THREADS == 1:
-        return 1
-    start_thread_pool()
-    return numba.get_num_threads()
 
 
 def warm_up(threads: int | None = None, dtype: torch.dtype = torch.float32) -> None:

@@ -4,7 +4,7 @@ At batch 64 a layer of the book's model spends as long in its elementwise steps 
 matmuls, although they move a few hundred KiB: rotating q and k by position (`apply_rope`) is
 seven torch ops per tensor, each a pass over memory, an allocation and an OpenMP launch of a few
 microseconds. vLLM's CPU build runs them as custom C++ ops (`rotary_embedding`); here numba
-compiles each to one loop over the rows, on the calling thread.
+compiles each to one loop over the rows.
 
 `rope_qk` is `apply_rope` on q and k at once. It computes each output element as `apply_rope`
 does -- `x * cos + rotated * sin`, each product rounded to float32, then the sum (no fused
@@ -35,7 +35,9 @@ The loops read q and k where the q|k|v matmul wrote them, through `_token_rows`:
 at a time as a contiguous array, each step one pass over all of them, which LLVM vectorises. Over
 the strided views themselves it did not: a 512-token chunk of Qwen3-0.6B's shape took 2.3-2.6 ms
 a layer in `qk_norm_rope_bfloat16` so against 1.5 now, and the book's model's RoPE at batch 64
-110 us against 43 (AMD EPYC Zen 4, alternating, the same bits).
+110 us against 43 (AMD EPYC Zen 4, alternating, the same bits). A prefill chunk's
+`qk_norm_rope_bfloat16` (PARALLEL_MIN_TOKENS tokens or more) runs on numba's threads, each a share
+of the tokens; every other loop here, on the calling thread.
 
 The fused model (`model/fused.py`) calls them for float32 (or bfloat16) tensors in CPU memory, on
 one flattened batch of rows (an engine's `[tokens, heads, head_dim]`), and imports this module
@@ -45,11 +47,13 @@ batches -- the fused model keeps the torch ops.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
 from minivllm.model.derived import DerivedCache
+from minivllm.model.numba_threads import LAUNCH, start_thread_pool
 
 # Reassociation lets LLVM keep a row's sum of squares in several vector lanes at once.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -125,6 +129,40 @@ def _new_array(shape, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
         return torch.from_numpy(bits).view(torch.bfloat16), bits
     array = np.empty(shape, dtype=np.float32)
     return torch.from_numpy(array), array
+
+
+# A loop over this many tokens or more runs on numba's threads (those torch has, at most), in equal
+# shares of the tokens: a prefill chunk. At a decode step's few tokens waking a thread costs more
+# than it saves. Qwen3-0.6B's q/k norms and RoPE (`qk_norm_rope_bfloat16`) on two threads took
+# 0.61-0.63x the time of one at 512 tokens, 0.65-0.79x at 256, 0.85-0.92x at 128 and 0.93-1.05x at
+# 64 under minivllm's default thread policy (a short spin), and 0.66-0.91x, 0.82-1.06x and
+# 1.25-1.29x at 512, 128 and 64 with idle threads asleep at once (OMP_WAIT_POLICY=PASSIVE alone);
+# AMD EPYC Zen 4, alternating, each call after a matmul. In the engine (the real-shaped
+# benchmark's prompts) a call on a 512-token chunk took 1.16 ms against 1.91.
+PARALLEL_MIN_TOKENS = 128
+
+
+def _shares(tokens: int) -> np.ndarray | None:
+    """Where the shares of a loop over `tokens` begin and end on numba's threads, or None where it
+    runs on the calling thread alone. A parallel loop runs under `numba_threads.LAUNCH`: one at a
+    time in a process. (numba's threads cannot hand an exception back; these loops raise none.)"""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads < 2 or tokens < PARALLEL_MIN_TOKENS:
+        return None
+    start_thread_pool()
+    numba.set_num_threads(threads)
+    return np.linspace(0, tokens, threads + 1).astype(np.int64)
+
+
+def _on_shares(loop, shared_loop, tokens: int, *args) -> None:
+    """`loop(0, tokens, *args)` on the calling thread, or `shared_loop` (its `prange` over shares)
+    on numba's threads where `_shares` says so."""
+    bounds = _shares(tokens)
+    if bounds is None:
+        loop(0, tokens, *args)
+    else:
+        with LAUNCH:
+            shared_loop(bounds, *args)
 
 
 def rope_qk(
@@ -294,13 +332,13 @@ def _hf_rms_rows_bfloat16(x, weight, eps, out):
 
 @njit(cache=True, nogil=True)
 def _qk_norm_rope_bfloat16(
-    q, q_stride, k, k_stride, q_weight, k_weight, q_eps, k_eps, cos, sin, q_out, k_out
+    begin, end, q, q_stride, k, k_stride, q_weight, k_weight, q_eps, k_eps, cos, sin, q_out, k_out
 ):
-    """Qwen3's q and k norms, then RoPE, in one pass over the tokens (all arrays bfloat16 bits; q
-    and k `_token_rows` arrays): each token's heads normed (`_norm_heads_bfloat16`) and rotated
-    (`_rotate_heads_bfloat16`) while they are at hand -- the same steps, the same bits, as the
-    norms' loop and then the rotation's."""
-    tokens, q_heads, dim = q_out.shape
+    """Qwen3's q and k norms, then RoPE, in one pass over tokens `begin` to `end` (all arrays
+    bfloat16 bits; q and k `_token_rows` arrays): each token's heads normed
+    (`_norm_heads_bfloat16`) and rotated (`_rotate_heads_bfloat16`) while they are at hand -- the
+    same steps, the same bits, as the norms' loop and then the rotation's."""
+    q_heads, dim = q_out.shape[1], q_out.shape[2]
     k_heads = k_out.shape[1]
     scratch = np.empty((3, max(q_heads, k_heads), dim), dtype=np.float32)
     rows, first, second = scratch[0], scratch[1], scratch[2]
@@ -308,7 +346,7 @@ def _qk_norm_rope_bfloat16(
     c, s, q_gain, k_gain = small[0], small[1], small[2], small[3]
     _widen(q_weight, q_gain)
     _widen(k_weight, k_gain)
-    for t in range(tokens):
+    for t in range(begin, end):
         _widen(cos[t], c)
         _widen(sin[t], s)
         q_rows, k_rows = rows[:q_heads], rows[:k_heads]
@@ -316,6 +354,18 @@ def _qk_norm_rope_bfloat16(
         _rotate_heads_bfloat16(q_rows, c, s, first[:q_heads], second[:q_heads], q_out[t])
         _norm_heads_bfloat16(_token_heads(k, k_stride, t, k_heads, dim), k_gain, k_eps, k_rows)
         _rotate_heads_bfloat16(k_rows, c, s, first[:k_heads], second[:k_heads], k_out[t])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _qk_norm_rope_bfloat16_shared(
+    bounds, q, q_stride, k, k_stride, q_weight, k_weight, q_eps, k_eps, cos, sin, q_out, k_out
+):
+    """`_qk_norm_rope_bfloat16` on numba's threads, share i over tokens bounds[i] to bounds[i+1]."""
+    for share in prange(bounds.shape[0] - 1):
+        _qk_norm_rope_bfloat16(
+            bounds[share], bounds[share + 1], q, q_stride, k, k_stride, q_weight, k_weight,
+            q_eps, k_eps, cos, sin, q_out, k_out,
+        )  # fmt: skip
 
 
 def rope_qk_bfloat16(
@@ -348,7 +398,7 @@ def qk_norm_rope_bfloat16(
     bit for bit theirs. q `[tokens, heads, head_dim]`, k `[tokens, kv_heads, head_dim]` (views are
     fine), the norms' modules (their `weight` and `eps`), cos and sin `[tokens, head_dim]`."""
     (q_out, q_bits), (k_out, k_bits) = (_new_array(t.shape, t.dtype) for t in (q, k))
-    _qk_norm_rope_bfloat16(
+    args = (
         *_token_rows(q),
         *_token_rows(k),
         _held(q_norm.weight),
@@ -360,4 +410,5 @@ def qk_norm_rope_bfloat16(
         q_bits,
         k_bits,
     )
+    _on_shares(_qk_norm_rope_bfloat16, _qk_norm_rope_bfloat16_shared, q.shape[0], *args)
     return q_out, k_out

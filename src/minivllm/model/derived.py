@@ -32,6 +32,11 @@ class DerivedCache(Generic[Derived]):
 
     def __init__(self) -> None:
         self._entries: dict[int, tuple[weakref.ref, int | None, Derived]] = {}
+        # The keys, as a set made anew at every change: what `holds` reads in a graph torch.compile
+        # traces. dynamo reads a dict by walking it, and a weak reference's callback may drop an
+        # entry mid-walk (a collection during the trace frees some old tensor): "dictionary
+        # changed size during iteration". Nothing changes a frozenset in place.
+        self._keys: frozenset[int] = frozenset()
 
     def get(self, tensor: torch.Tensor, make: Callable[[torch.Tensor], Derived]) -> Derived:
         """What `make(tensor)` made, from the cache, or made (again) where it is not there for
@@ -44,12 +49,21 @@ class DerivedCache(Generic[Derived]):
     def put(self, tensor: torch.Tensor, derived: Derived) -> Derived:
         """Keep `derived` as `tensor`'s entry (as it is now), until `tensor` goes."""
         key = id(tensor)
-        gone = weakref.ref(tensor, lambda _, key=key: self._entries.pop(key, None))
+        gone = weakref.ref(tensor, lambda _, key=key: self._drop(key))
         self._entries[key] = (gone, _version(tensor), derived)
+        self._keys = frozenset(self._entries)
         return derived
 
+    def _drop(self, key: int) -> None:
+        """The entry under `key` gone, with its tensor."""
+        if self._entries.pop(key, None) is not None:
+            self._keys = frozenset(self._entries)
+
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether an entry was made from this very tensor (perhaps before an in-place change)."""
+        """Whether an entry was made from this very tensor (perhaps before an in-place change). In a
+        graph being traced: whether one was made from a tensor of its `id` (see `_keys`)."""
+        if torch.compiler.is_compiling():
+            return id(tensor) in self._keys
         entry = self._entries.get(id(tensor))
         return entry is not None and entry[0]() is tensor
 
