@@ -72,7 +72,7 @@ from minivllm.attention.simd import (
     zero8,
 )
 from minivllm.attention.storage import PagedKVStorage
-from minivllm.model.numba_threads import (  # noqa: F401 (the attention's names too, as before)
+from minivllm.model.numba_threads import (
     LAUNCH,
     default_threads,
     openmp_layer,

@@ -325,9 +325,10 @@ def _hf_rms_rows_bfloat16(x, weight, eps, out):
     for start in range(0, x.shape[0], chunk):
         n = min(chunk, x.shape[0] - start)
         _norm_heads_bfloat16(x[start : start + n], gain, eps, scratch[:n])
+        rows_out = out[start : start + n]  # indexed by the loops' own counters: they vectorise
         for r in range(n):
             for i in range(dim):
-                out[start + r, i] = np.int16(np.uint16(wide[r, i] >> np.uint32(16)))
+                rows_out[r, i] = np.int16(np.uint16(wide[r, i] >> np.uint32(16)))
 
 
 @njit(cache=True, nogil=True)
