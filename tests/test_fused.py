@@ -202,7 +202,10 @@ def test_qwen3s_norms_and_rope_as_one_call_give_the_three_calls_bits(heads, kv_h
     assert torch.equal(qkv, before)
 
 
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="the parallel loop needs 2 torch threads")
+@pytest.mark.skipif(
+    min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) < 2,
+    reason="the parallel loop needs two threads, of torch's and of numba's",
+)
 def test_a_prefill_chunks_q_k_norms_and_rope_run_on_numbas_threads_with_the_same_bits(monkeypatch):
     """`qk_norm_rope_bfloat16` on PARALLEL_MIN_TOKENS tokens or more runs its tokens in shares on
     numba's threads (`_qk_norm_rope_bfloat16_shared`), with the one-thread loop's bits; fewer
