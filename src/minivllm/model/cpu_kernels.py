@@ -214,11 +214,23 @@ def _norm_rows(loop, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _widened(bits):
+    """The float32 bits (uint32) of one bfloat16's `bits` (int16): its upper half."""
+    return np.uint32(np.uint16(bits)) << np.uint32(16)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _narrowed(wide):
+    """The bfloat16 bits (int16) of float32 bits `wide` already rounded (`_rounded`)."""
+    return np.int16(np.uint16(wide >> np.uint32(16)))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _widen(bits, out):
     """out[:] = the float32s of bfloat16 `bits` (int16), written through out's bits."""
     wide = out.view(np.uint32)
     for i in range(bits.shape[0]):
-        wide[i] = np.uint32(np.uint16(bits[i])) << np.uint32(16)
+        wide[i] = _widened(bits[i])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -243,7 +255,7 @@ def _norm_heads_bfloat16(x, gain, eps, rows):
     wide = rows.view(np.uint32)
     for r in range(n):
         for i in range(dim):
-            wide[r, i] = np.uint32(np.uint16(x[r, i])) << np.uint32(16)
+            wide[r, i] = _widened(x[r, i])
     for r in range(n):
         squares = np.float32(0.0)
         for i in range(dim):
@@ -284,7 +296,7 @@ def _rotate_heads_bfloat16(rows, c, s, first, second, out):
             first[h, i] = first[h, i] + second[h, i]
     for h in range(heads):
         for i in range(dim):
-            out[h, i] = np.int16(np.uint16(_rounded(first_bits[h, i]) >> np.uint32(16)))
+            out[h, i] = _narrowed(_rounded(first_bits[h, i]))
 
 
 @njit(cache=True, nogil=True)
@@ -303,7 +315,7 @@ def _rotate_bfloat16(x, stride, cos, sin, out):
         bits = _token_heads(x, stride, t, heads, dim)
         for h in range(heads):
             for i in range(dim):
-                wide[h, i] = np.uint32(np.uint16(bits[h, i])) << np.uint32(16)
+                wide[h, i] = _widened(bits[h, i])
         _rotate_heads_bfloat16(rows, c, s, first, second, out[t])
 
 
@@ -328,7 +340,7 @@ def _hf_rms_rows_bfloat16(x, weight, eps, out):
         rows_out = out[start : start + n]  # indexed by the loops' own counters: they vectorise
         for r in range(n):
             for i in range(dim):
-                rows_out[r, i] = np.int16(np.uint16(wide[r, i] >> np.uint32(16)))
+                rows_out[r, i] = _narrowed(wide[r, i])
 
 
 @njit(cache=True, nogil=True)
