@@ -50,11 +50,13 @@ from minivllm.attention.numba_cpu import (
     _exp_in_place,
     _paged_attention_kernel,
     _prefetch_block,
+    _score_blocks,
     _scores_plain,
     _scores_simd,
     _softmax_rows,
     _values_plain,
     _values_simd,
+    _weigh_blocks,
     kernel_array,
     paged_attention_cpu,
     plan_work,
@@ -212,7 +214,17 @@ print(f"a score row at {config.max_seq_len} tokens: {score_row / 1024:g} KiB per
 show(_attend)
 
 # %% [markdown]
-# Its pieces, first as plain loops. The scores are a dot product per (key, query vector), each key
+# Each pass is a function of its own, walking the unit's blocks through the block table. They
+# could be written inline in `_attend`, and once were; compiled apart, each loop alone, LLVM makes
+# faster code of them (the same bits; the comment above `_score_blocks` in the kernel's file gives
+# the measurement):
+
+# %%
+show(_score_blocks)
+show(_weigh_blocks)
+
+# %% [markdown]
+# Their pieces, first as plain loops. The scores are a dot product per (key, query vector), each key
 # row read once for every vector of the unit; the values add each value row into every vector's
 # accumulator. (Each K/V element passes through `as_float32`: for a float32 cache, the element
 # itself. The bfloat16 cache it is there for comes below, with the bytes a step reads.)
@@ -325,9 +337,10 @@ for name, args in chunks.items():
 # %% [markdown]
 # One more wait is the memory's. Within a block a head's rows lie at a fixed stride, which the
 # hardware prefetcher follows; the next block is wherever the block table says, which it cannot
-# guess. So `_attend` asks for rows before it needs them: while it scores one block, the keys of
-# the block two ahead, and that block's values, for the second pass, into the second-level cache
-# (where they wait without crowding out the rows the first level needs now):
+# guess. So the passes ask for rows before they need them: while pass 1 scores one block, the
+# keys of the block two ahead, and the block's own values, for pass 2, into the second-level cache
+# (where they wait without crowding out the rows the first level needs now); pass 2 asks for the
+# next block's values:
 
 # %%
 show(_prefetch_block)
@@ -387,7 +400,7 @@ print("same output, bit for bit:", np.array_equal(over_bfloat16, over_float32))
 # A prefill tile would widen each element once for every query vector it holds (up to
 # `QUERY_TILE` rows times the group). So a unit of `STAGE_MIN_VECTORS` vectors or more first copies
 # each block's rows of its K/V head into float32 scratch, once (`_stage_rows`: the `staged` array
-# in `_attend`), and scores and weighs them there, contiguous and already wide; a decode's few
+# the passes take), and scores and weighs them there, contiguous and already wide; a decode's few
 # vectors read the cache itself. The arithmetic is the same either way, so are the bits.
 #
 # ### The kernel: write, then attend, on every core

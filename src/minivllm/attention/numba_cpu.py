@@ -356,14 +356,12 @@ def _attend(
 ):
     """Rows t0 .. t1 of one sequence's new rows (its row `first` onwards), one K/V head: every query
     head of the group, over the keys each row sees, in two passes over its blocks -- all the
-    scores, their softmax, then the values. `scratch`: the thread's arrays for them (see the
-    kernel)."""
+    scores (`_score_blocks`), their softmax, then the values (`_weigh_blocks`). `scratch`: the
+    thread's arrays for them (see the kernel)."""
     queries, acc, scores, exponent_bits, staged = scratch
     num_heads, dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
+    group = num_heads // key_cache.shape[2]
     vectors = (t1 - t0) * group  # query vectors: row-major over (row, head of the group)
-    stage = simd and vectors >= STAGE_MIN_VECTORS
     for r in range(t1 - t0):  # the queries, scaled once (in float32, where q is bfloat16)
         for g in range(group):
             query = q[first + t0 + r, kv_head * group + g]
@@ -372,17 +370,50 @@ def _attend(
                 acc[r * group + g, d] = 0.0
     seen_before = context - num_queries  # keys cached before this sequence's new rows
     last_visible = seen_before + t1  # what the tile's last row sees: its own position and before
+    blocks = table, last_visible, kv_head, simd, staged
+    _score_blocks(scores, queries, vectors, key_cache, value_cache, *blocks)
+    _softmax_rows(scores, vectors, group, seen_before + t0 + 1, last_visible, exponent_bits)
+    _weigh_blocks(acc, scores, vectors, value_cache, *blocks)
+    for v in range(vectors):
+        row, head = first + t0 + v // group, kv_head * group + v % group
+        for d in range(dim):
+            out[row, head, d] = as_element(out, acc[v, d])  # rounded where out is bfloat16
+
+
+# Each pass over the blocks, and the softmax between them, is a function compiled on its own
+# instead of inlined into `_attend`: LLVM makes faster code of each loop alone. The same bits; on
+# two threads of an AMD EPYC Zen 4, alternating, K/V out of cache at every call: the book's
+# model's decode (64 sequences of 100-350 tokens) 0.88-0.90x the time of the inlined kernel (one
+# thread 0.91-0.97x), Qwen3-0.6B's shape in bfloat16 0.97x at batch 8 and 0.98x for a
+# 512-token prefill chunk.
+@njit(cache=True, fastmath=FASTMATH)
+def _score_blocks(
+    scores,
+    queries,
+    vectors,
+    key_cache,
+    value_cache,
+    table,
+    last_visible,
+    kv_head,
+    simd,
+    staged,
+):
+    """Pass 1 of `_attend`: `scores[v, j]` for every key j < `last_visible` of the table's blocks,
+    each key row read once."""
+    block_size = key_cache.shape[1]
     num_blocks = (last_visible + block_size - 1) // block_size
-    # Prefetching, pass 1: the keys two blocks ahead, and each block's values into the second-level
-    # cache for pass 2 (at the book's shape a unit's values are 2 KiB a block, 32 KiB for 256 keys:
-    # that cache holds them many times over). Memory is the kernel's limit on a step of many
-    # sequences, whose K/V are in no cache: the book's model, 64 sequences of 150-350 tokens, 6
-    # layers, took 7.6-7.9 ms on one thread of an AMD EPYC Zen 4 this way against 9.1-9.5 ms with
-    # the next key block alone prefetched, and an engine's batch-64 decode pass 483-493 us a layer
-    # against 550.
+    stage = simd and vectors >= STAGE_MIN_VECTORS
+    # Prefetching, pass 1: the keys two blocks ahead, and each block's values into the
+    # second-level cache for pass 2 (at the book's shape a unit's values are 2 KiB a block, 32 KiB
+    # for 256 keys: that cache holds them many times over). Memory is the kernel's limit on a step
+    # of many sequences, whose K/V are in no cache: the book's model, 64 sequences of 150-350
+    # tokens, 6 layers, took 7.6-7.9 ms on one thread of an AMD EPYC Zen 4 this way against
+    # 9.1-9.5 ms with the next key block alone prefetched, and an engine's batch-64 decode pass
+    # 483-493 us a layer against 550.
     if num_blocks > 1:
         _prefetch_block(key_cache, table[1], kv_head, False)
-    for logical in range(num_blocks):  # pass 1: scores, each key row read once
+    for logical in range(num_blocks):
         if logical + 2 < num_blocks:
             _prefetch_block(key_cache, table[logical + 2], kv_head, False)
         _prefetch_block(value_cache, table[logical], kv_head, True)
@@ -394,8 +425,16 @@ def _attend(
             _scores_simd(scores, queries, vectors, key_cache[table[logical]], kv_head, n, base)
         else:
             _scores_plain(scores, queries, vectors, key_cache[table[logical]], kv_head, n, base)
-    _softmax_rows(scores, vectors, group, seen_before + t0 + 1, last_visible, exponent_bits)
-    for logical in range(num_blocks):  # pass 2: values, each value row read once
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _weigh_blocks(acc, scores, vectors, value_cache, table, last_visible, kv_head, simd, staged):
+    """Pass 2 of `_attend`: `acc[v]` += each value row j < `last_visible` times `scores[v, j]`,
+    each value row read once."""
+    block_size = value_cache.shape[1]
+    num_blocks = (last_visible + block_size - 1) // block_size
+    stage = simd and vectors >= STAGE_MIN_VECTORS
+    for logical in range(num_blocks):
         if logical + 1 < num_blocks:
             _prefetch_block(value_cache, table[logical + 1], kv_head, False)
         n, base = min(block_size, last_visible - logical * block_size), logical * block_size
@@ -407,10 +446,6 @@ def _attend(
             _values_simd(acc, scores, vectors, values, kv_head, n, base, simd == WIDE_TILE)
         else:
             _values_plain(acc, scores, vectors, value_cache[table[logical]], kv_head, n, base)
-    for v in range(vectors):
-        row, head = first + t0 + v // group, kv_head * group + v % group
-        for d in range(dim):
-            out[row, head, d] = as_element(out, acc[v, d])  # rounded where out is bfloat16
 
 
 @njit(cache=True, inline="always")
@@ -529,7 +564,7 @@ def _paged_attention_serial(
 # The last compiled function of the file, for the exercise in it: a copy that takes its markers
 # out keeps every compiled function on its line, and numba names its cache files by that line
 # (tools/student.py `seed_kernel_cache`).
-@njit(cache=True, fastmath=FASTMATH, inline="always")
+@njit(cache=True, fastmath=FASTMATH)
 def _softmax_rows(scores, vectors, group, first_seen, width, exponent_bits):
     """Row v of `scores` becomes the softmax of its first `first_seen + v // group` scores -- the
     tile's query row `v // group` sees one key more than the row before (causal) -- and zero for
