@@ -383,9 +383,9 @@ def _attend(
 # Each pass over the blocks, and the softmax between them, is a function compiled on its own
 # instead of inlined into `_attend`: LLVM makes faster code of each loop alone. The same bits; on
 # two threads of an AMD EPYC Zen 4, alternating, K/V out of cache at every call: the book's
-# model's decode (64 sequences of 100-350 tokens) 0.88-0.90x the time of the inlined kernel (one
-# thread 0.91-0.97x), Qwen3-0.6B's shape in bfloat16 0.97x at batch 8 and 0.98x for a
-# 512-token prefill chunk.
+# model's decode (64 sequences of 100-350 tokens) 0.97x the time of the inlined kernel with the
+# cache on huge pages, as the engine keeps it (0.88-0.90x on 4 KiB pages), Qwen3-0.6B's shape in
+# bfloat16 0.97x at batch 8 and 0.98x for a 512-token prefill chunk.
 @njit(cache=True, fastmath=FASTMATH)
 def _score_blocks(
     scores,
