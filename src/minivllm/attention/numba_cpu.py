@@ -400,7 +400,7 @@ def _score_blocks(
     staged,
 ):
     """Pass 1 of `_attend`: `scores[v, j]` for every key j < `last_visible` of the table's blocks,
-    each key row read once."""
+    each key row read once. `value_cache` only to ask for each block's values ahead of pass 2."""
     block_size = key_cache.shape[1]
     num_blocks = (last_visible + block_size - 1) // block_size
     stage = simd and vectors >= STAGE_MIN_VECTORS
