@@ -75,8 +75,10 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.model.numba_threads import (
     LAUNCH,
     default_threads,
+    loop_threads,
     openmp_layer,
     start_thread_pool,
+    use_threads,
 )
 
 # fastmath lets LLVM reorder float32 sums into SIMD lanes (and fuse multiply-adds); the tests hold
@@ -917,14 +919,12 @@ class NumbaPagedAttention:
         self.scale = np.float32(storage.config.head_dim**-0.5)
         self.simd = vector_paths(simd_fits(storage.config.head_dim, storage.block_size))
         self.checked = False  # the arguments are checked in the first layer, the same in all
-        # torch's thread count is the engine's (a forward worker's is 1)
-        threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        threads = loop_threads()
         kv_heads = storage.config.n_kv_heads
         if pass_cost(self.context_lens, self.query_start, kv_heads) < PARALLEL_MIN_COST:
             threads = 1  # too little work to pay for waking the other threads
         if threads > 1:  # a one-thread process never starts numba's thread pool
-            start_thread_pool()
-            numba.set_num_threads(threads)
+            use_threads(threads)
         self.kernel = _kernel_for(threads)
         self.work = plan_work(self.context_lens, self.query_start, kv_heads, threads)
 
@@ -933,7 +933,7 @@ class NumbaPagedAttention:
         """Compile (or load) the kernels a pass on `threads` threads runs over a cache of `dtype`
         (default: torch's count, as `__init__` picks): the parallel one, and the serial one a small
         pass runs."""
-        threads = torch.get_num_threads() if threads is None else threads
+        threads = loop_threads() if threads is None else threads
         threads = min(threads, numba.config.NUMBA_NUM_THREADS)
         warm_up(threads, dtype)
         if threads > 1:

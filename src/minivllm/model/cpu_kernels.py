@@ -47,13 +47,12 @@ batches -- the fused model keeps the torch ops.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
 from minivllm.model.derived import DerivedCache
-from minivllm.model.numba_threads import LAUNCH, start_thread_pool
+from minivllm.model.numba_threads import LAUNCH, loop_threads, use_threads
 
 # Reassociation lets LLVM keep a row's sum of squares in several vector lanes at once.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -146,11 +145,10 @@ def _shares(tokens: int) -> np.ndarray | None:
     """Where the shares of a loop over `tokens` begin and end on numba's threads, or None where it
     runs on the calling thread alone. A parallel loop runs under `numba_threads.LAUNCH`: one at a
     time in a process. (numba's threads cannot hand an exception back; these loops raise none.)"""
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    threads = loop_threads()
     if threads < 2 or tokens < PARALLEL_MIN_TOKENS:
         return None
-    start_thread_pool()
-    numba.set_num_threads(threads)
+    use_threads(threads)
     return np.linspace(0, tokens, threads + 1).astype(np.int64)
 
 

@@ -96,3 +96,17 @@ def default_threads() -> int:
         return 1
     start_thread_pool()
     return numba.get_num_threads()
+
+
+def loop_threads() -> int:
+    """The threads a parallel loop of this process may take: torch's count (the engine's; a forward
+    worker's is 1), at most numba's."""
+    return min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+
+
+def use_threads(threads: int) -> None:
+    """numba's next parallel loops on this thread run on `threads` threads (2 or more), its pool
+    started first where it has not been (`start_thread_pool`). numba's count is the calling
+    thread's own."""
+    start_thread_pool()
+    numba.set_num_threads(threads)
