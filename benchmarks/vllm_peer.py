@@ -34,7 +34,11 @@ unless asked), by
   each bound to one CPU with one thread and given its share of the requests
   (`data_parallel_split`: minivllm's own rule), timed from a common start to the last one's end;
   `compiled-dp2-1proc` the same with each engine core inside its LLM's process
-  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one process per rank as minivllm's replicas are;
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one process per rank as minivllm's replicas are.
+  `compiled-1proc` and `eager-1proc` run one `vllm.LLM` with its engine core in its own process
+  that way, as minivllm's engine runs: vLLM as it ships runs the core in a second process, which
+  on two cores shares them with the front end (detokenizing, output processing) -- these modes
+  measure its engine without that split, and time its steps (`time_core_steps`);
 * minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
   on each attention backend of `--backends`, with each number of forward processes of
   `--processes` (`EngineConfig.forward_processes`; 2: each pass split by sequence between this
@@ -44,6 +48,10 @@ unless asked), by
   and with its forward compiled (`--minivllm-modes`; `EngineConfig.compile_forward`, compiled when
   the engine is built, in one process only). `benchmarks/compiled_forward.py` compares minivllm's
   two modes step by step, a finer measure than these whole runs.
+
+Where a system's steps can be timed -- minivllm's engine, vLLM's `-1proc` modes -- its steps are
+also summed by kind (`step_kinds`: decodes alone by batch size, steps with a prompt chunk by
+their tokens) and printed side by side: where in a run one system gains on the other.
 
 Each system warms up (vLLM after start-up, minivllm once per backend), then one run over the
 whole workload is timed with the wall clock (start-up and compilation not counted): vLLM's is
@@ -194,6 +202,7 @@ def vllm_worker(workload_path: Path, mode: str, go_file: Path | None = None) -> 
         Path(f"{workload_path}.ready").touch()
         while not go_file.exists():
             time.sleep(0.005)
+    core_steps = time_core_steps(engine)
     load_before, cpu = load_str(), cpu_seconds_of_tree()
     started = time.perf_counter()
     for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -236,6 +245,8 @@ def vllm_worker(workload_path: Path, mode: str, go_file: Path | None = None) -> 
         "token_ids": tokens,
         "ttft": first_token,
     }
+    if core_steps is not None:
+        result["step_kinds"] = step_kinds(core_steps)
     print(MARKER + json.dumps(result), flush=True)
 
 
@@ -301,6 +312,78 @@ def worker_result(returncode: int, stdout: str, log: str, who: str) -> dict:
         tail = "\n".join(log.splitlines()[-40:])
         raise RuntimeError(f"{who} failed (exit {returncode}):\n{tail}")
     return json.loads(found[-1][len(MARKER) :])
+
+
+# What a step did, by the tokens it scheduled: decodes alone, or with a prompt's chunk among them.
+STEP_KINDS = (
+    ("decode, 1-16 rows", False, 16),
+    ("decode, 17-32 rows", False, 32),
+    ("decode, 33-64 rows", False, 64),
+    ("with a prompt chunk, up to 128 rows", True, 128),
+    ("with a prompt chunk, 129-256 rows", True, 256),
+    ("with a prompt chunk, 257-512 rows", True, MAX_NUM_BATCHED_TOKENS),
+)
+
+
+def step_kinds(steps: list[tuple[float, int, bool]]) -> dict[str, dict]:
+    """Steps `(seconds, scheduled tokens, whether a prompt chunk was among them)` summed by kind
+    (`STEP_KINDS`): how many, their tokens, seconds, and milliseconds a step. Both systems' steps
+    go through it, so a whole run's gap can be read by kind of step (plain Python: vLLM's venv
+    runs it too)."""
+    kinds: dict[str, dict] = {}
+    for seconds, tokens, prefill in steps:
+        name = next(
+            (k for k, p, most in STEP_KINDS if p == prefill and tokens <= most), STEP_KINDS[-1][0]
+        )
+        kind = kinds.setdefault(name, {"steps": 0, "tokens": 0, "seconds": 0.0})
+        kind["steps"] += 1
+        kind["tokens"] += tokens
+        kind["seconds"] += seconds
+    return _per_step(kinds)
+
+
+def _per_step(kinds: dict[str, dict]) -> dict[str, dict]:
+    """Summed kinds in `STEP_KINDS` order, their seconds rounded and milliseconds a step added."""
+    order = [k for k, _, _ in STEP_KINDS]
+    return {
+        name: {
+            **k,
+            "seconds": round(k["seconds"], 4),
+            "ms_per_step": round(k["seconds"] / k["steps"] * 1e3, 3),
+        }
+        for name, k in sorted(kinds.items(), key=lambda item: order.index(item[0]))
+    }
+
+
+def time_core_steps(engine) -> list[tuple[float, int, bool]] | None:
+    """Record each step of a vLLM engine whose engine core runs in this process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): its seconds -- scheduling, the forward, sampling and the
+    scheduler's update, not the front end's output processing -- its scheduled tokens and whether
+    a prompt chunk was among them (a request scheduled more than one token; a prompt's last chunk
+    of one token counts as a decode). Returns the list it appends to, or None where the core is in
+    another process (vLLM's default), out of reach."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    if core is None or not hasattr(core, "step_fn"):
+        return None
+    steps: list[tuple[float, int, bool]] = []
+    scheduled: list[tuple[int, bool]] = []
+    schedule, step = core.scheduler.schedule, core.step_fn
+
+    def timed_schedule(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
+        counts = plan.num_scheduled_tokens.values()
+        scheduled.append((plan.total_num_scheduled_tokens, any(n > 1 for n in counts)))
+        return plan
+
+    def timed_step(*args, **kwargs):
+        started, before = time.perf_counter(), len(scheduled)
+        result = step(*args, **kwargs)
+        if len(scheduled) > before and scheduled[-1][0]:  # a step that ran a forward pass
+            steps.append((time.perf_counter() - started, *scheduled[-1]))
+        return result
+
+    core.scheduler.schedule, core.step_fn = timed_schedule, timed_step
+    return steps
 
 
 def data_parallel_split(requests: list[dict], ranks: int) -> list[list[int]]:
@@ -443,6 +526,8 @@ def run_vllm(python: str, workload_path: Path, mode: str, threads: int, timeout:
     if "-dp" in mode:
         return run_vllm_data_parallel(python, workload_path, mode, threads, timeout)
     env = vllm_env(mode, cpu_bind(threads), threads)
+    if mode.endswith("-1proc"):  # the engine core in the LLM's process, as minivllm's engine is
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     mode, setting = mode.split("-")[0], mode.partition("-")[2]
     command = [python, str(Path(__file__).resolve()), "--worker", "vllm"]
     command += ["--workload", str(workload_path), "--vllm-mode", mode]
@@ -542,6 +627,7 @@ def run_minivllm(
     cpu = time.process_time() - cpu + cpu_seconds_of(workers) - worker_cpu
     watched = core_watch_record()  # this process's passes given fewer threads than torch has
     narrowed = {k: watched[k] - watch[k] for k in ("passes", "narrowed")}
+    trace = getattr(engine, "trace", None)  # a replicated engine's steps are its replicas'
     engine.close()
     tokens = [list(o.token_ids) for o in outputs]
     label = f"{backend} attention" + (f", {processes} processes" if processes > 1 else "")
@@ -557,6 +643,15 @@ def run_minivllm(
         "load_before": load_before,
         "load_after": load_str(),
         "core_watch": {"watching": watched["watching"], **narrowed},
+        **(
+            {
+                "step_kinds": step_kinds(
+                    [(s.step_s, s.num_batched_tokens, bool(s.prefilled)) for s in trace]
+                )
+            }
+            if trace
+            else {}
+        ),
         "_tokens": tokens,
     }
 
@@ -595,6 +690,7 @@ def summary(runs: list[dict]) -> dict:
         "cpu_seconds_all_processes",
         "startup_seconds",
         "core_watch",
+        "step_kinds",
     )
     out = {k: v for k, v in runs[0].items() if not k.startswith("_") and k not in per_run}
     out.update(
@@ -613,7 +709,20 @@ def summary(runs: list[dict]) -> dict:
             for r, rate in zip(runs, rates)
         ],
     )
+    if all("step_kinds" in r for r in runs):  # every run's steps, by kind
+        out["step_kinds"] = combined_kinds([r["step_kinds"] for r in runs])
     return out
+
+
+def combined_kinds(runs: list[dict[str, dict]]) -> dict[str, dict]:
+    """Several runs' `step_kinds` as one: steps, tokens and seconds summed, ms a step again."""
+    total: dict[str, dict] = {}
+    for kinds in runs:
+        for name, kind in kinds.items():
+            into = total.setdefault(name, {"steps": 0, "tokens": 0, "seconds": 0.0})
+            for key in into:
+                into[key] += kind[key]
+    return _per_step(total)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -680,13 +789,16 @@ def main() -> int:
             "compiled-dp2",
             "compiled-passive-dp2",
             "compiled-dp2-1proc",
+            "compiled-1proc",
+            "eager-1proc",
         ],
         default=["compiled", "eager"],
         help="compiled: vLLM's default (torch.compile); eager: enforce_eager=True; "
         "compiled-passive: compiled with OMP_WAIT_POLICY=PASSIVE (vLLM's recommended setting); "
         "compiled-spin: compiled with PASSIVE and a short GOMP_SPINCOUNT (minivllm's opt-in); "
         "-dp2: vLLM's offline data parallelism, two LLMs of one thread each, the requests shared "
-        "(-1proc: each engine core inside its LLM's process, VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+        "-1proc: the engine core inside the LLM's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as "
+        "minivllm's engine runs, its steps then timed by kind",
     )
     parser.add_argument(
         "--vllm-python",
@@ -842,6 +954,23 @@ def main() -> int:
     print("\nminivllm / vLLM, output tokens/s: medians (and best runs, the least disturbed):")
     for name, value in ratios.items():
         print(f"  {name:<40} {value['median']:.2f}  ({value['best']:.2f})")
+
+    # -- step time by kind of step: the systems whose steps could be timed --
+    timed = [k for k in vllm_keys + mini_keys if "step_kinds" in results[k]]
+    if timed:
+        print(
+            "\nms a step, by kind (every run's steps; vLLM's where its engine core is in-process):"
+        )
+        names = list(dict.fromkeys(n for k in timed for n in results[k]["step_kinds"]))
+        labels = [results[k]["system"] for k in timed]
+        print(f"  {'kind of step':<38} {'steps':>5} " + " ".join(f"{x[:26]:>26}" for x in labels))
+        for name in names:
+            kinds = [results[k]["step_kinds"].get(name) for k in timed]
+            steps = next(k["steps"] // len(results[t]["runs"]) for k, t in zip(kinds, timed) if k)
+            print(
+                f"  {name:<38} {steps:>5} "
+                + " ".join(f"{k['ms_per_step'] if k else float('nan'):>26.2f}" for k in kinds)
+            )
 
     # -- greedy agreement (each system's first run) --
     print("\ngreedy tokens, requests identical (reported, not asserted):")
