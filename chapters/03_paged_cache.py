@@ -176,7 +176,9 @@ show_state(manager, "sequence 1 finished; sequence 3 reuses its blocks first (fr
 # ...]`). A token's place in it is its **slot**: `block * block_size + offset`. The
 # model writes the new tokens' k and v through the {term}`slot mapping` the policy computed;
 # attention reads a sequence's history back by *gathering* its blocks in table order (exercise
-# ch03.3).
+# ch03.3). That shape is how the tensor is indexed, not always how its memory is laid out: for the
+# CPU kernel of chapter 07 a block keeps each head's rows together (it says why), and `storage.kv`
+# is then a view that indexes the same way.
 
 # %%
 show(PagedKVStorage.gather)

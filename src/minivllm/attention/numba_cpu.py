@@ -71,7 +71,7 @@ from minivllm.attention.simd import (
     sum8x8,
     zero8,
 )
-from minivllm.attention.storage import PagedKVStorage
+from minivllm.attention.storage import PagedKVStorage, cpu_kv_pool
 from minivllm.model.numba_threads import (
     LAUNCH,
     default_threads,
@@ -669,9 +669,10 @@ def plan_work(
     tiled = tiled[np.argsort(-unit_cost(tiled, context_lens, query_start), kind="stable")]
     # every K/V head of a tile is a unit of the same cost, next to each other in the deal. In a
     # pass of decodes, dealt together: one thread reads a sequence's blocks for each of its heads
-    # in turn (a head is a slice of every token row of the cache) instead of two threads reading
-    # alternate heads' slices of the same blocks. A batch-64 decode call on two threads of an AMD
-    # EPYC Zen 4 took 3.9-4.9 ms against 5.4-5.5 at Qwen3-0.6B's shape (8 K/V heads, bfloat16),
+    # in turn (in a contiguous cache a head is a slice of every token row; the engine's pool keeps
+    # each head's rows of a block together, `storage.cpu_kv_pool`) instead of two threads reading
+    # the same blocks. Measured on contiguous caches: a batch-64 decode call on two threads of an
+    # AMD EPYC Zen 4 took 3.9-4.9 ms against 5.4-5.5 at Qwen3-0.6B's shape (8 K/V heads, bfloat16),
     # 1.71-1.73 against 1.85-2.14 ms at the book's (2, float32). A prefill chunk's tiles stay
     # split by head: dealt whole, they would leave the threads less even.
     heads = np.tile(np.arange(num_kv_heads), len(tiled))
@@ -858,26 +859,40 @@ def pass_cost(context_lens: np.ndarray, query_start: np.ndarray, num_kv_heads: i
     return int(unit_cost(chunks, context_lens, query_start).sum()) * num_kv_heads
 
 
-def warm_up(threads: int | None = None, dtype: torch.dtype = torch.float32) -> None:
-    """Compile the kernel for `threads` (default: `default_threads()`) and a cache of `dtype` now,
-    or load it from numba's cache: a few seconds the first time on a machine, milliseconds after.
-    The engine calls it when it starts, so that its first step does not."""
-    new = kernel_array(torch.zeros((1, 1, 1), dtype=dtype))
+# The memory layouts `warm_up` compiles the kernel for: a caller's own contiguous arrays
+# (`paged_attention_cpu`'s `[num_blocks, block_size, kv_heads, head_dim]`), and the engine's pool,
+# whose heads lie outside the block's rows (`storage.cpu_kv_pool`). numba compiles a kernel per
+# layout of its arrays: the same code, each its own machine code.
+LAYOUTS = ("contiguous", "pool")
+
+
+def warm_up(
+    threads: int | None = None, dtype: torch.dtype = torch.float32, layouts=LAYOUTS
+) -> None:
+    """Compile the kernel for `threads` (default: `default_threads()`), a cache of `dtype` and
+    each of `layouts` now, or load it from numba's cache: a few seconds a layout the first time on
+    a machine, milliseconds after. The engine calls it when it starts (for its pool's layout), so
+    that its first step does not."""
+    new = kernel_array(torch.zeros((1, 2, 2), dtype=dtype))
     q = new.copy()  # the engine's queries are in its model's dtype, which its cache has
-    cache = kernel_array(torch.zeros((1, 1, 1, 1), dtype=dtype))
-    one = np.ones(1, dtype=np.int64)
-    paged_attention_cpu(
-        q,
-        cache,
-        cache.copy(),
-        np.zeros((1, 1), dtype=np.int64),
-        one,
-        np.array([0, 1]),
-        k_new=new,
-        v_new=new,
-        slot_mapping=np.zeros(1, dtype=np.int64),
-        threads=threads,
-    )
+    for layout in layouts:
+        # K and V of one block of two rows, two heads of two
+        if layout == "pool":
+            caches = cpu_kv_pool((2, 1, 2, 2, 2), dtype)
+        else:
+            caches = torch.zeros((2, 1, 2, 2, 2), dtype=dtype)
+        paged_attention_cpu(
+            q,
+            kernel_array(caches[0]),
+            kernel_array(caches[1]),
+            np.zeros((1, 1), dtype=np.int64),
+            np.ones(1, dtype=np.int64),
+            np.array([0, 1]),
+            k_new=new,
+            v_new=new,
+            slot_mapping=np.zeros(1, dtype=np.int64),
+            threads=threads,
+        )
 
 
 class NumbaPagedAttention:
@@ -893,6 +908,9 @@ class NumbaPagedAttention:
     just streamed through -- took 82 us a layer beside the kernel's 117 at batch 1, and 140
     beside 519 at batch 8 (AMD EPYC Zen 4)."""
 
+    # The pool this kernel reads best: a block's rows of each head side by side
+    # (`storage.cpu_kv_pool`); the engine makes its storage so.
+    heads_outer = True
     # storage -> (its tensor's address and shape, each layer's (key cache, value cache) as the
     # kernel takes them): made once, as the caches do not move -- again if the storage was given a
     # new tensor. A weak key: the arrays go with their engine's storage.
@@ -935,9 +953,9 @@ class NumbaPagedAttention:
         pass runs."""
         threads = loop_threads() if threads is None else threads
         threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-        warm_up(threads, dtype)
+        warm_up(threads, dtype, ("pool",))
         if threads > 1:
-            warm_up(1, dtype)
+            warm_up(1, dtype, ("pool",))
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

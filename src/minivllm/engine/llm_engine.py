@@ -145,6 +145,7 @@ class LLMEngine:
                 config.block_size,
                 config.dtype,
                 self.device,
+                heads_outer=getattr(backend, "heads_outer", False),
             )
         scheduler_config, self.drafter = config.scheduler, None
         if speculative is not None:  # reserve k lookahead slots after each decode for drafts

@@ -270,7 +270,14 @@ class ModelDrafter:
         backend: type = TorchPagedAttention,
     ) -> None:
         self.model, self.manager, self.backend = placed_on(model, device), manager, backend
-        self.storage = PagedKVStorage(model.config, num_blocks, manager.block_size, dtype, device)
+        self.storage = PagedKVStorage(
+            model.config,
+            num_blocks,
+            manager.block_size,
+            dtype,
+            device,
+            heads_outer=getattr(backend, "heads_outer", False),
+        )
 
     def propose(
         self,

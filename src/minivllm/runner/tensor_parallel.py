@@ -126,14 +126,15 @@ class RankState:
         if settings.fuse:
             model = fuse_model(model, in_place=True)
             pack_weights(model, release=True)  # as the engine does; the shard is this rank's alone
+        backend = get_backend(settings.backend)
         storage = PagedKVStorage(
             local_config(model.config, shard),
             settings.num_blocks,
             settings.block_size,
             settings.cache_dtype,
             device,
+            heads_outer=getattr(backend, "heads_outer", False),
         )
-        backend = get_backend(settings.backend)
         warm_up_backend(backend, threads=settings.threads, dtype=storage.dtype)
         return cls(model, storage, backend, device, rank)
 
