@@ -94,6 +94,35 @@ def test_write_lands_at_block_and_offset():
     assert storage.kv.abs().sum() == 2 * k.numel()  # nothing else was touched
 
 
+def test_a_heads_outer_pool_is_indexed_the_same_and_laid_out_head_by_head():
+    """The CPU kernel's pool (`heads_outer`): the same `kv` indexing, writes and reads as the
+    indexed order, with a block's rows of each head side by side in memory."""
+    plain, outer = (PagedKVStorage(SMALL, 8, 4, heads_outer=h) for h in (False, True))
+    assert outer.kv.shape == plain.kv.shape and outer.bytes == plain.bytes
+    rows, heads = outer.kv.stride(-3), outer.kv.stride(-2)
+    assert rows == SMALL.head_dim and heads == 4 * SMALL.head_dim  # a head's 4 rows, then the next
+    slots = torch.tensor([6 * 4 + 3, 0, 13, 31])  # blocks 6, 0, 3, 7, out of order
+    k = torch.randn(4, SMALL.n_kv_heads, SMALL.head_dim, generator=torch.Generator().manual_seed(0))
+    for storage in (plain, outer):
+        storage.write(1, slots, k, -k)
+    assert torch.equal(outer.kv, plain.kv)  # every element where the indexed order puts it
+    table = torch.tensor([[7, 0], [3, 6]])  # read back through slots of any shape
+    read = [s.read_slots(1, table * 4 + 3) for s in (plain, outer)]
+    assert all(torch.equal(a, b) for a, b in zip(*read))
+    assert torch.equal(read[1][0][1, 1], k[0]) and torch.equal(read[1][1][0, 0], -k[3])
+
+
+def test_the_cpu_kernels_engine_keeps_a_heads_outer_pool(target):
+    """The engine makes its storage as its backend asks: the numba kernel's heads outside the
+    rows, the torch reference's in the indexed order."""
+    from minivllm import EngineConfig, LLMEngine
+
+    for backend, outer in (("numba", True), ("torch", False)):
+        config = EngineConfig(attention_backend=backend, num_blocks=16)
+        kv = LLMEngine(target, config).storage.kv
+        assert (kv.stride(-2) > kv.stride(-3)) is outer, backend
+
+
 def test_copy_block_copies_every_layer_k_and_v():
     storage, _, _ = filled_storage(4, [5, 2], 8)
     storage.copy_block(2, 6)

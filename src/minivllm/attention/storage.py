@@ -157,7 +157,8 @@ def cpu_kv_pool(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     head, then 128 of the other, sixteen times over). vLLM's CPU backend keeps its cache so too
     (its `LBHNC` layout). On the book's 2-core AMD EPYC Zen 4 the numba kernel's batch-64 decode
     pass, K/V out of cache, took 0.80x the time on one thread and 0.87x on two (issue 32); in
-    the engine, alternating runs, the attention's share of a decode step fell by 6-10 %. The numba
+    the engine (four alternating pairs of runs) the attention's time in decode steps went from
+    0.84 of the matmuls' to 0.79, a few percent of a whole run, under the machine's noise. The numba
     backend asks for this pool (`NumbaPagedAttention.heads_outer`); the torch backend gathers
     whole slots, and a GPU's kernels read the indexed order (chapter 08), so theirs keep it."""
     *outer, block_size, heads, dim = shape
