@@ -35,10 +35,10 @@ unless asked), by
   (`data_parallel_split`: minivllm's own rule), timed from a common start to the last one's end;
   `compiled-dp2-1proc` the same with each engine core inside its LLM's process
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one process per rank as minivllm's replicas are.
-  `compiled-1proc` and `eager-1proc` run one `vllm.LLM` with its engine core in its own process
-  that way, as minivllm's engine runs: vLLM as it ships runs the core in a second process, which
-  on two cores shares them with the front end (detokenizing, output processing) -- these modes
-  measure its engine without that split, and time its steps (`time_core_steps`);
+  `compiled-1proc` and `eager-1proc` run one `vllm.LLM` with its engine core inside the LLM's
+  process that way, as minivllm's engine runs in one: vLLM as it ships runs the core in a second
+  process, which on two cores shares them with the front end (detokenizing, output processing) --
+  these modes measure its engine without that split, and time its steps (`time_core_steps`);
 * minivllm: `LLMEngine` in this process, 2 torch threads, 64 slots, a budget of 512 tokens per step,
   on each attention backend of `--backends`, with each number of forward processes of
   `--processes` (`EngineConfig.forward_processes`; 2: each pass split by sequence between this

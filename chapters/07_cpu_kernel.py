@@ -339,10 +339,10 @@ for name, args in chunks.items():
 # hardware prefetcher follows -- in the engine's pool side by side: there a block keeps each head's
 # rows together, as vLLM's CPU cache does (`storage.cpu_kv_pool`, where the measurement is), and
 # the kernel reads that pool through a view indexed as the arrays here are. The next block is
-# wherever the block table says, which the prefetcher cannot guess. So the passes ask for rows before they need them: while pass 1 scores one block, the
-# keys of the block two ahead, and the block's own values, for pass 2, into the second-level cache
-# (where they wait without crowding out the rows the first level needs now); pass 2 asks for the
-# next block's values:
+# wherever the block table says, which the prefetcher cannot guess. So the passes ask for rows
+# before they need them: while pass 1 scores one block, the keys of the block two ahead, and the
+# block's own values, for pass 2, into the second-level cache (where they wait without crowding
+# out the rows the first level needs now); pass 2 asks for the next block's values:
 
 # %%
 show(_prefetch_block)
