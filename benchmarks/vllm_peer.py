@@ -330,16 +330,14 @@ def step_kinds(steps: list[tuple[float, int, bool]]) -> dict[str, dict]:
     (`STEP_KINDS`): how many, their tokens, seconds, and milliseconds a step. Both systems' steps
     go through it, so a whole run's gap can be read by kind of step (plain Python: vLLM's venv
     runs it too)."""
-    kinds: dict[str, dict] = {}
-    for seconds, tokens, prefill in steps:
-        name = next(
-            (k for k, p, most in STEP_KINDS if p == prefill and tokens <= most), STEP_KINDS[-1][0]
-        )
-        kind = kinds.setdefault(name, {"steps": 0, "tokens": 0, "seconds": 0.0})
-        kind["steps"] += 1
-        kind["tokens"] += tokens
-        kind["seconds"] += seconds
-    return _per_step(kinds)
+
+    def kind(tokens: int, prefill: bool) -> str:
+        fits = (k for k, p, most in STEP_KINDS if p == prefill and tokens <= most)
+        return next(fits, STEP_KINDS[-1][0])
+
+    return combined_kinds(
+        [{kind(t, p): {"steps": 1, "tokens": t, "seconds": s}} for s, t, p in steps]
+    )
 
 
 def _per_step(kinds: dict[str, dict]) -> dict[str, dict]:
