@@ -349,6 +349,25 @@ def test_a_big_bfloat16_weight_packs_where_the_cpu_multiplies_bfloat16(
         pytest.skip("bfloat16 packing not checked: oneDNN has no bfloat16 path on this CPU")
 
 
+def record_packed_rows(monkeypatch) -> list[int]:
+    """A list that grows by the rows of each packed matmul oneDNN runs from now on
+    (`torch.ops.mkldnn._linear_pointwise` as `fused` calls it), which still runs."""
+    rows_multiplied = []
+    mkldnn = torch.ops.mkldnn
+    onednn = mkldnn._linear_pointwise
+
+    class Recording:  # torch.ops.mkldnn, recording the rows each packed matmul got
+        def _linear_pointwise(self, x, *args):
+            rows_multiplied.append(x.shape[0])
+            return onednn(x, *args)
+
+        def __getattr__(self, name):
+            return getattr(mkldnn, name)
+
+    monkeypatch.setattr(fused_module.torch.ops, "mkldnn", Recording())
+    return rows_multiplied
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_big_weight_takes_a_few_rows_padded_to_four(dtype: torch.dtype, monkeypatch) -> None:
     """`linear` multiplies a big packed weight by fewer than PADDED_MIN_ROWS rows as that many
@@ -362,24 +381,13 @@ def test_a_big_weight_takes_a_few_rows_padded_to_four(dtype: torch.dtype, monkey
     # 4 MiB in bfloat16, 8 in float32: PACK_MIN_BYTES or more
     weight = (torch.randn(2048, 1024, generator=generator) * 0.05).to(dtype)
     x = torch.randn(1, 3, 1024, generator=generator).to(dtype)  # [batch, tokens, features]
-    rows_multiplied = []
-    mkldnn = torch.ops.mkldnn
-    onednn = mkldnn._linear_pointwise
-
-    class Recording:  # torch.ops.mkldnn, recording the rows each packed matmul got
-        def _linear_pointwise(self, x, *args):
-            rows_multiplied.append(x.shape[0])
-            return onednn(x, *args)
-
-        def __getattr__(self, name):
-            return getattr(mkldnn, name)
-
+    onednn = torch.ops.mkldnn._linear_pointwise
     with torch.inference_mode():
         unpadded = {
             n: onednn(x[0, :n], fused_module._packed(weight), None, "none", [], "")
             for n in (1, 2, 3)
         }
-        monkeypatch.setattr(fused_module.torch.ops, "mkldnn", Recording())
+        rows_multiplied = record_packed_rows(monkeypatch)
         for n in (1, 2, 3):
             out = fused_module.linear(x[:, :n], weight)
             assert out.shape == (1, n, weight.shape[0]) and out.is_contiguous()
@@ -390,6 +398,57 @@ def test_a_big_weight_takes_a_few_rows_padded_to_four(dtype: torch.dtype, monkey
     assert rows_multiplied == [one_row, 4, 4, 4]
     three = fused_module.linear(x[0], weight)
     torch.testing.assert_close(four[:3], three, rtol=2**-7, atol=2**-7)
+
+
+def test_matmul_rows_are_a_few_sizes_a_doubling_at_most_an_eighth_more() -> None:
+    """`matmul_rows`: a decode's rows as they are, up to EXACT_ROWS; above, one of
+    SIZES_PER_DOUBLING sizes between each power of two and the next, never fewer rows than asked
+    and at most an eighth more -- so a token budget of 512 rows makes 24 sizes above 64, not 448."""
+    rows = fused_module.matmul_rows
+    asked = (1, 63, 64, 65, 72, 73, 128, 129, 300, 512, 513)
+    assert [rows(n) for n in asked] == [1, 63, 64, 72, 72, 80, 128, 144, 320, 512, 576]
+    for n in range(1, 2049):
+        assert n <= rows(n) <= n + max(0, n - 1) // 8 and rows(rows(n)) == rows(n)
+    assert len({rows(n) for n in range(65, 513)}) == 3 * fused_module.SIZES_PER_DOUBLING
+
+
+def test_a_packed_matmul_of_many_rows_reads_on_into_padded_memory(monkeypatch) -> None:
+    """Above EXACT_ROWS rows a packed matmul runs at `matmul_rows` rows where its input's memory
+    runs on that far (`row_padded`, as the engine's norms and SwiGLU write), and at its own rows
+    where it does not (a copy, here): the rows asked for come back, in a tensor of their own
+    shape, equal to the exact call's to float32 rounding."""
+    if not fused_module.ONEDNN_LINEAR:
+        pytest.skip("this torch has no oneDNN linear ops")
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(2048, 1024, generator=generator) * 0.05  # 8 MiB: PACK_MIN_BYTES or more
+    x = fused_module.row_padded(300, 1024, weight)
+    assert x.shape == (300, 1024) and x.untyped_storage().nbytes() == 320 * 1024 * 4
+    assert torch.equal(x.as_strided((320, 1024), (1024, 1))[300:], torch.zeros(20, 1024))
+    x.copy_(torch.randn(300, 1024, generator=generator))
+    onednn = torch.ops.mkldnn._linear_pointwise
+    with torch.inference_mode():
+        exact = onednn(x.clone(), fused_module._packed(weight), None, "none", [], "")
+        rows_multiplied = record_packed_rows(monkeypatch)
+        padded = fused_module.linear(x, weight)
+        unpadded = fused_module.linear(x.clone(), weight)
+    assert rows_multiplied == [320, 300]
+    for out in (padded, unpadded):
+        assert out.shape == (300, 2048) and out.is_contiguous()
+        torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_the_engines_norms_write_where_the_next_matmul_reads_on() -> None:
+    """A packed model's norm of an engine's rows (`[tokens, hidden]`) writes into memory that runs
+    on to `matmul_rows` rows (`row_padded`), its values the same as into a tensor of its own; a
+    row count that is its own size, or another shape, gets a tensor of its own."""
+    norm = fused_module.FusedRMSNorm(256, 1e-5)
+    norm.compiled_loop = True
+    x = torch.randn(100, 256, generator=torch.Generator().manual_seed(3))
+    out = norm(x)
+    assert out.untyped_storage().nbytes() == fused_module.matmul_rows(100) * 256 * 4 > x.nbytes
+    torch.testing.assert_close(out, cpu_kernels.rms_norm(x, norm.weight, norm.eps), rtol=0, atol=0)
+    assert norm(x[:64]).untyped_storage().nbytes() == 64 * 256 * 4
+    assert norm(x.view(4, 25, 256)).untyped_storage().nbytes() == x.nbytes
 
 
 def count_packed_calls(monkeypatch) -> list:

@@ -629,6 +629,53 @@ def test_a_pass_too_small_to_wake_a_second_thread_runs_on_one(monkeypatch) -> No
         torch.set_num_threads(threads)
 
 
+def test_a_decode_pass_a_token_on_from_the_last_deals_its_units_as_the_last_did() -> None:
+    """The backend plans its units (`plan_work`) once for a run of decode passes: a pass of the
+    same sequences, each a token further on, is dealt as the last was -- its units each cost one
+    more, so the deal by cost stands, and it is the plan `plan_work` makes for it. Any other pass
+    (another set of sequences, a prefill chunk, another thread count) is planned anew."""
+    from minivllm.attention.batch import VarlenBatch
+    from minivllm.attention.numba_cpu import NumbaPagedAttention
+    from minivllm.attention.storage import PagedKVStorage
+    from minivllm.model.transformer import ModelConfig
+
+    storage = PagedKVStorage(ModelConfig(n_layers=1), 64, 16, dtype=torch.float32)
+
+    def decode_pass(context_lens, query_lens=None):
+        context_lens = np.array(context_lens)
+        query_lens = np.ones_like(context_lens) if query_lens is None else np.array(query_lens)
+        starts = np.concatenate([[0], np.cumsum(query_lens)])
+        rows = int(starts[-1])
+        blocks = -(-int(context_lens.max()) // 16)
+        batch = VarlenBatch(
+            input_ids=torch.zeros(rows, dtype=torch.long),
+            positions=torch.zeros(rows, dtype=torch.long),
+            slot_mapping=torch.arange(rows),
+            query_start=torch.from_numpy(starts),
+            context_lens=torch.from_numpy(context_lens),
+            block_tables=torch.arange(len(context_lens) * blocks).reshape(-1, blocks) % 64,
+            logits_indices=torch.from_numpy(starts[1:] - 1),
+            num_decodes=int((query_lens == 1).sum()),
+            block_size=16,
+            max_decode_context_len=int(context_lens.max()),
+        )
+        backend = NumbaPagedAttention(storage, batch)
+        planned = plan_work(context_lens, starts, 2, len(backend.work[1]) - 1)
+        for made, expected in zip(backend.work, planned):
+            np.testing.assert_array_equal(made, expected)
+        return backend.work
+
+    lens = [90, 30, 200, 7, 64, 120, 33, 18]
+    first = decode_pass(lens)
+    assert decode_pass([n + 1 for n in lens])[0] is first[0]  # the same plan, not a new one
+    assert decode_pass([n + 2 for n in lens])[0] is first[0]
+    assert decode_pass([n + 2 for n in lens])[0] is not first[0]  # not a token on: planned anew
+    again = decode_pass(lens[:-1])  # a sequence finished
+    assert again[0] is not first[0]
+    decode_pass([n + 1 for n in lens[:-1]], [1] * 6 + [20])  # a prefill chunk among them
+    assert decode_pass([n + 2 for n in lens[:-1]])[0] is not again[0]
+
+
 def test_warm_up_compiles_or_loads_the_kernel() -> None:
     warm_up()  # no error, and the next call needs no compilation
     assert relative_error(*random_batch([1], [3], 2, 1, 32, 8)) <= 1e-5

@@ -854,6 +854,8 @@ PARALLEL_MIN_COST = _parallel_min_cost()
 def pass_cost(context_lens: np.ndarray, query_start: np.ndarray, num_kv_heads: int) -> int:
     """A pass's attention work: each sequence's new rows times the keys they see (`unit_cost`
     for its whole chunk), over its K/V heads."""
+    if query_start[-1] == len(context_lens):  # decodes alone: a row sees its whole context
+        return int(context_lens.sum()) * num_kv_heads
     rows = np.diff(query_start)
     chunks = np.column_stack([np.arange(len(rows)), np.zeros_like(rows), rows])
     return int(unit_cost(chunks, context_lens, query_start).sum()) * num_kv_heads
@@ -911,6 +913,8 @@ class NumbaPagedAttention:
     # The pool this kernel reads best: a block's rows of each head side by side
     # (`storage.cpu_kv_pool`); the engine makes its storage so.
     heads_outer = True
+    # storage -> its last decode pass's (context lengths, threads, work plan), for `_plan`
+    _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     # storage -> (its tensor's address and shape, each layer's (key cache, value cache) as the
     # kernel takes them): made once, as the caches do not move -- again if the storage was given a
     # new tensor. A weak key: the arrays go with their engine's storage.
@@ -944,7 +948,22 @@ class NumbaPagedAttention:
         if threads > 1:  # a one-thread process never starts numba's thread pool
             use_threads(threads)
         self.kernel = _kernel_for(threads)
-        self.work = plan_work(self.context_lens, self.query_start, kv_heads, threads)
+        self.work = self._plan(storage, threads)
+
+    def _plan(self, storage: PagedKVStorage, threads: int) -> tuple[np.ndarray, np.ndarray]:
+        """`plan_work` for this pass -- or the last pass's plan, where both are decodes of the
+        same sequences, each a token further on: every unit then costs one more and they are dealt
+        as before. A decode step plans its units in tens of microseconds of numpy calls, as long as
+        a thread of its kernel takes for several sequences' attention."""
+        lens = self.context_lens
+        decodes = len(self.slot_mapping) == len(lens)  # one new row a sequence
+        last_lens, last_threads, work = self._plans.pop(storage, (None, 0, None))
+        same = last_lens is not None and len(last_lens) == len(lens) and last_threads == threads
+        if not (decodes and same and (last_lens + 1 == lens).all()):
+            work = plan_work(lens, self.query_start, storage.config.n_kv_heads, threads)
+        if decodes:
+            self._plans[storage] = (lens.copy(), threads, work)
+        return work
 
     @staticmethod
     def warm_up(threads: int | None = None, dtype: torch.dtype = torch.float32) -> None:

@@ -191,17 +191,22 @@ def _rms_rows(x, weight, eps, out):
             out[r, i] = (row[i] * scale) * weight[i]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out=None) -> torch.Tensor:
     """`RMSNorm` over the last axis of `x` (float32 on the CPU; a view into a matmul's output, as
-    Qwen3's q and k are, is fine), to float32 rounding. Returns a new contiguous tensor."""
-    return _norm_rows(_rms_rows, x, weight, eps)
+    Qwen3's q and k are, is fine), to float32 rounding. Returns a new contiguous tensor, or `out`
+    (see `_norm_rows`)."""
+    return _norm_rows(_rms_rows, x, weight, eps, out)
 
 
-def _norm_rows(loop, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm_rows(loop, x: torch.Tensor, weight: torch.Tensor, eps: float, out=None) -> torch.Tensor:
     """A norm's compiled `loop(rows, weight, eps, out)` over the last axis of `x` (float32 or
-    bfloat16), the weight held from call to call (`_held`). Returns a new contiguous tensor."""
+    bfloat16), the weight held from call to call (`_held`). Returns a new contiguous tensor, or
+    `out` (contiguous, of `x`'s shape and dtype, given for a 2-D `x`) written."""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a view where the strides allow one
-    out, out_array = _new_array(rows.shape, x.dtype)
+    if out is None:
+        out, out_array = _new_array(rows.shape, x.dtype)
+    else:
+        out_array = _array(out)
     loop(_array(rows), _held(weight), np.float32(eps), out_array)
     return out if x.dim() == 2 else out.view(x.shape)
 
@@ -390,10 +395,13 @@ def rope_qk_bfloat16(
     return q_out, k_out
 
 
-def hf_rms_norm_bfloat16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def hf_rms_norm_bfloat16(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out=None
+) -> torch.Tensor:
     """`HFRMSNorm` over the last axis of a bfloat16 `x` (a view into a matmul's output is fine),
-    its sum of squares to float32 rounding. Returns a new contiguous tensor."""
-    return _norm_rows(_hf_rms_rows_bfloat16, x, weight, eps)
+    its sum of squares to float32 rounding. Returns a new contiguous tensor, or `out` (see
+    `_norm_rows`)."""
+    return _norm_rows(_hf_rms_rows_bfloat16, x, weight, eps, out)
 
 
 def qk_norm_rope_bfloat16(

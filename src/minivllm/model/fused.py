@@ -95,6 +95,21 @@ PACKED_MIN_ROWS = 2
 # results were the same bits either way (AMD Zen 4; an Intel host with AMX may sum otherwise); in
 # float32 they move by float32 rounding (four rows sum in another order).
 PADDED_MIN_ROWS = 4
+# oneDNN makes a primitive for each number of rows it multiplies a packed weight by -- machine code
+# for that shape, made at the first such call and kept in its cache (1024 of them, by default) --
+# and a step with a prefill chunk may bring any number of rows up to the token budget. Each took
+# about 0.5 ms to make and held about 0.6 MiB (the book's model's projections in float32; 1.1 to
+# 1.9 MiB at Qwen3-0.6B's shapes; AMD EPYC Zen 4): `vllm_peer.py`'s 256 requests made 504 of them,
+# and a long-running engine would hold up to the cache's 1024. So above EXACT_ROWS rows (a
+# decode's batch, up to 64 sequences, multiplied as it is) a packed matmul runs at one of
+# SIZES_PER_DOUBLING sizes between each power of two and the next (`matmul_rows`: 72, 80, ...,
+# 128, 144, ..., 256, 288, ...), with at most an eighth more rows, whose results are dropped --
+# where the input's memory runs on that far (`row_padded`), as the model's norms and SwiGLU leave
+# it, so that nothing is copied. That workload then made 219, 3.5 % more rows in its prefill
+# steps' matmuls, and its engine's peak memory went from 966 to 796 MiB; its run time moved within
+# the machine's noise (issue 32).
+EXACT_ROWS = 64
+SIZES_PER_DOUBLING = 8
 # Whether this torch has oneDNN's CPU linear ops (x86 and arm64 builds do). A constant, read once:
 # torch.compile will not trace `torch.backends.mkldnn.is_available` (a graph break per layer).
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
@@ -158,9 +173,14 @@ def _is_packed(weight: torch.Tensor) -> bool:
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """oneDNN's linear on `weight` packed once (the cache above); a big weight's input of fewer
-    than PADDED_MIN_ROWS rows padded to that many (see there)."""
+    than PADDED_MIN_ROWS rows padded to that many, and one of more than EXACT_ROWS run at
+    `matmul_rows` where its memory allows (see there)."""
     packed = _packed(weight)
     rows = x.numel() // max(x.shape[-1], 1)
+    if rows > EXACT_ROWS:
+        run = _rows_run_on(x, matmul_rows(rows))
+        out = torch.ops.mkldnn._linear_pointwise(run, packed, bias, "none", [], "")
+        return out[:rows].view(*x.shape[:-1], out.shape[-1]) if run is not x else out
     small = weight.numel() * weight.element_size() < PACK_MIN_BYTES
     if rows >= PADDED_MIN_ROWS or small or (rows == 1 and x.dtype != torch.float32):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -168,6 +188,34 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     padded[:rows] = x.reshape(rows, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
+
+
+def matmul_rows(rows: int) -> int:
+    """The rows a packed matmul of `rows` input rows runs at: `rows` itself up to EXACT_ROWS, else
+    rounded up to a multiple of 1/SIZES_PER_DOUBLING of the power of two below it."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = max(1, (1 << (rows - 1).bit_length()) // (2 * SIZES_PER_DOUBLING))
+    return -(-rows // step) * step
+
+
+def row_padded(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
+    """A new `[rows, columns]` tensor of `like`'s dtype and device whose memory runs on to
+    `matmul_rows(rows)` rows, zeros there: an output a packed matmul then takes as its input at
+    that many rows without a copy."""
+    full = like.new_empty(matmul_rows(rows), columns)
+    full[rows:].zero_()  # results of these rows are dropped; zeros keep them cheap to compute
+    return full[:rows]
+
+
+def _rows_run_on(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` (`[..., columns]`) as `[rows, columns]`, reading on past its own rows into the memory
+    after them, where `x` is contiguous and its storage holds that many; else `x` itself."""
+    columns = x.shape[-1]
+    end = (x.storage_offset() + rows * columns) * x.element_size()
+    if not x.is_contiguous() or x.untyped_storage().nbytes() < end:
+        return x
+    return x.as_strided((rows, columns), (columns, 1))
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
@@ -240,6 +288,15 @@ class FusedSelfAttention(SelfAttention):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+def _matmul_input(x: torch.Tensor) -> torch.Tensor | None:
+    """Where a norm of `x` writes: for an engine's rows (`[tokens, hidden]`) that a packed matmul
+    runs at more rows (`matmul_rows`), memory it can read on into (`row_padded`); else None, a
+    tensor of the norm's own."""
+    if x.dim() != 2 or matmul_rows(x.shape[0]) == x.shape[0]:
+        return None
+    return row_padded(x.shape[0], x.shape[1], x)
+
+
 class FusedRMSNorm(RMSNorm):
     """`RMSNorm` as torch's one `rms_norm` op on the CPU in float32: the same arithmetic in the
     same order as the module's five (bit for bit), dispatched once -- or, in a model whose weights
@@ -252,7 +309,7 @@ class FusedRMSNorm(RMSNorm):
         if not on_cpu_in_float32(x):
             return super().forward(x)
         if self.compiled_loop and not torch.compiler.is_compiling():
-            return _cpu_kernels().rms_norm(x, self.weight, self.eps)
+            return _cpu_kernels().rms_norm(x, self.weight, self.eps, _matmul_input(x))
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -265,7 +322,7 @@ class FusedHFRMSNorm(FusedRMSNorm, HFRMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         loop = self.compiled_loop and not torch.compiler.is_compiling()
         if loop and on_cpu_in_bfloat16(x, self.weight):
-            return _cpu_kernels().hf_rms_norm_bfloat16(x, self.weight, self.eps)
+            return _cpu_kernels().hf_rms_norm_bfloat16(x, self.weight, self.eps, _matmul_input(x))
         return super().forward(x)
 
 
@@ -277,7 +334,20 @@ class FusedSwiGLU(SwiGLU):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if not _feeds_padded(x, self.down_proj.weight):
+            return self.down_proj(F.silu(gate) * up)
+        # the product in memory the packed down projection can read on into
+        product = row_padded(x.shape[0], gate.shape[-1], gate)
+        return self.down_proj(torch.mul(F.silu(gate), up, out=product))
+
+
+def _feeds_padded(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the product of an engine's rows `x` (`[tokens, features]`, on the CPU, eager)
+    goes to a packed matmul of `weight` that runs at more rows (`matmul_rows`)."""
+    if x.dim() != 2 or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    rows = x.shape[0]
+    return matmul_rows(rows) > rows and packs(weight, rows)
 
 
 def fuse_projections(model: Transformer, in_place: bool = False) -> Transformer:
