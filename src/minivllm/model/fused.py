@@ -54,7 +54,15 @@ from torch import nn
 
 from minivllm.model.derived import DerivedCache
 from minivllm.model.families import HFRMSNorm
-from minivllm.model.transformer import RMSNorm, SelfAttention, SwiGLU, Transformer, apply_rope
+from minivllm.model.transformer import (
+    Attention,
+    DecoderLayer,
+    RMSNorm,
+    SelfAttention,
+    SwiGLU,
+    Transformer,
+    apply_rope,
+)
 
 
 def on_cpu_in_float32(*tensors: torch.Tensor) -> bool:
@@ -326,7 +334,25 @@ class FusedHFRMSNorm(FusedRMSNorm, HFRMSNorm):
         return super().forward(x)
 
 
-_FUSED_CLASSES = {RMSNorm: FusedRMSNorm, HFRMSNorm: FusedHFRMSNorm, nn.Linear: FusedLinear}
+class FusedDecoderLayer(DecoderLayer):
+    """`DecoderLayer` adding each residual into the sublayer's output, a tensor of the layer's own,
+    in place: the same sums, bit for bit, without a new tensor for each -- on the CPU, where a
+    tensor of a prefill chunk's rows is fresh memory the process faults in page by page."""
+
+    def forward(self, x, cos, sin, attention: Attention) -> torch.Tensor:
+        if _traced_or_trained():
+            return super().forward(x, cos, sin, attention)
+        normed = self.input_layernorm(x)
+        x = self.self_attn(normed, cos, sin, self.index, attention).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+
+
+_FUSED_CLASSES = {
+    RMSNorm: FusedRMSNorm,
+    HFRMSNorm: FusedHFRMSNorm,
+    nn.Linear: FusedLinear,
+    DecoderLayer: FusedDecoderLayer,
+}
 
 
 class FusedSwiGLU(SwiGLU):
@@ -334,11 +360,21 @@ class FusedSwiGLU(SwiGLU):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        if not _feeds_padded(x, self.down_proj.weight):
+        if _traced_or_trained():
             return self.down_proj(F.silu(gate) * up)
+        # gate|up is this call's own tensor: SiLU in place, into the gate half (the same bits)
+        gate = F.silu(gate, inplace=True)
+        if not _feeds_padded(x, self.down_proj.weight):
+            return self.down_proj(gate * up)
         # the product in memory the packed down projection can read on into
         product = row_padded(x.shape[0], gate.shape[-1], gate)
-        return self.down_proj(torch.mul(F.silu(gate), up, out=product))
+        return self.down_proj(torch.mul(gate, up, out=product))
+
+
+def _traced_or_trained() -> bool:
+    """Whether a forward keeps to out-of-place ops: under torch.compile (inductor fuses them
+    itself) or where autograd records (an in-place op may overwrite what a backward needs)."""
+    return torch.compiler.is_compiling() or torch.is_grad_enabled()
 
 
 def _feeds_padded(x: torch.Tensor, weight: torch.Tensor) -> bool:
