@@ -44,6 +44,19 @@ def test_fused_logits_are_the_unfused_ones_bit_for_bit(target, fused, shape) -> 
         assert torch.equal(fused(ids), target(ids))
 
 
+def test_where_autograd_records_the_fused_model_keeps_to_out_of_place_ops(fused) -> None:
+    """The fused model adds residuals and applies SiLU in place only where nothing records a
+    backward (an engine's inference): with autograd on, its forward is differentiable."""
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.enable_grad():
+        logits = fused(ids)
+        assert logits.requires_grad
+        logits.square().mean().backward()  # an in-place op on a saved tensor would raise here
+    head = fused.lm_head.weight
+    assert head.grad is not None and bool(head.grad.abs().sum() > 0)
+    fused.zero_grad(set_to_none=True)
+
+
 def test_every_layer_is_fused_and_the_callers_model_is_untouched(target, fused) -> None:
     for original, layer in zip(target.model.layers, fused.model.layers):
         assert isinstance(layer.self_attn, FusedSelfAttention)

@@ -336,8 +336,8 @@ class FusedHFRMSNorm(FusedRMSNorm, HFRMSNorm):
 
 class FusedDecoderLayer(DecoderLayer):
     """`DecoderLayer` adding each residual into the sublayer's output, a tensor of the layer's own,
-    in place: the same sums, bit for bit, without a new tensor for each -- on the CPU, where a
-    tensor of a prefill chunk's rows is fresh memory the process faults in page by page."""
+    in place: the same sums, bit for bit, and no new tensor for either (vLLM adds its residuals in
+    place too). On the book's machine the engine's runs moved within the noise with it."""
 
     def forward(self, x, cos, sin, attention: Attention) -> torch.Tensor:
         if _traced_or_trained():
