@@ -296,13 +296,19 @@ class FusedSelfAttention(SelfAttention):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def _matmul_input(x: torch.Tensor) -> torch.Tensor | None:
-    """Where a norm of `x` writes: for an engine's rows (`[tokens, hidden]`) that a packed matmul
-    runs at more rows (`matmul_rows`), memory it can read on into (`row_padded`); else None, a
-    tensor of the norm's own."""
-    if x.dim() != 2 or matmul_rows(x.shape[0]) == x.shape[0]:
+def _matmul_input(
+    x: torch.Tensor, columns: int, weight: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Where an op on an engine's rows `x` (`[tokens, features]`) writes its `[tokens, columns]`
+    result when a packed matmul (of `weight`, where given) takes it next at more rows
+    (`matmul_rows`): memory that matmul reads on into (`row_padded`). Else None: a tensor of the
+    op's own."""
+    rows = x.shape[0]
+    if x.dim() != 2 or matmul_rows(rows) == rows:
         return None
-    return row_padded(x.shape[0], x.shape[1], x)
+    if weight is not None and not (x.device.type == "cpu" and packs(weight, rows)):
+        return None
+    return row_padded(rows, columns, x)
 
 
 class FusedRMSNorm(RMSNorm):
@@ -317,7 +323,8 @@ class FusedRMSNorm(RMSNorm):
         if not on_cpu_in_float32(x):
             return super().forward(x)
         if self.compiled_loop and not torch.compiler.is_compiling():
-            return _cpu_kernels().rms_norm(x, self.weight, self.eps, _matmul_input(x))
+            out = _matmul_input(x, x.shape[-1])
+            return _cpu_kernels().rms_norm(x, self.weight, self.eps, out)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -330,7 +337,8 @@ class FusedHFRMSNorm(FusedRMSNorm, HFRMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         loop = self.compiled_loop and not torch.compiler.is_compiling()
         if loop and on_cpu_in_bfloat16(x, self.weight):
-            return _cpu_kernels().hf_rms_norm_bfloat16(x, self.weight, self.eps, _matmul_input(x))
+            out = _matmul_input(x, x.shape[-1])
+            return _cpu_kernels().hf_rms_norm_bfloat16(x, self.weight, self.eps, out)
         return super().forward(x)
 
 
@@ -364,10 +372,10 @@ class FusedSwiGLU(SwiGLU):
             return self.down_proj(F.silu(gate) * up)
         # gate|up is this call's own tensor: SiLU in place, into the gate half (the same bits)
         gate = F.silu(gate, inplace=True)
-        if not _feeds_padded(x, self.down_proj.weight):
+        # the product where a packed down projection reads on into it (or a tensor of its own)
+        product = _matmul_input(x, gate.shape[-1], self.down_proj.weight)
+        if product is None:
             return self.down_proj(gate * up)
-        # the product in memory the packed down projection can read on into
-        product = row_padded(x.shape[0], gate.shape[-1], gate)
         return self.down_proj(torch.mul(gate, up, out=product))
 
 
@@ -375,15 +383,6 @@ def _traced_or_trained() -> bool:
     """Whether a forward keeps to out-of-place ops: under torch.compile (inductor fuses them
     itself) or where autograd records (an in-place op may overwrite what a backward needs)."""
     return torch.compiler.is_compiling() or torch.is_grad_enabled()
-
-
-def _feeds_padded(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the product of an engine's rows `x` (`[tokens, features]`, on the CPU, eager)
-    goes to a packed matmul of `weight` that runs at more rows (`matmul_rows`)."""
-    if x.dim() != 2 or x.device.type != "cpu" or torch.compiler.is_compiling():
-        return False
-    rows = x.shape[0]
-    return matmul_rows(rows) > rows and packs(weight, rows)
 
 
 def fuse_projections(model: Transformer, in_place: bool = False) -> Transformer:
