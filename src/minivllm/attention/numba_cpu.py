@@ -105,6 +105,16 @@ QUERY_TILE = 16  # query rows per unit of work: a long prefill chunk becomes sev
 # after a cached prefix) 4.8-6.0 against 6.0-8.5. A float32 cache (the book's model) only gains a
 # copy: 0.97-1.03 ms against 0.97-1.02.
 STAGE_MIN_VECTORS = 8
+# How many blocks ahead of the one being scored the keys are asked for into the second-level cache
+# (the first-level prefetch stays two blocks ahead), and how many of the next unit's first blocks
+# are asked for while a unit runs. A decode's units are short -- a sequence's few hundred keys of
+# one K/V head -- and each began by waiting on memory for its first blocks. K/V out of cache
+# (AMD EPYC Zen 4, the kernel alone, against the kernel without these, alternated, medians of 2
+# runs): Qwen3-0.6B's shape in bfloat16, batch 8 at 100-350 tokens, 0.56-0.60x the time on one
+# thread and 0.76-0.78x on two; the book's model at batch 64 0.75-0.76x and 0.78-0.86x; a
+# prefill of 4 x 64 rows (compute-bound) 0.99-1.03x. Four blocks ahead did as well as three or
+# five, better than six, eight, twelve or a unit's every block.
+KEYS_L2_AHEAD = 4
 # Whether the CPU has 32 vector registers (AVX-512's), room for `_values_simd`'s wide tile: eight
 # query vectors' accumulators at once instead of four. A 512-token prefill chunk of Qwen3-0.6B's
 # shape attended in 23.5 ms a layer with it against 32-34 ms, on one core of an AMD EPYC Zen 4.
@@ -406,18 +416,26 @@ def _score_blocks(
     block_size = key_cache.shape[1]
     num_blocks = (last_visible + block_size - 1) // block_size
     stage = simd and vectors >= STAGE_MIN_VECTORS
-    # Prefetching, pass 1: the keys two blocks ahead, and each block's values into the
-    # second-level cache for pass 2 (at the book's shape a unit's values are 2 KiB a block, 32 KiB
-    # for 256 keys: that cache holds them many times over). Memory is the kernel's limit on a step
-    # of many sequences, whose K/V are in no cache: the book's model, 64 sequences of 150-350
-    # tokens, 6 layers, took 7.6-7.9 ms on one thread of an AMD EPYC Zen 4 this way against
-    # 9.1-9.5 ms with the next key block alone prefetched, and an engine's batch-64 decode pass
-    # 483-493 us a layer against 550.
+    # Prefetching, pass 1: the keys two blocks ahead into the first-level cache and KEYS_L2_AHEAD
+    # blocks ahead into the second (`_attend_units` asked for the first ones before the unit
+    # began), and each block's values into the second-level cache for pass 2 (at the book's shape
+    # a unit's values are 2 KiB a block, 32 KiB for 256 keys: that cache holds them many times
+    # over). Memory is the kernel's limit on a step of many sequences, whose K/V are in no cache:
+    # the book's model, 64 sequences of 150-350 tokens, 6 layers, took 7.6-7.9 ms on one thread of
+    # an AMD EPYC Zen 4 this way against 9.1-9.5 ms with the next key block alone prefetched, and
+    # an engine's batch-64 decode pass 483-493 us a layer against 550.
     if num_blocks > 1:
         _prefetch_block(key_cache, table[1], kv_head, False)
+    # asked for once more (`_attend_units` did, a unit ago): the kernel alone took 0.87-0.90x the
+    # time on one thread with this than without (Qwen3-0.6B's shape, as below KEYS_L2_AHEAD) --
+    # likely a prefetch finding no free slot among the misses in flight is dropped
+    for ahead in range(2, min(KEYS_L2_AHEAD, num_blocks)):
+        _prefetch_block(key_cache, table[ahead], kv_head, True)
     for logical in range(num_blocks):
         if logical + 2 < num_blocks:
             _prefetch_block(key_cache, table[logical + 2], kv_head, False)
+        if logical + KEYS_L2_AHEAD < num_blocks:
+            _prefetch_block(key_cache, table[logical + KEYS_L2_AHEAD], kv_head, True)
         _prefetch_block(value_cache, table[logical], kv_head, True)
         n, base = min(block_size, last_visible - logical * block_size), logical * block_size
         if stage:  # the head's keys once, contiguous, in float32, for every vector of the tile
@@ -461,6 +479,19 @@ def _write_new_rows(k_new, v_new, slot_mapping, key_cache, value_cache):
         value_cache[block, offset] = v_new[row]
 
 
+@njit(cache=True, inline="always")
+def _prefetch_first_keys(key_cache, block_tables, context_lens, query_start, work, i):
+    """Unit `i`'s first KEYS_L2_AHEAD blocks of keys into the second-level cache (none past the
+    end of `work`): `_score_blocks` asks for the rest as it goes."""
+    if i >= work.shape[0]:
+        return
+    seq, t1, kv_head = work[i, 0], work[i, 2], work[i, 3]
+    last_visible = context_lens[seq] - (query_start[seq + 1] - query_start[seq]) + t1
+    block_size = key_cache.shape[1]
+    for logical in range(min(KEYS_L2_AHEAD, (last_visible + block_size - 1) // block_size)):
+        _prefetch_block(key_cache, block_tables[seq, logical], kv_head, True)
+
+
 @njit(cache=True, fastmath=FASTMATH)
 def _attend_units(
     out, q, key_cache, value_cache, block_tables, context_lens, query_start, work, scale, simd
@@ -484,9 +515,13 @@ def _attend_units(
         np.empty(width, dtype=np.int32),  # _exp_in_place's exponent bits
         np.empty((block_size, 1, q.shape[2]), dtype=np.float32),  # a block's rows of one head
     )
+    _prefetch_first_keys(key_cache, block_tables, context_lens, query_start, work, 0)
     for i in range(work.shape[0]):
         seq, t0, t1, kv_head = work[i, 0], work[i, 1], work[i, 2], work[i, 3]
         first = query_start[seq]
+        # the next unit's first keys, asked for while this one runs: otherwise every unit would
+        # begin by waiting on memory, and a decode's units are many and short
+        _prefetch_first_keys(key_cache, block_tables, context_lens, query_start, work, i + 1)
         _attend(
             out,
             q,
