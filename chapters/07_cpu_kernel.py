@@ -340,9 +340,12 @@ for name, args in chunks.items():
 # rows together, as vLLM's CPU cache does (`storage.cpu_kv_pool`, where the measurement is), and
 # the kernel reads that pool through a view indexed as the arrays here are. The next block is
 # wherever the block table says, which the prefetcher cannot guess. So the passes ask for rows
-# before they need them: while pass 1 scores one block, the keys of the block two ahead, and the
-# block's own values, for pass 2, into the second-level cache (where they wait without crowding
-# out the rows the first level needs now); pass 2 asks for the next block's values:
+# before they need them: while pass 1 scores one block, the keys of the block two ahead into the
+# first-level cache, the keys `KEYS_L2_AHEAD` blocks ahead and the block's own values, for pass 2,
+# into the second-level cache (where they wait without crowding out the rows the first level needs
+# now); pass 2 asks for the next block's values. A decode's units are short, and each would begin
+# by waiting on its first blocks, so a thread asks for the next unit's first keys while it runs
+# one (`_attend_units` below):
 
 # %%
 show(_prefetch_block)
