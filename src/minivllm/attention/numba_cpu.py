@@ -427,7 +427,7 @@ def _score_blocks(
     if num_blocks > 1:
         _prefetch_block(key_cache, table[1], kv_head, False)
     # asked for once more (`_attend_units` did, a unit ago): the kernel alone took 0.87-0.90x the
-    # time on one thread with this than without (Qwen3-0.6B's shape, as below KEYS_L2_AHEAD) --
+    # time on one thread with this than without (Qwen3-0.6B's shape, as at KEYS_L2_AHEAD) --
     # likely a prefetch finding no free slot among the misses in flight is dropped
     for ahead in range(2, min(KEYS_L2_AHEAD, num_blocks)):
         _prefetch_block(key_cache, table[ahead], kv_head, True)
