@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING
 # ops of a step must then wake them again, slow on a virtual machine whose idle vCPUs halt. So
 # minivllm's default lies between: passive, with a short spin first (GOMP_SPINCOUNT; libgomp's own
 # estimate is 100,000 spins a millisecond, so about 0.2 ms), which bridges the gap between two ops.
-# numba's threads sleep at once all the same (`attention/numba_cpu.py`). Spinning threads would
-# hold cores another busy process needs -- two engines sharing the book's two cores each took 5x
-# as long -- so the engine watches its cores and, while other processes keep them busy, runs a
-# pass on the cores they leave (`runner/threads.py`, `CoreWatch`): one thread, and nothing spins.
+# numba's attention and norm loops run on these same threads, as torch's pip build shares its
+# libgomp (`model/numba_threads.py`). Spinning threads would hold cores another busy process
+# needs -- two engines sharing the book's two cores each took 5x as long -- so the engine
+# watches its cores and, while other processes keep them busy, runs a pass on the cores they
+# leave (`runner/threads.py`, `CoreWatch`): one thread, and nothing spins.
 # Measured on the book's 2-core machine (issue 32), vllm_peer's workload at 128 requests ran in
 # 0.92x the time eager and 0.89x compiled on an AMD Zen 3 (medians of 6 alternating runs), 0.76x
 # eager on a Zen 4, whose idle vCPUs wake slowly (medians of 3).

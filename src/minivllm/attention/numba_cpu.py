@@ -38,7 +38,9 @@ Compilation happens once per machine: `cache=True` keeps the machine code next t
 `warm_up()` compiles (or loads) it ahead of the first step. Threads: numba's parallel loops and
 torch's matmuls take turns, never overlap, so each may use every core torch is allowed. The layer is
 numba's **OpenMP** one where its idle threads sleep (`OMP_WAIT_POLICY=PASSIVE`, part of minivllm's
-default): a launch runs a share on the calling thread and wakes one thread per other core. Where
+default): a launch runs a share on the calling thread and wakes one thread per other core -- with
+torch's pip build, torch's own OpenMP threads, which a short spin may still keep awake from the
+matmul before (`model/numba_threads.py`). Where
 they would spin instead, on the cores torch's threads need next, it is the **workqueue**, whose
 launch wakes a worker for every share while the caller sleeps (slower on the book's machine:
 `benchmarks/kernel_threads.py`). With one thread -- a forward worker (`runner/workers.py`), an
@@ -480,13 +482,20 @@ def _write_new_rows(k_new, v_new, slot_mapping, key_cache, value_cache):
 
 
 @njit(cache=True, inline="always")
+def _last_visible(context_lens, query_start, seq, t1):
+    """The keys the last row of sequence `seq`'s tile ending at its new row `t1` sees: those cached
+    before its new rows, and its new rows up to that one."""
+    return context_lens[seq] - (query_start[seq + 1] - query_start[seq]) + t1
+
+
+@njit(cache=True, inline="always")
 def _prefetch_first_keys(key_cache, block_tables, context_lens, query_start, work, i):
     """Unit `i`'s first KEYS_L2_AHEAD blocks of keys into the second-level cache (none past the
     end of `work`): `_score_blocks` asks for the rest as it goes."""
     if i >= work.shape[0]:
         return
     seq, t1, kv_head = work[i, 0], work[i, 2], work[i, 3]
-    last_visible = context_lens[seq] - (query_start[seq + 1] - query_start[seq]) + t1
+    last_visible = _last_visible(context_lens, query_start, seq, t1)
     block_size = key_cache.shape[1]
     for logical in range(min(KEYS_L2_AHEAD, (last_visible + block_size - 1) // block_size)):
         _prefetch_block(key_cache, block_tables[seq, logical], kv_head, True)
@@ -505,7 +514,7 @@ def _attend_units(
     vectors, width = 1, block_size
     for i in range(work.shape[0]):
         seq, t0, t1 = work[i, 0], work[i, 1], work[i, 2]
-        last_visible = context_lens[seq] - (query_start[seq + 1] - query_start[seq]) + t1
+        last_visible = _last_visible(context_lens, query_start, seq, t1)
         vectors = max(vectors, (t1 - t0) * group)
         width = max(width, -(-last_visible // block_size) * block_size)
     scratch = (

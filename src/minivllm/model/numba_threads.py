@@ -30,15 +30,23 @@ if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER ==
 
 
 def _load_openmp_sleeping() -> None:
-    """Load numba's OpenMP layer (its libgomp) with its idle threads sleeping at once.
+    """Load numba's OpenMP layer with a libgomp of its own, if it gets one, sleeping at once.
 
     torch's OpenMP threads may be given a short spin (GOMP_SPINCOUNT, minivllm's default: the
-    package's `__init__`), to bridge the gap between two torch ops. numba loads a libgomp of its
-    own, which would read the same setting as it loads -- but between two attention kernels lies a
-    layer of matmuls, longer than any spin, and a numba thread spinning there holds a core torch's
-    threads need. So, under the passive policy, numba's libgomp loads without the spin count in the
-    environment, which is then put back (for torch in child processes). A libgomp already loaded --
-    one runtime shared with torch, on builds that link the system's -- keeps what it read."""
+    package's `__init__`), to bridge the gap between two torch ops. A libgomp numba loaded for
+    itself would read the same setting as it loads -- but between two attention kernels lies a
+    layer of matmuls, longer than any spin, and a numba thread spinning there would hold a core
+    torch's threads need. So, under the passive policy, numba's layer loads without the spin count
+    in the environment, which is then put back (for torch in child processes).
+
+    With torch's pip wheels numba gets no runtime of its own: torch has loaded its `libgomp.so.1`
+    first, and the dynamic linker binds numba's OpenMP calls (`GOMP_parallel`, ...) to that one
+    (`LD_DEBUG=bindings` shows it; the system's libgomp that numba names is mapped, its threads
+    never start). numba's parallel loops then run on torch's own OpenMP threads, with torch's short
+    spin: one pool, one thread per extra core, no two spinning for the same core -- and a kernel
+    launched right after a matmul finds that thread still awake (issue 32: on the book's 2-core
+    AMD EPYC, one worker thread ran both torch's parallel ops and the attention kernel's shares).
+    Then this function changes nothing: a loaded libgomp keeps what it read."""
     spin = os.environ.get("GOMP_SPINCOUNT")
     if spin is None or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         return
