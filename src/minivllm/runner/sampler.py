@@ -460,8 +460,18 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
     if metadata.rules or not metadata.all_greedy:
         logits = logits.cpu()
     if metadata.all_greedy:  # skip the sort and the hash
-        return metadata.processed(logits).argmax(dim=-1).tolist()
+        return greedy_tokens(metadata.processed(logits))
     return sample_from_probs(metadata.probs(logits), metadata.uniforms()).tolist()
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (its first largest logit): over a real vocabulary on the CPU in
+    compiled vector code (`runner/greedy.py`, the same indices), else torch's."""
+    from minivllm.runner import greedy  # imported at the first greedy step: it imports numba
+
+    if greedy.takes(logits):
+        return greedy.first_largest(logits)
+    return logits.argmax(dim=-1).tolist()
 
 
 def logprob_dicts(
