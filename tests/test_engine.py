@@ -763,6 +763,31 @@ def test_the_cuda_backend_is_imported_only_when_asked_for() -> None:
 # -- ModelRunner.execute ---------------------------------------------------------------------------
 
 
+def test_a_steps_logits_land_in_the_memory_the_last_steps_held(target, monkeypatch) -> None:
+    """The runner's `LogitsBuffer`: each pass's float32 logits in the same memory (no new big
+    tensor a step), ordinary tensors the sampler may edit; logits over its cap get their own."""
+    from minivllm.runner.batch import LogitsBuffer
+
+    buffer = LogitsBuffer()
+    with torch.inference_mode():
+        rows = torch.randn(3, 5, dtype=torch.bfloat16)
+    first = buffer.hold(rows)
+    assert first.dtype == torch.float32 and not first.is_inference()
+    assert torch.equal(first, rows.float())
+    second = buffer.hold(rows[:2] * 2)
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, rows[:2].float() * 2)
+    monkeypatch.setattr(buffer, "MAX_BYTES", 4 * 14)  # 14 floats: 3 x 5 rows are over it
+    third = buffer.hold(rows)
+    assert third.data_ptr() != first.data_ptr() and torch.equal(third, rows.float())
+
+    engine = make_engine(target, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=12)
+    engine.add_request("ROMEO:", SamplingParams(max_tokens=4, temperature=0))
+    engine.step()
+    address = engine.runner.logits.memory.data_ptr()
+    engine.step()
+    assert engine.runner.logits.memory.data_ptr() == address
+
+
 def test_execute_runs_a_plan_and_samples_each_sampling_chunk(target) -> None:
     from minivllm.runner.model_runner import RunnerOutput
 

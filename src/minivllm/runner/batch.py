@@ -135,17 +135,46 @@ def _leading_single_tokens(pieces: SequenceOf[BatchPiece]) -> int:
     return count
 
 
+class LogitsBuffer:
+    """float32 memory for a pass's logits, kept from step to step (the engine's runner has one).
+
+    A step's logits are a new tensor of rows x vocabulary, and a big one is new memory at every
+    step: glibc's malloc maps a block over 32 MiB (the most its threshold rises to) from the system
+    and hands it back when freed, so the copy into it faults in every page. Qwen3's 151,936-token
+    vocabulary at batch 64 is 39 MB: that copy took 8.9 ms of a 314 ms decode step, and 1.6 ms
+    into this buffer (AMD EPYC Zen 4, the step profiled). Each step's logits overwrite the last
+    step's, which nothing holds by then (the runner's `execute` keeps tokens, not logits). Logits
+    over MAX_BYTES (a long prompt's every row, for its logprobs) get a tensor of their own."""
+
+    MAX_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self.memory: torch.Tensor | None = None
+
+    def hold(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` as float32 on their device, in this buffer where they fit MAX_BYTES."""
+        count = rows.numel()
+        if count * 4 > self.MAX_BYTES:
+            return rows.to(rows.device, torch.float32, copy=True)
+        memory = self.memory
+        if memory is None or memory.numel() < count or memory.device != rows.device:
+            memory = self.memory = torch.empty(count, dtype=torch.float32, device=rows.device)
+        return memory[:count].view(rows.shape).copy_(rows)
+
+
 def run_model(
     model: Transformer,
     storage: PagedKVStorage,
     batch: VarlenBatch,
     backend: BackendFactory = TorchPagedAttention,
     on_host: bool = True,
+    buffer: LogitsBuffer | None = None,
 ) -> torch.Tensor:
     """One forward pass over a flattened batch, on the storage's device, with an attention backend
     (see `minivllm.attention.backend`); the logits of the rows it asks for, `[S, vocab]` float32,
     back on the CPU, where sampling happens -- or, with `on_host=False`, left on the model's device
-    (the engine's runner: the sampler then moves to the host only what it needs)."""
+    (the engine's runner: the sampler then moves to the host only what it needs), in `buffer`'s
+    memory where one is given (overwritten by the next pass that uses it)."""
     if not batch.slots_checked and batch.slot_mapping.device.type == "cpu":
         # On the host, where reading the slots is free; the backend then does not read them back
         # from the device.
@@ -163,4 +192,6 @@ def run_model(
             rows = model(batch.input_ids, batch.positions, attention, rows=batch.logits_indices)
     # Copied out of inference mode: the sampler edits its logits in place (bans, biases), which
     # an inference tensor refuses outside it.
+    if buffer is not None and not on_host:
+        return buffer.hold(rows)
     return rows.to("cpu" if on_host else rows.device, torch.float32, copy=True)

@@ -30,7 +30,7 @@ from minivllm.attention.storage import PagedKVStorage
 from minivllm.attention.torch_backend import TorchPagedAttention
 from minivllm.kv.block_manager import BlockManager
 from minivllm.model.transformer import Transformer
-from minivllm.runner.batch import build_batch, run_model
+from minivllm.runner.batch import LogitsBuffer, build_batch, run_model
 from minivllm.runner.cuda_graph import DecodeGraphs
 from minivllm.runner.sampler import (
     SamplingMetadata,
@@ -86,6 +86,7 @@ class ModelRunner:
         self.parallel: TensorParallelGroup | None = None
         # CompiledForward (runner/compiled.py) when the forward runs under torch.compile
         self.compiled: CompiledForward | None = None
+        self.logits = LogitsBuffer()  # each step's logits, in memory the last step's held
 
     def execute(self, plan: StepPlan, sequences: Mapping[int, Sequence]) -> RunnerOutput:
         """Run the plan's chunks: draft (with speculation), one forward pass, sample or verify.
@@ -184,7 +185,9 @@ class ModelRunner:
         """Logits of the rows that pick (or check) a token, `[S, vocab]` float32, on the model's
         device: a decode-only batch that fits a captured size replays a CUDA graph, anything else
         runs eagerly. On a GPU they stay there: a greedy step's argmax runs where they are and
-        only the ids cross to the host (`sample`), not `S x vocab` floats."""
+        only the ids cross to the host (`sample`), not `S x vocab` floats. An eager pass of this
+        process writes them into the runner's `LogitsBuffer`: the next pass overwrites them (clone
+        what you keep)."""
         if self.workers is not None:
             return self.workers.forward(batch, self.backend)
         if self.parallel is not None:  # every rank makes the queued block copies, then its pass
@@ -192,7 +195,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, on_host=False)
         model = self.compiled if self.compiled is not None else self.model
-        return run_model(model, self.storage, batch, self.backend, on_host=False)
+        return run_model(model, self.storage, batch, self.backend, False, self.logits)
 
     def sample(
         self,
