@@ -62,3 +62,13 @@ def test_an_all_greedy_batch_of_a_real_vocabulary_samples_its_argmax(monkeypatch
     assert len(calls) == 1
     monkeypatch.undo()
     assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist()
+
+
+def test_a_row_holding_a_nan_gets_an_index_inside_it() -> None:
+    """The sampler sets such rows aside before any argmax; called directly, the search stays in
+    the row."""
+    rows = torch.zeros(3, greedy.MIN_VOCAB + 5)
+    rows[0, 0] = float("nan")
+    rows[1, -1] = float("nan")
+    rows[2] = float("nan")
+    assert all(0 <= i < rows.shape[1] for i in greedy.first_largest(rows))

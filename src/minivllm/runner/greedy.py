@@ -54,14 +54,15 @@ def _first_largest(rows, out):
             if row[j] > best:
                 best, best_start = row[j], j
         j = best_start
-        while row[j] != best:  # within the block: the largest is there, so this stops
+        while row[j] != best and j + 1 < width:  # the largest is in this block (no NaN)
             j += 1
         out[r] = j
 
 
 def first_largest(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax of float32 CPU `logits` `[R, V]` (none NaN), as `logits.argmax(-1)` gives
-    it: the first index of the row's largest value."""
+    """Each row's argmax of float32 CPU `logits` `[R, V]`, as `logits.argmax(-1)` gives it: the
+    first index of the row's largest value. A row holding a NaN gets an index inside the row, not
+    necessarily torch's (the NaN's)."""
     rows = logits.detach().contiguous().numpy()
     out = np.empty(rows.shape[0], dtype=np.int64)
     if rows.shape[1]:

@@ -195,7 +195,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, on_host=False)
         model = self.compiled if self.compiled is not None else self.model
-        return run_model(model, self.storage, batch, self.backend, False, self.logits)
+        return run_model(model, self.storage, batch, self.backend, False, buffer=self.logits)
 
     def sample(
         self,
