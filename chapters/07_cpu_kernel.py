@@ -420,9 +420,9 @@ show(_attend_units)
 # values to their slots (the {term}`slot mapping` of chapter 04 — the same call, no separate
 # scatter), then gives each thread its list. (Its twin `_paged_attention_serial` runs all the units
 # on the calling thread, for a process that has one core — chapter 11 has such processes — and for
-# a pass too small to pay for waking the other threads, which sleep while torch's matmuls run: the
-# engine's backend runs a pass costing under `PARALLEL_MIN_COST` there, a crossover that
-# `benchmarks/kernel_threads.py` measures.) It returns
+# a pass too small to pay for starting the other threads, which may have gone to sleep since the
+# last op: the engine's backend runs a pass costing under `PARALLEL_MIN_COST` there, a crossover
+# that `benchmarks/kernel_threads.py` measures.) It returns
 # whether every thread finished its list: an exception raised on one of numba's worker threads
 # never reaches the caller, so the Python side that launches it, `_launch`, runs an unfinished
 # launch again on one thread, where the exception is raised.
@@ -677,9 +677,10 @@ assert same_logits
 # virtual CPU to rouse. Between the two lies a short spin: `GOMP_SPINCOUNT` (libgomp's spins before
 # a thread sleeps, about 100,000 a millisecond by its own estimate) set to
 # `minivllm.SHORT_SPIN_COUNT` — enough to bridge the gap between two ops, not to hold a core
-# through a kernel of numba's or the engine's host work. numba's own libgomp is loaded without it
-# (`_load_openmp_sleeping`), so its threads sleep at once either way: a layer of matmuls lies
-# between two of its kernels. libgomp reads these settings only when it loads, so minivllm sets its
+# through a kernel of numba's or the engine's host work. numba's kernels run on these same threads:
+# with torch's pip build, the dynamic linker binds numba's OpenMP calls to the libgomp torch loaded
+# first — one pool, so no thread of numba's spins on a core torch's need (`model/numba_threads.py`
+# says how that was found). libgomp reads these settings only when it loads, so minivllm sets its
 # default — PASSIVE with the short spin — on import when torch has not loaded yet, and only where
 # you set no wait policy (the Makefile exports PASSIVE alone, for the tests). The same small
 # workload in fresh processes, alternating, under OpenMP's default, passive threads and the short
@@ -714,7 +715,7 @@ print(json.dumps([time.perf_counter() - wall, time.process_time() - cpu,
 from minivllm import SHORT_SPIN_COUNT
 
 SHORT_SPIN = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_SPIN_COUNT}
-POLICIES = {  # libgomp's settings for torch's threads; numba's sleep at once under PASSIVE
+POLICIES = {  # libgomp's settings for torch's threads, which numba's kernels run on too
     "OpenMP's default": {},
     "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
     "short spin": SHORT_SPIN,  # minivllm's default

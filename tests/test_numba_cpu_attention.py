@@ -750,11 +750,13 @@ print(os.environ.get("GOMP_SPINCOUNT", "unset"))
 
 
 @pytest.mark.parametrize("preset", [None, minivllm.SHORT_SPIN_COUNT, "777"])
-def test_a_spin_count_reaches_torchs_threads_and_numbas_sleep_at_once(preset: str | None) -> None:
-    """Two libgomps load in the engine's process, torch's and numba's, and each prints the settings
-    it read (OMP_DISPLAY_ENV). Where no wait policy is set, minivllm's short spin reaches torch's
-    threads; a spin count the user exports does instead; either way numba's threads sleep at once,
-    while the environment still says what torch got."""
+def test_a_spin_count_reaches_torchs_threads_and_not_numbas_libgomp(preset: str | None) -> None:
+    """Two libgomps load in the engine's process, torch's and the one numba names, and each prints
+    the settings it read (OMP_DISPLAY_ENV). Where no wait policy is set, minivllm's short spin
+    reaches torch's threads; a spin count the user exports does instead; either way the second
+    reads none, while the environment still says what torch got. (With torch's pip build numba's
+    OpenMP calls bind to torch's libgomp, loaded first, and its kernels run on torch's threads:
+    `model/numba_threads.py`.)"""
     try:
         import numba.np.ufunc.omppool  # noqa: F401
     except ImportError:
