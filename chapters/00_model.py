@@ -63,7 +63,8 @@ print(model.config)
 # `Transformer.forward` is the whole computation, top to bottom: embed the tokens, work out the
 # rotation angles for their positions, run a stack of decoder layers, apply a final norm, and the LM
 # head that turns each position's vector into logits. (`rows` is for the engine of chapter 04, which
-# needs the logits of one position per sequence: it skips the LM head for the rest.)
+# needs the logits of one position per sequence: the other positions skip the LM head, and the last
+# layer's work after its attention, whose output feeds nothing else. llama.cpp skips it so too.)
 
 # %%
 from minivllm.model.transformer import Transformer

@@ -44,6 +44,17 @@ def test_fused_logits_are_the_unfused_ones_bit_for_bit(target, fused, shape) -> 
         assert torch.equal(fused(ids), target(ids))
 
 
+def test_the_fused_models_logits_of_some_rows_are_the_unfused_ones_bit_for_bit(target, fused):
+    """`rows` takes the last layer's output projection and MLP over those rows only, in the fused
+    model as in the book's: the same logits, bit for bit, as the whole pass's at those rows."""
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(5))
+    rows = torch.tensor([0, 151, 299])
+    with torch.no_grad():
+        picked = fused(ids, rows=rows)
+        assert torch.equal(picked, target(ids, rows=rows))
+        torch.testing.assert_close(picked, target(ids)[rows], atol=1e-5, rtol=1e-5)
+
+
 def test_where_autograd_records_the_fused_model_keeps_to_out_of_place_ops(fused) -> None:
     """The fused model adds residuals and applies SiLU in place only where nothing records a
     backward (an engine's inference): with autograd on, its forward is differentiable."""

@@ -88,6 +88,24 @@ def test_future_tokens_do_not_change_past_logits(model):
     torch.testing.assert_close(model(ids[:4]), model(ids)[:4], atol=1e-5, rtol=1e-5)
 
 
+def test_the_last_layer_goes_on_past_its_attention_with_the_wanted_rows_only(model):
+    """With `rows`, the logits are those rows' of the whole pass; every row still reaches the last
+    layer's attention (its keys and values are cached), and only `rows` its MLP."""
+    ids = torch.tensor([[256, 72, 101, 108, 108, 111, 44, 32], [256, 65, 66, 67, 68, 69, 70, 71]])
+    rows = torch.tensor([2, 7])
+    seam, mlp_rows = RecordingAttention(), []
+    hook = model.model.layers[-1].mlp.register_forward_pre_hook(
+        lambda module, args: mlp_rows.append(args[0].shape[-2])
+    )
+    try:
+        picked = model(ids, attention=seam, rows=rows)
+    finally:
+        hook.remove()
+    torch.testing.assert_close(picked, model(ids)[:, rows], atol=1e-5, rtol=1e-5)
+    assert [call[1][-3] for call in seam.calls] == [8] * SMALL.n_layers
+    assert mlp_rows == [len(rows)]
+
+
 def test_positions_argument_matches_the_default(model):
     ids = torch.tensor([256, 65, 66, 67])
     torch.testing.assert_close(model(ids, positions=torch.arange(4)), model(ids))

@@ -87,7 +87,7 @@ class HFRMSNorm(RMSNorm):
 class HFSelfAttention(SelfAttention):
     """`SelfAttention` with Qwen3's per-head RMSNorm on q and k before RoPE (where it has them)."""
 
-    def forward(self, x, cos, sin, layer: int, attention: Attention) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, attention: Attention, rows=None) -> torch.Tensor:
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
@@ -96,7 +96,9 @@ class HFSelfAttention(SelfAttention):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(layer, q, k, v)  # <- the seam, as in SelfAttention
-        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+        if rows is not None:  # a last layer whose outputs are wanted at these rows only
+            out = out[..., rows, :, :]
+        return self.o_proj(out.flatten(-2))
 
 
 class HFTransformer(Transformer):
@@ -150,10 +152,10 @@ class HFTransformer(Transformer):
         attention = attention if attention is not None else CausalAttention()
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
+        *layers, last = self.model.layers
+        for layer in layers:
             x = layer(x, cos, sin, attention)
-        if rows is not None:
-            x = x[..., rows, :]
+        x = last(x, cos, sin, attention, rows)  # past its attention, only `rows` go on
         return self.lm_head(self.model.norm(x))
 
 

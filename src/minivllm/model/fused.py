@@ -267,7 +267,7 @@ def _cpu_kernels():
 class FusedSelfAttention(SelfAttention):
     """`SelfAttention` with `qkv_weight` (q, k and v stacked) in place of three projections."""
 
-    def forward(self, x, cos, sin, layer: int, attention) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, attention, rows=None) -> torch.Tensor:
         lead = x.shape[:-1]
         qkv = linear(x, self.qkv_weight, getattr(self, "qkv_bias", None))
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
@@ -276,7 +276,9 @@ class FusedSelfAttention(SelfAttention):
         v = v.view(*lead, self.n_kv_heads, self.head_dim)
         q, k = self._normed_and_rotated(q, k, cos, sin)
         out = attention(layer, q, k, v)  # <- the seam, as in SelfAttention
-        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+        if rows is not None:  # a last layer whose outputs are wanted at these rows only
+            out = out[..., rows, :, :]
+        return self.o_proj(out.flatten(-2))
 
     def _normed_and_rotated(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k through Qwen3's norms (where the model has them) and RoPE."""
@@ -347,11 +349,12 @@ class FusedDecoderLayer(DecoderLayer):
     in place: the same sums, bit for bit, and no new tensor for either (vLLM adds its residuals in
     place too). On the book's machine the engine's runs moved within the noise with it."""
 
-    def forward(self, x, cos, sin, attention: Attention) -> torch.Tensor:
+    def forward(self, x, cos, sin, attention: Attention, rows=None) -> torch.Tensor:
         if _traced_or_trained():
-            return super().forward(x, cos, sin, attention)
+            return super().forward(x, cos, sin, attention, rows)
         normed = self.input_layernorm(x)
-        x = self.self_attn(normed, cos, sin, self.index, attention).add_(x)
+        mixed = self.self_attn(normed, cos, sin, self.index, attention, rows)
+        x = mixed.add_(x if rows is None else x[..., rows, :])
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 

@@ -252,14 +252,16 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, attention: Attention) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, attention: Attention, rows=None) -> torch.Tensor:
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(layer, q, k, v)  # <- the seam
-        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+        if rows is not None:  # a last layer whose outputs are wanted at these rows only
+            out = out[..., rows, :, :]
+        return self.o_proj(out.flatten(-2))
 
 
 class SwiGLU(nn.Module):
@@ -282,8 +284,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x, cos, sin, attention: Attention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.index, attention)
+    def forward(self, x, cos, sin, attention: Attention, rows=None) -> torch.Tensor:
+        mixed = self.self_attn(self.input_layernorm(x), cos, sin, self.index, attention, rows)
+        x = (x if rows is None else x[..., rows, :]) + mixed
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -325,17 +328,19 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits `[..., T, vocab]` for `input_ids` `[..., T]` at `positions` (default `0..T-1`);
         with `rows`, only those positions' logits: an engine samples one row per sequence, and a
-        long prompt's other rows would cost the LM head (vocab x d_model per row) for nothing."""
+        long prompt's other rows would cost the LM head (vocab x d_model per row) for nothing --
+        and the last layer's work past its attention, which feeds nothing but the LM head. Every
+        row still goes through that attention: the keys and values it caches are every row's."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
             positions = positions.expand_as(input_ids)
         attention = attention if attention is not None else CausalAttention()
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        *layers, last = self.model.layers
+        for layer in layers:
             x = layer(x, cos, sin, attention)
-        if rows is not None:
-            x = x[..., rows, :]
+        x = last(x, cos, sin, attention, rows)  # past its attention, only `rows` go on
         return self.lm_head(self.model.norm(x))
 
     def num_parameters(self) -> int:
