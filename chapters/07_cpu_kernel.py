@@ -51,6 +51,7 @@ from minivllm.attention.numba_cpu import (
     _paged_attention_kernel,
     _prefetch_block,
     _score_blocks,
+    _scores_bfloat16,
     _scores_plain,
     _scores_simd,
     _softmax_rows,
@@ -407,6 +408,21 @@ print("same output, bit for bit:", np.array_equal(over_bfloat16, over_float32))
 # each block's rows of its K/V head into float32 scratch, once (`_stage_rows`: the `staged` array
 # the passes take), and scores and weighs them there, contiguous and already wide; a decode's few
 # vectors read the cache itself. The arithmetic is the same either way, so are the bits.
+#
+# Some CPUs multiply bfloat16s themselves (AVX-512 BF16: `simd.BFLOAT16_DOTS` says whether this one
+# does). One instruction, `vdpbf16ps` (`simd.dot16`), takes sixteen pairs of bfloat16s and adds
+# their products into eight float32 lanes: twice the multiply-adds of one `fma8`, with nothing
+# widened on the way. There a bfloat16 model's scores come from its queries and the cache's keys
+# as they are, no staging needed (`_scores_bfloat16`, picked by `vector_paths`). Each product is
+# exact and each sum a float32 one, as before, but the queries are no longer scaled before the dot
+# products — each score is, after — so the scores move by float32 rounding, and now and then an
+# output element by one bfloat16 step. A float32 model, or a CPU without the instruction, keeps
+# the float32 scores.
+
+# %%
+show(_scores_bfloat16)
+
+# %% [markdown]
 #
 # ### The kernel: write, then attend, on every core
 #

@@ -24,6 +24,7 @@ from numba import njit
 import minivllm
 from minivllm import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from minivllm.attention import numba_cpu
+from minivllm.attention import simd as vector_ops
 from minivllm.attention.numba_cpu import (
     QUERY_TILE,
     kernel_array,
@@ -34,11 +35,14 @@ from minivllm.attention.numba_cpu import (
     warm_up,
 )
 from minivllm.attention.simd import (
+    BFLOAT16_DOTS,
     add8,
     as_element,
+    dot16,
     fma8,
     largest_lane,
     load8,
+    load16,
     max8,
     prefetch,
     prefetch_l2,
@@ -152,6 +156,11 @@ def test_the_wide_values_tile_gives_the_four_vector_ones_bit_for_bit(
     assert relative_error(*chunk) <= 1e-5
 
 
+def widened(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (int16) as the float32s they stand for."""
+    return (bits.astype(np.int32) << 16).view(np.float32)
+
+
 def as_bfloat16(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`array` rounded to bfloat16: as the kernel takes it (its bits, int16) and as float32."""
     rounded = torch.from_numpy(array).to(torch.bfloat16)
@@ -196,7 +205,8 @@ def test_bfloat16_queries_and_output_are_the_float32_ones_widened_and_rounded_as
     """A bfloat16 model's queries go in as they are (their bits) and its output comes out in
     bfloat16: the same bits as its queries widened to float32, attended, and the float32 output
     rounded by torch (`.to(torch.bfloat16)`, what the backend did before). Decodes, a prefill
-    chunk whose tiles stage their rows, a part tile; either cache."""
+    chunk whose tiles stage their rows, a part tile; either cache. (Over a bfloat16 cache, with the
+    bfloat16 dot products off: those score in an order of their own, a test below.)"""
     query_lens, context_lens, head_dim = [1, 1, 21, 5], [9, 40, 50, 5], 64
     q, keys, values, tables, lens, starts = random_batch(
         query_lens, context_lens, 4, 2, head_dim, 16, seed=3
@@ -205,11 +215,69 @@ def test_bfloat16_queries_and_output_are_the_float32_ones_widened_and_rounded_as
         keys, values = as_bfloat16(keys)[0], as_bfloat16(values)[0]
     q_bits, q32 = as_bfloat16(q)
     metadata = (keys, values, tables, lens, starts)
-    out = paged_attention_cpu(q_bits, *metadata, simd=simd)
+    out = paged_attention_cpu(q_bits, *metadata, simd=simd, bfloat16_dots=False)
     expected = torch.from_numpy(paged_attention_cpu(q32, *metadata, simd=simd)).bfloat16()
     assert out.dtype == np.int16 and np.array_equal(out, kernel_array(expected))
     with pytest.raises(ValueError, match="out must be"):
         paged_attention_cpu(q_bits, *metadata, out=np.empty(q.shape[:2], dtype=np.int16))
+
+
+@pytest.mark.skipif(not BFLOAT16_DOTS, reason="the CPU has no AVX-512 BF16 (vdpbf16ps)")
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_bfloat16_dot_products_score_to_float32_rounding(group: int, numba_threads) -> None:
+    """bfloat16 queries over a bfloat16 cache, scored by `vdpbf16ps` (the default on such a CPU):
+    the float64 reference's output to 1e-5 before rounding to bfloat16 (as the float32 scores
+    are), and after it the float32 scores' output but for an element in a few hundred, by one
+    bfloat16 step. Decodes, prefill tiles, a part tile, blocks of 8 and 16; a float32 model's
+    queries (the backend's fallback) and the `dots=False` setting keep the float32 scores."""
+    for block_size, head_dim in ((16, 128), (8, 64)):
+        q, keys, values, tables, lens, starts = random_batch(
+            [1, 3, 16, 21], [9, 40, 33, 60], 2 * group, 2, head_dim, block_size, seed=group
+        )
+        (q_bits, q32), (k_bits, k32), (v_bits, v32) = map(as_bfloat16, (q, keys, values))
+        metadata = (tables, lens, starts)
+        assert numba_cpu.vector_paths(True, True, True) == numba_cpu.BFLOAT16_DOT_PRODUCTS
+        wide = paged_attention_cpu(q32, k_bits, v_bits, *metadata, out=np.empty_like(q32))
+        dots = paged_attention_cpu(q_bits, k_bits, v_bits, *metadata, out=np.empty_like(q32))
+        float32_scores = paged_attention_cpu(q_bits, k_bits, v_bits, *metadata, bfloat16_dots=False)
+        expected = reference(q32, k32, v32, *metadata)
+        assert np.abs(dots - expected).max() / np.abs(expected).max() <= 1e-5
+        assert not np.array_equal(dots, wide)  # the dot products ran
+        rounded = paged_attention_cpu(q_bits, k_bits, v_bits, *metadata)
+        dotted, scored = (widened(bits) for bits in (rounded, float32_scores))
+        difference = np.abs(dotted - scored)
+        assert difference.max() <= 2.0**-8 * np.abs(scored).max()  # a bfloat16 step of the largest
+        assert (difference > 0).mean() < 0.01
+
+
+def bfloat16_dots(a, b, out):
+    """`out` (eight lanes) plus `dot16` over `a` and `b` (bfloat16 bits), sixteen at a time."""
+    total = load8(out, 0)
+    for d in range(0, a.shape[0], 16):
+        total = dot16(total, load16(a, d), load16(b, d))
+    store8(out, 0, total)
+
+
+@pytest.mark.parametrize("instruction", [True, False], ids=["vdpbf16ps", "plain-code"])
+def test_dot16_adds_pairs_of_bfloat16_products_into_eight_lanes(instruction, monkeypatch) -> None:
+    """`dot16` -- the instruction, or the plain vector code a CPU without it compiles instead: lane
+    i gets a[2i] * b[2i] + a[2i + 1] * b[2i + 1] of each sixteen, added to what it held. Small
+    integers, whose sums are exact, and random values against float64."""
+    if instruction and not BFLOAT16_DOTS:
+        pytest.skip("the CPU has no AVX-512 BF16 (vdpbf16ps)")
+    monkeypatch.setattr(vector_ops, "BFLOAT16_DOTS", instruction)  # read as the function compiles
+    compiled = njit(bfloat16_dots)
+    rng = np.random.default_rng(0)
+    for a32, b32 in (
+        rng.integers(-8, 9, (2, 48)).astype(np.float32),
+        rng.standard_normal((2, 48)).astype(np.float32),
+    ):
+        (a, a32), (b, b32) = as_bfloat16(a32), as_bfloat16(b32)
+        start = rng.integers(-4, 5, 8).astype(np.float32)
+        out = start.copy()
+        compiled(a, b, out)
+        products = (a32.astype(np.float64) * b32).reshape(3, 8, 2).sum(axis=(0, 2))
+        np.testing.assert_allclose(out, start + products, rtol=1e-6, atol=1e-6)
 
 
 @njit(cache=True)

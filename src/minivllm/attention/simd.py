@@ -16,22 +16,37 @@ register and `fma8` one `vfmadd` instruction; on ARM, LLVM splits it into two 4-
 computes in float32 as it does over a float32 cache. `as_element` goes the other way, for one
 result written into a bfloat16 output (rounded as torch rounds).
 
-Arrays given to `load8`, `store8` and `prefetch` must be one-dimensional and C-contiguous (a row
-of a larger array is); like the kernels' other loads, they are not bounds-checked. numba's on-disk
-cache tracks the file of the function it compiled, not this one: after editing this file, clear
-the `__pycache__` beside the kernel.
+Where the CPU has AVX-512 BF16 (`BFLOAT16_DOTS`), `dot16` multiplies bfloat16s themselves: sixteen
+pairs of them, read as they are stored (`load16`), in one instruction (`vdpbf16ps`), summed into
+eight float32 lanes -- twice the multiply-adds of one `fma8`, and nothing widened.
+
+Arrays given to `load8`, `load16`, `store8` and `prefetch` must be one-dimensional and
+C-contiguous (a row of a larger array is); like the kernels' other loads, they are not
+bounds-checked. numba's on-disk cache tracks the file of the function it compiled, not this one:
+after editing this file, clear the `__pycache__` beside the kernel.
 """
 
 from __future__ import annotations
 
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
+from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic, models, register_model
 
 VECTOR = ir.VectorType(ir.FloatType(), 8)
 _IN_MEMORY = ir.ArrayType(ir.FloatType(), 8)
 _INT32 = ir.IntType(32)
+BFLOAT16_PAIRS = ir.VectorType(ir.IntType(16), 16)  # sixteen bfloat16s, as their bits
+
+
+def _cpu_features() -> list[str]:
+    """The features numba compiles for: its NUMBA_CPU_FEATURES setting, else the host's."""
+    return (config.CPU_FEATURES or get_host_cpu_features()).split(",")
+
+
+# Whether `dot16` can run: the CPU multiplies bfloat16s (AVX-512 BF16, in AVX-512's 256-bit form).
+BFLOAT16_DOTS = {"+avx512bf16", "+avx512vl"} <= set(_cpu_features())
 
 
 class Float32x8Type(types.Type):
@@ -42,6 +57,24 @@ class Float32x8Type(types.Type):
 
 
 float32x8 = Float32x8Type()
+
+
+class Bfloat16x16Type(types.Type):
+    """Sixteen bfloat16s in one register, as their bits: `dot16`'s operands."""
+
+    def __init__(self) -> None:
+        super().__init__(name="bfloat16x16")
+
+
+bfloat16x16 = Bfloat16x16Type()
+
+
+@register_model(Bfloat16x16Type)
+class _Bfloat16x16Model(models.PrimitiveModel):
+    """An LLVM `<16 x i16>`: `load16` makes them and `dot16` takes them, in registers only."""
+
+    def __init__(self, dmm, fe_type) -> None:
+        super().__init__(dmm, fe_type, BFLOAT16_PAIRS)
 
 
 @register_model(Float32x8Type)
@@ -110,6 +143,21 @@ def load8(typingctx, array, index):
         return _widen_bfloat16(builder, builder.load(halves, align=2), 8)
 
     return float32x8(array, index), codegen
+
+
+@intrinsic
+def load16(typingctx, array, index):
+    """`array[index : index + 16]` of an array of bfloat16 bits (int16), as they are: `dot16`'s
+    operand. (A float32 array's 32 bytes there are read as they are too: a kernel compiled for a
+    float32 cache types its bfloat16 branch, which never runs.)"""
+    if array.dtype not in (types.int16, types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _element_pointer(context, builder, signature.args[0], *args)
+        return builder.load(builder.bitcast(pointer, BFLOAT16_PAIRS.as_pointer()), align=2)
+
+    return bfloat16x16(array, index), codegen
 
 
 @intrinsic
@@ -194,6 +242,42 @@ def fma8(typingctx, a, b, c):
         return builder.call(fma, args)
 
     return float32x8(float32x8, float32x8, float32x8), codegen
+
+
+@intrinsic
+def dot16(typingctx, acc, a, b):
+    """`acc` plus, in lane i, a[2i] * b[2i] + a[2i + 1] * b[2i + 1], of sixteen bfloat16s each:
+    x86's `vdpbf16ps` (AVX-512 BF16; only where `BFLOAT16_DOTS`). The products are exact (a
+    product of two bfloat16s fits a float32) and each is added in float32, rounded to nearest;
+    denormal inputs count as zero and denormal results become zero. Written as that instruction
+    itself: the LLVM this numba ships has its intrinsic, but llvmlite cannot spell its bfloat16
+    vector operands. On another CPU, whose assembler would refuse the instruction, the same sums
+    in plain vector arithmetic (the odd pairs' products added first, as Intel describes it): a
+    kernel compiles there, and `vector_paths` does not pick the path that would run it."""
+
+    def codegen(context, builder, signature, args):
+        if BFLOAT16_DOTS:
+            kind = ir.FunctionType(VECTOR, [VECTOR, BFLOAT16_PAIRS, BFLOAT16_PAIRS])
+            # AT&T operand order: $0 (= acc, "0") += $2 . $3; "v": any of AVX-512's 32 registers
+            instruction = ir.InlineAsm(kind, "vdpbf16ps $3, $2, $0", "=v,0,v,v")
+            return builder.call(instruction, list(args))
+        total, a, b = args
+        for lanes in ([1, 3, 5, 7, 9, 11, 13, 15], [0, 2, 4, 6, 8, 10, 12, 14]):
+            x, y = (_widen_bfloat16(builder, _shuffle(builder, v, v, lanes), 8) for v in (a, b))
+            total = builder.fadd(total, builder.fmul(x, y))
+        return total
+
+    return float32x8(float32x8, bfloat16x16, bfloat16x16), codegen
+
+
+@intrinsic
+def mul8(typingctx, a, b):
+    """`a * b` lane by lane."""
+
+    def codegen(context, builder, signature, args):
+        return builder.fmul(*args)
+
+    return float32x8(float32x8, float32x8), codegen
 
 
 @intrinsic
@@ -285,3 +369,8 @@ def prefetch_l2(typingctx, array, index):
     """`prefetch` into the second-level cache, not the first: for a line wanted later, which
     would take the place of lines the first level needs now."""
     return types.void(array, index), _prefetch(2)
+
+
+# numba's compiler turns machine code written as text (`dot16`'s instruction) into bytes through
+# LLVM's assembler, which numba itself never asks for.
+binding.initialize_native_asmparser()
