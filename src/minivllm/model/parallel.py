@@ -216,16 +216,12 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class VocabParallelLMHead(nn.Linear):
     """This rank's rows of the vocabulary; the logits are gathered on rank 0 (the only rank that
-    samples: the others return their own part, which nobody reads). `rows`, set by the runner for
-    one pass, picks the token rows whose logits are wanted before the matmul, so a prefill's other
-    rows are neither computed nor sent."""
+    samples: the others return their own part, which nobody reads). The model hands it the rows
+    whose logits are wanted only (`Transformer.forward`'s `rows`)."""
 
     vocab_size: int = 0
-    rows: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None:
-            x = x[..., self.rows, :]
         local = F.linear(x, self.weight).contiguous()
         started = time.perf_counter()
         if dist.get_rank() == 0:

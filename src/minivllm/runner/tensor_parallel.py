@@ -145,14 +145,12 @@ class RankState:
         for src, dst in copies:
             self.storage.copy_block(src, dst)
         batch = replace(batch, slots_checked=True).to(self.device)  # rank 0 checked them
-        head = self.model.lm_head
         with torch.inference_mode():
-            head.rows = batch.logits_indices
-            try:
-                attention = self.backend(self.storage, batch)
-                logits = self.model(batch.input_ids, batch.positions, attention)
-            finally:
-                head.rows = None
+            attention = self.backend(self.storage, batch)
+            # the sampling rows only past the last layer's attention, on every rank alike: a
+            # prefill's other rows are neither computed nor gathered
+            rows = batch.logits_indices
+            logits = self.model(batch.input_ids, batch.positions, attention, rows=rows)
         return logits.to("cpu", torch.float32, copy=True) if self.rank == 0 else None
 
 
