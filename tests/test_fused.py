@@ -46,7 +46,8 @@ def test_fused_logits_are_the_unfused_ones_bit_for_bit(target, fused, shape) -> 
 
 def test_the_fused_models_logits_of_some_rows_are_the_unfused_ones_bit_for_bit(target, fused):
     """`rows` takes the last layer's output projection and MLP over those rows only, in the fused
-    model as in the book's: the same logits, bit for bit, as the whole pass's at those rows."""
+    model as in the book's: bit for bit the book model's logits with the same `rows`, and the whole
+    pass's at those rows to float32 rounding (its matmuls then run at other row counts)."""
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(5))
     rows = torch.tensor([0, 151, 299])
     with torch.no_grad():
