@@ -41,8 +41,10 @@ BFLOAT16_PAIRS = ir.VectorType(ir.IntType(16), 16)  # sixteen bfloat16s, as thei
 
 
 def _cpu_features() -> list[str]:
-    """The features numba compiles for: its NUMBA_CPU_FEATURES setting, else the host's."""
-    return (config.CPU_FEATURES or get_host_cpu_features()).split(",")
+    """The features numba compiles for: its NUMBA_CPU_FEATURES setting, else the host's (as
+    numba's own codegen picks them)."""
+    features = get_host_cpu_features() if config.CPU_FEATURES is None else config.CPU_FEATURES
+    return features.split(",")
 
 
 # Whether `dot16` can run: the CPU multiplies bfloat16s (AVX-512 BF16, in AVX-512's 256-bit form).
