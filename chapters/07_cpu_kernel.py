@@ -407,7 +407,10 @@ print("same output, bit for bit:", np.array_equal(over_bfloat16, over_float32))
 # `QUERY_TILE` rows times the group). So a unit of `STAGE_MIN_VECTORS` vectors or more first copies
 # each block's rows of its K/V head into float32 scratch, once (`_stage_rows`: the `staged` array
 # the passes take), and scores and weighs them there, contiguous and already wide; a decode's few
-# vectors read the cache itself. The arithmetic is the same either way, so are the bits.
+# vectors read the cache itself. The values of every block go into the scratch one after another,
+# and one `_values_simd` call weighs them all: its register tiles stay loaded across the unit's
+# keys instead of being stored and loaded again at each block. The arithmetic is the same either
+# way, so are the bits.
 #
 # Some CPUs multiply bfloat16s themselves (AVX-512 BF16: `simd.BFLOAT16_DOTS` says whether this one
 # does). One instruction, `vdpbf16ps` (`simd.dot16`), takes sixteen pairs of bfloat16s and adds
@@ -416,8 +419,8 @@ print("same output, bit for bit:", np.array_equal(over_bfloat16, over_float32))
 # as they are, no staging needed (`_scores_bfloat16`, picked by `vector_paths`). Each product is
 # exact and each sum a float32 one, as before, but the queries are no longer scaled before the dot
 # products — each score is, after — so the scores move by float32 rounding, and now and then an
-# output element by one bfloat16 step. A float32 model, or a CPU without the instruction, keeps
-# the float32 scores.
+# output element by one bfloat16 step. Two query vectors share each key row loaded, sixteen sums
+# in flight at once. A float32 model, or a CPU without the instruction, keeps the float32 scores.
 
 # %%
 show(_scores_bfloat16)
