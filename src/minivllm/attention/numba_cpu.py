@@ -324,13 +324,20 @@ def _values_simd(acc, scores, vectors, values, kv_head, n, base, wide):
     many as two FMA units need while each result takes four cycles to be ready for the next.
     `wide`, for a CPU with 32 vector registers (AVX-512): eight vectors, sixteen accumulators, and
     each value row loaded feeds twice the multiply-adds; with 16 (AVX2) that tile would spill.
-    Each accumulator adds its terms in the same order either way: the results do not move by a
-    bit. Vectors left over (a model with fewer than four query heads per K/V head) go in pairs,
-    32 lanes at a time, where head_dim allows (`_values_pair`); the last one alone: two chains,
-    each add waiting for the one before."""
+    Where head_dim is a multiple of 32 the wide tile is four vectors of 32 lanes instead
+    (`_values_four`): sixteen accumulators still, but four weights broadcast per value row instead
+    of eight -- a prefill of 512 rows at Qwen3-0.6B's shape, the kernel alone on one thread, took
+    0.97x the time (AMD EPYC Zen 4). Each accumulator adds its terms in the same order either
+    way: the results do not move by a bit. Vectors left over (a model with fewer than four query
+    heads per K/V head) go in pairs, 32 lanes at a time, where head_dim allows (`_values_pair`);
+    the last one alone: two chains, each add waiting for the one before."""
     dim = acc.shape[1]
-    eights = vectors - vectors % 8 if wide else 0
     fours = vectors - vectors % 4
+    wide_fours = wide and dim % 32 == 0  # every four vectors in `_values_four`'s tile
+    eights = vectors - vectors % 8 if wide and not wide_fours else 0
+    for d in range(0, dim if wide_fours else 0, 32):
+        for v in range(0, fours, 4):
+            _values_four(acc, scores, v, values, kv_head, n, base, d)
     # vectors left over, in pairs where head_dim is a multiple of 32 (`_values_pair`), after the
     # others: each accumulator still adds its terms in the same order
     pairs_from = fours
@@ -345,7 +352,7 @@ def _values_simd(acc, scores, vectors, values, kv_head, n, base, wide):
                 next_tile = _add_row4(next_tile, scores, v + 4, base + j, low, high)
             _store4(acc, v, d, tile)
             _store4(acc, v + 4, d, next_tile)
-        for v in range(eights, fours, 4):
+        for v in range(fours if wide_fours else eights, fours, 4):
             tile = _load4(acc, v, d)
             for j in range(n):
                 row = values[j, kv_head]
@@ -362,6 +369,48 @@ def _values_simd(acc, scores, vectors, values, kv_head, n, base, wide):
     for d in range(0, dim if pairs_from < pairs_to else 0, 32):
         for v in range(pairs_from, pairs_to, 2):
             _values_pair(acc, scores, v, values, kv_head, n, base, d)
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _values_four(acc, scores, v, values, kv_head, n, base, d):
+    """Query vectors v .. v + 4, lanes d .. d + 32 of their accumulators over value rows :n:
+    sixteen accumulators in registers (AVX-512's 32 registers hold them, the row's four loads and
+    a weight); each value row's 32 lanes are loaded once for all four vectors."""
+    o0, o1, o2, o3 = acc[v], acc[v + 1], acc[v + 2], acc[v + 3]
+    a0, a1, a2, a3 = _load_lanes32(o0, d)
+    b0, b1, b2, b3 = _load_lanes32(o1, d)
+    c0, c1, c2, c3 = _load_lanes32(o2, d)
+    e0, e1, e2, e3 = _load_lanes32(o3, d)
+    w0, w1, w2, w3 = scores[v], scores[v + 1], scores[v + 2], scores[v + 3]
+    for j in range(n):
+        x0, x1, x2, x3 = _load_lanes32(values[j, kv_head], d)
+        w = splat8(w0[base + j])
+        a0, a1, a2, a3 = fma8(w, x0, a0), fma8(w, x1, a1), fma8(w, x2, a2), fma8(w, x3, a3)
+        w = splat8(w1[base + j])
+        b0, b1, b2, b3 = fma8(w, x0, b0), fma8(w, x1, b1), fma8(w, x2, b2), fma8(w, x3, b3)
+        w = splat8(w2[base + j])
+        c0, c1, c2, c3 = fma8(w, x0, c0), fma8(w, x1, c1), fma8(w, x2, c2), fma8(w, x3, c3)
+        w = splat8(w3[base + j])
+        e0, e1, e2, e3 = fma8(w, x0, e0), fma8(w, x1, e1), fma8(w, x2, e2), fma8(w, x3, e3)
+    _store_lanes32(o0, d, a0, a1, a2, a3)
+    _store_lanes32(o1, d, b0, b1, b2, b3)
+    _store_lanes32(o2, d, c0, c1, c2, c3)
+    _store_lanes32(o3, d, e0, e1, e2, e3)
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _load_lanes32(row, d):
+    """Lanes d .. d + 32 of a row: four registers."""
+    return load8(row, d), load8(row, d + 8), load8(row, d + 16), load8(row, d + 24)
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _store_lanes32(row, d, x0, x1, x2, x3):
+    """`_load_lanes32`'s registers back to the row."""
+    store8(row, d, x0)
+    store8(row, d + 8, x1)
+    store8(row, d + 16, x2)
+    store8(row, d + 24, x3)
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
