@@ -128,7 +128,8 @@ STAGE_MIN_VECTORS = 8
 # five, better than six, eight, twelve or a unit's every block.
 KEYS_L2_AHEAD = 4
 # Whether the CPU has 32 vector registers (AVX-512's), room for `_values_simd`'s wide tile: eight
-# query vectors' accumulators at once instead of four. A 512-token prefill chunk of Qwen3-0.6B's
+# query vectors' accumulators at once instead of four (or four vectors of 32 lanes, where head_dim
+# allows: `_values_four`). A 512-token prefill chunk of Qwen3-0.6B's
 # shape attended in 23.5 ms a layer with it against 32-34 ms, on one core of an AMD EPYC Zen 4.
 WIDE_VALUES_TILE = "+avx512vl" in numba.core.codegen.get_host_cpu_features().split(",")
 # The kernels' `simd` argument (`vector_paths`): the plain loops, the vector paths, those with
