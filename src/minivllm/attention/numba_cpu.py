@@ -421,29 +421,16 @@ def _values_pair(acc, scores, v, values, kv_head, n, base, d):
     query heads per K/V head (Qwen3-0.6B) has just these two vectors; one at a time, they were two
     chains, each add waiting four cycles for the one before."""
     first, second = acc[v], acc[v + 1]
-    a0, a1, a2, a3 = (
-        load8(first, d),
-        load8(first, d + 8),
-        load8(first, d + 16),
-        load8(first, d + 24),
-    )
-    b0, b1 = load8(second, d), load8(second, d + 8)
-    b2, b3 = load8(second, d + 16), load8(second, d + 24)
+    a0, a1, a2, a3 = _load_lanes32(first, d)
+    b0, b1, b2, b3 = _load_lanes32(second, d)
     for j in range(n):
-        row = values[j, kv_head]
-        x0, x1, x2, x3 = load8(row, d), load8(row, d + 8), load8(row, d + 16), load8(row, d + 24)
+        x0, x1, x2, x3 = _load_lanes32(values[j, kv_head], d)
         w = splat8(scores[v, base + j])
         a0, a1, a2, a3 = fma8(w, x0, a0), fma8(w, x1, a1), fma8(w, x2, a2), fma8(w, x3, a3)
         w = splat8(scores[v + 1, base + j])
         b0, b1, b2, b3 = fma8(w, x0, b0), fma8(w, x1, b1), fma8(w, x2, b2), fma8(w, x3, b3)
-    store8(first, d, a0)
-    store8(first, d + 8, a1)
-    store8(first, d + 16, a2)
-    store8(first, d + 24, a3)
-    store8(second, d, b0)
-    store8(second, d + 8, b1)
-    store8(second, d + 16, b2)
-    store8(second, d + 24, b3)
+    _store_lanes32(first, d, a0, a1, a2, a3)
+    _store_lanes32(second, d, b0, b1, b2, b3)
 
 
 @njit(cache=True, inline="always")
