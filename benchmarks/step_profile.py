@@ -2,8 +2,8 @@
 against this machine's roofline (issue 32, item 1).
 
     python benchmarks/step_profile.py [--batches 1 16 64] [--steps 8] [--warmup 3] [--rounds 2]
-    [--engines vllm vllm-passive minivllm] [--vllm-python PATH] [--threads 2] [--out PATH]
-    [--checkpoint FOLDER] [--dtype float32|bfloat16]
+    [--engines vllm vllm-passive vllm-compiled minivllm] [--vllm-python PATH] [--threads 2]
+    [--out PATH] [--checkpoint FOLDER] [--dtype float32|bfloat16]
     python benchmarks/step_profile.py --report    # the tables of --out again, what they say
 
 The shipped target model (src/minivllm/weights/target, float32) -- or any Hugging Face checkpoint
@@ -45,7 +45,14 @@ core is a process of its own and the front end's output processing overlaps its 
 own profiling scopes are on (`VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`). Two vLLM runs by default:
 `vllm` as it ships (libgomp's idle OpenMP threads spin before they sleep) and `vllm-passive`
 (`OMP_WAIT_POLICY=PASSIVE`, vLLM's recommended setting): on a machine with more
-runnable threads than cores a spinning thread can hold the core the thread it waits for needs. The
+runnable threads than cores a spinning thread can hold the core the thread it waits for needs. A
+third, `vllm-compiled`, is vLLM as it runs by default, and in vllm_peer.py: as it ships, its
+forward compiled. Only its host work is wrapped there (a wrapper inside the graph would fail the
+graph's guards, and it would compile again); its forward splits by op: the matmuls the graph calls
+("matmuls (in a graph)": oneDNN's, not told apart by projection; the LM head's, after the graph,
+still named), its attention ops, and the graph's own time ("fused graph kernels": the norms,
+residual adds, RoPE and SiLU*mul inductor fused, and the code calling them). Against it, minivllm
+is compared on coarser sums: every matmul as one, every elementwise op as one. The
 engines alternate -- vLLM's processes, then minivllm, for `--rounds` rounds -- and each component's
 number is the median over every profiled step of every round.
 
@@ -82,17 +89,23 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "step_profile.json"
 THREADS, SEED, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS = 2, 0, 512, 512
 PREFIX = "sp:"  # this script's profiler ranges
-ENGINES = ["vllm", "vllm-passive", "minivllm"]
+ENGINES = ["vllm", "vllm-passive", "vllm-compiled", "minivllm"]
 
 # Components, in the table's order. Host work first, then the forward pass's parts.
 HOST = ["schedule", "batch build", "sampling", "update", "output processing", "other host"]
 MATMULS = ["qkv matmul", "o matmul", "gate/up matmul", "down matmul", "LM head"]
+# vLLM compiled (`vllm-compiled`): its layers' matmuls, called by inductor's graph, are ops of no
+# module this script can wrap, so not told apart by projection; the graph's own time is its fused
+# kernels (norms, residual adds, RoPE, SiLU*mul) and the code that calls them
+GRAPH_MATMULS, GRAPH = "matmuls (in a graph)", "fused graph kernels"
 FORWARD = MATMULS + [
+    GRAPH_MATMULS,
     "attention",
     "norms",
     "RoPE",
     "SiLU*mul",
     "residual adds",
+    GRAPH,
     "embedding",
     "other ops",
     "forward: Python and gaps",
@@ -115,9 +128,18 @@ VLLM_SCOPES = {
 
 
 # -- attribution: shared by both sides (no minivllm import: vLLM's venv runs it too) ---------------
-def op_component(name: str) -> str:
-    """What an op the forward calls outside every named range does."""
+def op_component(name: str, scope: str | None = None) -> str:
+    """What an op the forward calls outside every named range does (`scope`: the generic range or
+    compiled graph it runs under). A compiled vLLM's ops are named here: its graph, the oneDNN
+    matmuls the graph calls (the LM head's, after the graph, in the `postprocess` scope) and its
+    attention ops."""
+    if name.startswith("## Call CompiledFxGraph"):
+        return GRAPH
     op = name.split("::")[-1]
+    if op == "onednn_mm":
+        return "LM head" if scope == "postprocess" else GRAPH_MATMULS
+    if op in ("unified_attention_with_output", "unified_kv_cache_update"):
+        return "attention"
     if op in ("silu", "silu_", "mul", "mul_", "silu_and_mul"):
         return "SiLU*mul"
     if op in ("add", "add_"):
@@ -137,9 +159,9 @@ def range_component(name: str) -> str | None:
 def attribute(events) -> list[dict[str, float]]:
     """Per profiled step (a `sp:step` range), milliseconds per component: every event's own time
     (its duration less its children's) goes to the component of the nearest range above it (or
-    itself) that names one; an op under a generic range (the forward) is named by `op_component`,
-    the generic range's own time is the forward's Python. Events outside every step are left
-    out."""
+    itself) that names one; an op under a generic range (the forward) or a compiled graph is named
+    by `op_component`, the generic range's own time is the forward's Python. Events outside every
+    step are left out."""
     memo: dict[int, tuple[str | None, int | None]] = {}
 
     def place(evt) -> tuple[str | None, int | None]:
@@ -154,8 +176,8 @@ def attribute(events) -> list[dict[str, float]]:
             result = ("other host", key)
         elif own is not None:
             result = (own, step)
-        elif above in GENERIC:
-            result = (op_component(evt.name), step)
+        elif above in GENERIC or above == GRAPH:
+            result = (op_component(evt.name, above), step)
         else:
             result = (above, step)
         memo[key] = result
@@ -277,13 +299,15 @@ def wall_steps(step, n: int) -> list[float]:
 
 # -- the vLLM side: runs in vLLM's venv ------------------------------------------------------------
 def vllm_worker(spec_path: Path) -> None:
-    """Build `vllm.LLM` (eager, engine core in this process), then per batch size: add the
-    requests, step to their first tokens, warm up, time steps, profile steps. One JSON line out."""
+    """Build `vllm.LLM` (eager, or compiled where the spec says so; engine core in this process),
+    then per batch size: add the requests, step to their first tokens, warm up, time steps,
+    profile steps. One JSON line out."""
     import torch
     import vllm
     from vllm import LLM, SamplingParams
 
     spec = json.loads(spec_path.read_text())
+    compiled = spec.get("compiled", False)
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -292,13 +316,13 @@ def vllm_worker(spec_path: Path) -> None:
         max_num_seqs=max(spec["batches"]),
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         enable_prefix_caching=False,
-        enforce_eager=True,
+        enforce_eager=not compiled,
         seed=0,
     )
     engine = llm.llm_engine
     # each projection's shape -> its component, from the minivllm side (no minivllm here)
     shapes = {(n_out, n_in): name for n_out, n_in, name in spec["matmul_shapes"]}
-    patches = vllm_patches(shapes)
+    patches = vllm_patches(shapes, host_only=compiled)
     results = {}
     for batch in spec["batches"]:
         prompts = spec["prompts"][str(batch)]
@@ -331,9 +355,10 @@ def vllm_worker(spec_path: Path) -> None:
     print(MARKER + json.dumps(out), flush=True)
 
 
-def vllm_patches(shapes: dict[tuple[int, int], str]) -> list:
+def vllm_patches(shapes: dict[tuple[int, int], str], host_only: bool = False) -> list:
     """Ranges around vLLM's scheduler, runner and layers (eager modules: `forward` of each class
-    that defines one)."""
+    that defines one). `host_only`: the scheduler's and runner's alone, for a compiled forward --
+    a module's `forward` changed under a compiled graph fails its guards, and it compiles again."""
     from vllm.model_executor.layers import activation, layernorm, linear, logits_processor
     from vllm.model_executor.layers.attention import attention
     from vllm.model_executor.layers.rotary_embedding import base as rotary
@@ -355,6 +380,10 @@ def vllm_patches(shapes: dict[tuple[int, int], str]) -> list:
         (Scheduler, "update_from_output", ranged("update")),
         (GPUModelRunner, "execute_model", ranged("batch build")),  # its rest: input prep
         (GPUModelRunner, "sample_tokens", ranged("sampling")),
+    ]
+    if host_only:
+        return patches
+    patches += [
         (logits_processor.LogitsProcessor, "forward", ranged("LM head")),
         (attention.Attention, "forward", ranged("attention")),
         (layernorm.RMSNorm, "forward", ranged("norms")),
@@ -372,9 +401,13 @@ def vllm_patches(shapes: dict[tuple[int, int], str]) -> list:
     return patches
 
 
-def run_vllm(python: str, spec: dict, threads: int, timeout: float, passive: bool) -> dict:
+def run_vllm(
+    python: str, spec: dict, threads: int, timeout: float, passive: bool, compiled: bool = False
+) -> dict:
     """One vLLM process: every batch size, timed and profiled. `passive`: OpenMP's idle threads
-    sleep at once (vLLM's recommended setting) instead of libgomp's default spin-then-sleep."""
+    sleep at once (vLLM's recommended setting) instead of libgomp's default spin-then-sleep.
+    `compiled`: its forward compiled by inductor, as vLLM runs by default (and vllm_peer.py)."""
+    spec = {**spec, "compiled": compiled}
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(threads))
     # room for every sequence of the largest batch at the longest context, as minivllm has
@@ -616,16 +649,30 @@ def print_table(title: str, rows: list[dict]) -> None:
         print(f"| {r['component']:<26} | {r['measured_ms']:>11.3f} | {roof:>11} | {ratio:>8} |")
 
 
-# vLLM adds the residual inside its norm: the two engines compare on their sum
+# vLLM adds the residual inside its norm: the two engines compare on their sum. Against a compiled
+# vLLM, whose graph fuses those ops and whose matmuls are not told apart, on coarser sums.
 MERGED = "norms + residual adds"
-COMPARED = [MERGED if c == "norms" else c for c in COMPONENTS if c != "residual adds"]
+MERGED_PARTS = {MERGED: ["norms", "residual adds"]}
+COARSE_PARTS = {
+    "matmuls": [*MATMULS, GRAPH_MATMULS],
+    "elementwise (norms, adds, RoPE, SiLU*mul)": [
+        "norms",
+        "residual adds",
+        "RoPE",
+        "SiLU*mul",
+        GRAPH,
+    ],
+}
+TOTALS = ("step (profiled)", "step (wall, no profiler)")
 
 
-def compared(rows: list[dict]) -> dict[str, float]:
-    """An engine's measured ms by component, norms and residual adds as one."""
+def compared(rows: list[dict], coarse: bool = False) -> dict[str, float]:
+    """An engine's measured ms by component, norms and residual adds as one -- or, `coarse`, every
+    matmul as one and every elementwise op as one (against a compiled engine)."""
     ms = {r["component"]: r["measured_ms"] for r in rows}
     if ms:
-        ms[MERGED] = ms.pop("norms") + ms.pop("residual adds")
+        for merged, parts in (COARSE_PARTS if coarse else MERGED_PARTS).items():
+            ms[merged] = sum(ms.pop(part, 0.0) for part in parts)
     return ms
 
 
@@ -664,16 +711,17 @@ def findings(tables: dict[str, dict[str, list[dict]]]) -> list[str]:
         peers = [e for e in engines if e.startswith("vllm")]
         if "minivllm" not in engines:
             peers = []
-        mine = compared(engines.get("minivllm", []))
         for peer in peers:
-            theirs = compared(engines[peer])
+            coarse = peer == "vllm-compiled"
+            mine, theirs = compared(engines["minivllm"], coarse), compared(engines[peer], coarse)
+            parts = [c for c in mine if c in theirs and c not in TOTALS]
             faster = sorted(
-                (c for c in mine if c in COMPARED and theirs[c] < mine[c]),
+                (c for c in parts if theirs[c] < mine[c]),
                 key=lambda c: mine[c] - theirs[c],
                 reverse=True,
             )
             slower = sorted(
-                (c for c in mine if c in COMPARED and theirs[c] > mine[c]),
+                (c for c in parts if theirs[c] > mine[c]),
                 key=lambda c: theirs[c] - mine[c],
                 reverse=True,
             )
@@ -756,8 +804,9 @@ def main() -> int:
         nargs="+",
         choices=ENGINES,
         default=ENGINES,
-        help="vllm: as it ships (libgomp's spinning idle threads); vllm-passive: with "
-        "OMP_WAIT_POLICY=PASSIVE (vLLM's recommended setting)",
+        help="vllm: as it ships (libgomp's spinning idle threads), eager; vllm-passive: with "
+        "OMP_WAIT_POLICY=PASSIVE (vLLM's recommended setting); vllm-compiled: as it ships, its "
+        "forward compiled (vLLM's default, and vllm_peer.py's)",
     )
     parser.add_argument(
         "--vllm-python", default=os.environ.get("VLLM_PEER_PYTHON", DEFAULT_VLLM_PYTHON)
@@ -840,8 +889,10 @@ def main() -> int:
         for engine in engines:
             before, started = load_str(), time.perf_counter()
             if engine.startswith("vllm"):
-                passive = engine == "vllm-passive"
-                got = run_vllm(args.vllm_python, spec, args.threads, args.vllm_timeout, passive)
+                passive, compiled = engine == "vllm-passive", engine == "vllm-compiled"
+                got = run_vllm(
+                    args.vllm_python, spec, args.threads, args.vllm_timeout, passive, compiled
+                )
                 results = got.pop("results")
                 vllm_meta = got
             else:
@@ -932,7 +983,8 @@ def main() -> int:
                 "profiled_steps": args.steps,
                 "rounds": args.rounds,
                 "order": "alternating per round: " + ", ".join(engines),
-                "vllm_settings": "enforce_eager, VLLM_ENABLE_V1_MULTIPROCESSING=0, "
+                "vllm_settings": "enforce_eager (vllm-compiled: not), "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0, "
                 "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1, skip_tokenizer_init (no detokenizing: "
                 "the shipped model has no tokenizer files; minivllm detokenizes bytes)",
             },

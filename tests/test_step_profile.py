@@ -80,3 +80,45 @@ def test_every_benchmark_record_names_the_cpus_features() -> None:
         assert "avx2" in features["vector_flags"]
         if "avx512f" not in features["vector_flags"]:  # torch's widest path here is AVX2
             assert features["torch_cpu_capability"] == "AVX2"
+
+
+class _Event:
+    """What `attribute` reads of a profiler event: its name, parent, children and duration."""
+
+    def __init__(self, name: str, us: float, children: tuple = ()) -> None:
+        self.name, self.cpu_parent, self.cpu_children = name, None, list(children)
+        self.time_range = type("Span", (), {"elapsed_us": lambda _self: us})()
+        for child in children:
+            child.cpu_parent = self
+
+    def walk(self):
+        yield self
+        for child in self.cpu_children:
+            yield from child.walk()
+
+
+def test_a_compiled_vllm_step_splits_into_its_graph_matmuls_and_attention() -> None:
+    """`vllm-compiled`: the ops inductor's graph calls are named by what they do, the graph's own
+    time is its fused kernels, the matmul after it (in `postprocess`) is the LM head -- as a
+    compiled vLLM 0.32 step's profile nests them."""
+    from step_profile import GRAPH, GRAPH_MATMULS, attribute
+
+    attention = _Event(
+        "vllm::unified_attention_with_output", 80, (_Event("_C::cpu_attention_with_kv_cache", 40),)
+    )
+    graph = _Event(
+        "## Call CompiledFxGraph None ##",
+        2000,
+        (_Event("_C::onednn_mm", 600), attention, _Event("vllm::unified_kv_cache_update", 70)),
+    )
+    forward = _Event("gpu_model_runner: forward", 2500, (_Event("Pregraph bytecode", 90), graph))
+    postprocess = _Event("gpu_model_runner: postprocess", 200, (_Event("_C::onednn_mm", 30),))
+    step = _Event("sp:step", 3000, (forward, postprocess))
+    [parts] = attribute(list(step.walk()))
+    assert parts[GRAPH_MATMULS] == pytest.approx(0.6)
+    assert parts["attention"] == pytest.approx(0.15)
+    assert parts[GRAPH] == pytest.approx(2.0 - 0.6 - 0.08 - 0.07)
+    assert parts["LM head"] == pytest.approx(0.03)
+    assert parts["other ops"] == pytest.approx(0.09)  # dynamo's guards, before the graph
+    assert parts["forward: Python and gaps"] == pytest.approx(2.5 - 2.0 - 0.09 + 0.2 - 0.03)
+    assert sum(v for k, v in parts.items() if k in COMPONENTS) == pytest.approx(3.0)
