@@ -2,7 +2,7 @@
 
     python benchmarks/real_model.py [--shape 100m|qwen3-0.6b|tiny] [--dtype float32|bfloat16]
     [--checkpoint-dtype bfloat16] [--dir DIR] [--requests 8] [--seed 0] [--repeats 3]
-    [--vllm-modes compiled eager] [--vllm-python PATH] [--memory-baseline-src DIR]
+    [--vllm-modes compiled eager] [--compiled] [--vllm-python PATH] [--memory-baseline-src DIR]
     [--skip-hf] [--skip-vllm] [--skip-memory] [--quick] [--out PATH]
 
 The checkpoint. `make_checkpoint(folder, shape, dtype)` builds a Hugging Face Qwen3 folder with
@@ -29,7 +29,9 @@ is the comparison to make too). Run by
 * minivllm: `LLMEngine` on the default attention backend ("auto": the numba kernel for a float32
   or bfloat16 cache, the torch reference otherwise) and on the torch reference, both on one loaded
   model (fused in place once), 64 sequences and 512 tokens per step, the folder's tokenizer
-  detokenizing as it goes. Every request is added, then `step()` runs until none is left;
+  detokenizing as it goes. Every request is added, then `step()` runs until none is left. With
+  `--compiled`, also on the default backend with `compile_forward` (the forward under
+  torch.compile, as vLLM's default mode runs it), compiled as the engine starts (not timed);
 * Hugging Face `generate` (`AutoModelForCausalLM`, the same dtype): every request in one batch,
   left padding, greedy, run to the longest request's max_tokens (only each request's own tokens
   count: a static batch pays for the longest). Every request's first token comes with the
@@ -565,6 +567,12 @@ def main() -> int:
         help="with N > 1, also minivllm as N engine replicas (EngineConfig.data_parallel_size, "
         "each on THREADS / N threads, holding its own copy of the weights)",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also minivllm with EngineConfig(compile_forward=True) (the default backend): its "
+        "forward under torch.compile, as vLLM's default mode runs; compiled as it starts",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
@@ -670,13 +678,18 @@ def main() -> int:
         max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS
     )
     engines = {}
-    for backend in ("auto", "torch"):
+    for backend, compiled in [("auto", False), ("torch", False)] + [("auto", True)] * args.compiled:
         config = EngineConfig(
-            num_blocks=blocks, scheduler=scheduler, dtype=dtype, attention_backend=backend
+            num_blocks=blocks,
+            scheduler=scheduler,
+            dtype=dtype,
+            attention_backend=backend,
+            compile_forward=compiled,
         )
         engine = LLMEngine(model, config, tokenizer)
-        name = f"minivllm ({backend}: {engine.runner.backend.__name__})"
-        engines[f"minivllm/{backend}"] = engine, name
+        name = f"minivllm ({backend}: {engine.runner.backend.__name__}"
+        name += ", compiled)" if compiled else ")"
+        engines[f"minivllm/{backend}" + ("/compiled" if compiled else "")] = engine, name
     if args.data_parallel > 1:  # replicas of the default backend, on a copy of the weights
         from minivllm.engine.data_parallel import DataParallelEngine
 
