@@ -42,7 +42,7 @@ vLLM runs in its own virtualenv (`--vllm-python`, as benchmarks/vllm_peer.py dri
 whose fused kernels no longer map onto modules) and with its engine core in the calling process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so one profiler sees the whole step; by default the engine
 core is a process of its own and the front end's output processing overlaps its next step). Its
-own profiling scopes are on (`VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`). Two vLLM runs by default:
+own profiling scopes are on (`VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`). Three vLLM runs by default:
 `vllm` as it ships (libgomp's idle OpenMP threads spin before they sleep) and `vllm-passive`
 (`OMP_WAIT_POLICY=PASSIVE`, vLLM's recommended setting): on a machine with more
 runnable threads than cores a spinning thread can hold the core the thread it waits for needs. A

@@ -27,6 +27,9 @@ machine reads anything: a faster kernel cannot make that step's matmuls much fas
 
 from __future__ import annotations
 
+import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
+# isort: split
 import argparse
 import statistics
 import time
@@ -37,7 +40,6 @@ import torch
 from _common import load_str, machine_record, write_results
 from numba import njit, prange
 
-import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
 from minivllm.model import fused
 from minivllm.model.numba_threads import use_threads
 
