@@ -28,6 +28,9 @@ say so beside the numbers.
 
 from __future__ import annotations
 
+import minivllm  # noqa: F401 -- before torch: it sets OMP_WAIT_POLICY, read as torch loads
+
+# isort: split
 import argparse
 import statistics
 import time
