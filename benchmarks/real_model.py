@@ -737,6 +737,8 @@ def main() -> int:
     if vllm_note:
         print(f"vLLM {vllm_note}")
 
+    # the system column: as wide as the longest name (the compiled engine's runs past 38)
+    width = max(38, *(len(name) for _, name in engines.values()))
     runs: dict[str, list[dict]] = {}
     try:
         for repeat in range(args.repeats):
@@ -750,7 +752,7 @@ def main() -> int:
                 if r.get("core_watch", {}).get("watching"):
                     watch = r["core_watch"]
                     extra += f", passes on fewer threads {watch['narrowed']}/{watch['passes']}"
-                print_run(repeat, args.repeats, r, 38, extra)
+                print_run(repeat, args.repeats, r, width, extra)
     finally:
         tmp.cleanup()
     results = {key: summarize(rs) for key, rs in runs.items()}
@@ -759,11 +761,11 @@ def main() -> int:
     refs = [k for k in ("hf", *(f"vllm/{m}" for m in args.vllm_modes)) if k in results]
     heads = ["/ HF" if k == "hf" else f"/ vLLM {k.split('/')[1]}" for k in refs]
     print(
-        f"\n| {'system':<38} | {'tokens':>6} | {'tokens/s':>8} | {'best':>8} | "
+        f"\n| {'system':<{width}} | {'tokens':>6} | {'tokens/s':>8} | {'best':>8} | "
         f"{'TTFT med':>8} | {'TTFT p90':>8} | " + " | ".join(f"{h:>14}" for h in heads) + " |"
     )
     print(
-        f"|{'-' * 40}|{'-' * 8}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 10}|"
+        f"|{'-' * (width + 2)}|{'-' * 8}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 10}|"
         + "|".join("-" * 16 for _ in heads)
         + "|"
     )
@@ -776,7 +778,8 @@ def main() -> int:
             if key.startswith("minivllm"):
                 ratios[f"{key} / {ref}"] = round(ratio, 3)
         print(
-            f"| {r['system']:<38} | {r['tokens']:>6} | {r['tokens_per_second_median']:>8.2f} | "
+            f"| {r['system']:<{width}} | {r['tokens']:>6} | "
+            f"{r['tokens_per_second_median']:>8.2f} | "
             f"{r['tokens_per_second_best']:>8.2f} | {r['ttft_median_s']:>8.2f} | "
             f"{r['ttft_p90_s']:>8.2f} | " + " | ".join(f"{c:>14}" for c in cells) + " |"
         )

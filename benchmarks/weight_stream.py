@@ -77,15 +77,15 @@ def seconds_per_call(call, copies: int, laps: int = 4) -> float:
 
 
 def measure(shape, dtype, rows: list[int], copies: int, rounds: int) -> list[dict]:
-    """One projection shape: rows of {kind, rows, median us, GB/s} (see the module's docstring)."""
+    """One projection shape: a row per kind (each matmul's rows, each read) with its median us, its
+    GB/s and its share of the faster read's GB/s (see the module's docstring)."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = shape
     weights = [
         torch.randn(out_features, in_features, generator=generator).to(dtype) for _ in range(copies)
     ]
-    for weight in weights:
-        assert fused.packs(weight), "a weight this big is packed at any rows"
-        fused.linear(torch.zeros(1, in_features, dtype=dtype), weight)  # packs it, once
+    for weight in weights:  # packed now, once: a weight this big is packed at any rows
+        fused.linear(torch.zeros(1, in_features, dtype=dtype), weight)
     nbytes = weights[0].numel() * weights[0].element_size()
     floats = [torch.randn(nbytes // 4, generator=generator) for _ in range(copies)]
     chunks = [f.numpy().reshape(64, -1) for f in floats]
@@ -125,6 +125,11 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.dtype == "bfloat16" and not fused.ONEDNN_BFLOAT16:
+        parser.error(
+            "this CPU has no bfloat16 matmuls in oneDNN (AVX-512 BF16, AMX): the engine "
+            "would run F.linear unpacked; use --dtype float32"
+        )
     use_threads(torch.get_num_threads())
     dtype = getattr(torch, args.dtype)
     load_start = load_str()
